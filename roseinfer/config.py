@@ -1,0 +1,61 @@
+"""Engine configuration: one dataclass, vLLM's names where they exist, validated once."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+ADMISSION_POLICIES = ("fifo", "pack")
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # HF folder, GGUF file or hub id; None = the embedded default
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    max_model_len: int | None = None  # None = the model's context length
+    num_threads: int | None = None  # CPU intra-op threads; None = torch's default
+    # KV cache
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None = sized from kv_cache_memory_gb / gpu_memory_utilization
+    kv_cache_memory_gb: float | None = None  # CPU budget for the pool; None = min(4 GiB, 25% of RAM)
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    # scheduler
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    prefill_max_batch_size: int | None = None  # new requests admitted per step
+    prefill_max_tokens: int | None = None  # prompt tokens computed per step
+    prefill_admission_policy: str = "fifo"
+    pack_lookahead: int = 64  # waiting requests considered by the pack policy
+    pack_fifo_every: int = 8  # starvation guard: every Nth admitting step is FIFO
+    decode_first: bool = False
+    max_active_requests: int | None = None  # admitted (running) requests at once
+
+    def __post_init__(self) -> None:
+        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "pack_lookahead", "pack_fifo_every")
+        optional_positive = ("num_kv_blocks", "prefill_max_batch_size", "prefill_max_tokens",
+                             "max_active_requests", "max_model_len", "num_threads")
+        for name in positive:
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in optional_positive:
+            value = getattr(self, name)
+            if value is not None and int(value) < 1:
+                raise ValueError(f"{name} must be >= 1 or None, got {value}")
+        if self.prefill_admission_policy not in ADMISSION_POLICIES:
+            raise ValueError(f"prefill_admission_policy must be one of {ADMISSION_POLICIES}, "
+                             f"got {self.prefill_admission_policy!r}")
+        if self.dtype not in ("float32", "float16", "bfloat16", "auto"):
+            raise ValueError(f"dtype must be float32, float16, bfloat16 or auto, got {self.dtype!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(unknown)}")
+        return cls(**kwargs)

@@ -1,0 +1,90 @@
+"""Owns the model and the KV pool; turns a scheduled step into tensors, one forward, and tokens."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from roseinfer.engine.request import TokenLogprobs
+from roseinfer.engine.sampler import Sampler
+from roseinfer.engine.scheduler import ScheduledRequest, SchedulerOutput
+from roseinfer.layers.attention import AttentionGroup, AttentionMetadata
+from roseinfer.models.config import ModelConfig
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, model_config: ModelConfig, num_kv_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device, sampler: Sampler) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.sampler = sampler
+        shape = (num_kv_blocks * block_size, model_config.num_kv_heads, model_config.head_dim)
+        # One pool allocated up front. Zeroed, not empty: padded and masked key slots still enter
+        # the attention matmuls, and a NaN bit pattern there would survive a zero weight.
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                          for _ in range(model_config.num_layers)]
+
+    @staticmethod
+    def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        element = torch.empty((), dtype=dtype).element_size()
+        return 2 * model_config.num_layers * block_size * model_config.num_kv_heads * model_config.head_dim * element
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> tuple[list[int | None], list[TokenLogprobs | None]]:
+        """Run one forward over the scheduled tokens; returns a token (or None) per scheduled request."""
+        items = out.scheduled
+        input_ids, positions, meta, sample_rows = self._prepare(items)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        sampled: list[int | None] = [None] * len(items)
+        logprobs: list[TokenLogprobs | None] = [None] * len(items)
+        sampling = [i for i, item in enumerate(items) if item.samples]
+        if sampling:
+            logits = self.model.compute_logits(hidden[sample_rows])
+            tokens, lps = self.sampler(logits, [items[i].request for i in sampling])
+            for i, token, lp in zip(sampling, tokens, lps):
+                sampled[i], logprobs[i] = token, lp
+        return sampled, logprobs
+
+    def _prepare(self, items: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        offsets: list[int] = []
+        sample_rows: list[int] = []
+        bs = self.block_size
+        for item in items:
+            req = item.request
+            start, end = req.num_computed_tokens, req.num_computed_tokens + item.num_tokens
+            offsets.append(len(input_ids))
+            input_ids.extend(req.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = req.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if item.samples:
+                sample_rows.append(len(input_ids) - 1)
+        decode = [i for i, item in enumerate(items) if item.num_tokens == 1]
+        prefill = [i for i, item in enumerate(items) if item.num_tokens > 1]
+        groups = [self._group(items, offsets, idx) for idx in (decode, prefill) if idx]
+        meta = AttentionMetadata(slot_mapping=self._tensor(slots), groups=groups)
+        return self._tensor(input_ids), self._tensor(positions), meta, self._tensor(sample_rows)
+
+    def _group(self, items: list[ScheduledRequest], offsets: list[int], idx: list[int]) -> AttentionGroup:
+        q_lens = self._tensor([items[i].num_tokens for i in idx])
+        ctx_lens = self._tensor([items[i].request.num_computed_tokens + items[i].num_tokens for i in idx])
+        starts = self._tensor([offsets[i] for i in idx])
+        max_q = int(q_lens.max())
+        max_blocks = -(-int(ctx_lens.max()) // self.block_size)
+        tables = [items[i].request.block_table[:max_blocks] for i in idx]
+        block_tables = self._tensor([t + [0] * (max_blocks - len(t)) for t in tables])
+        q_pos = torch.arange(max_q, device=self.device).unsqueeze(0)  # [1, Lq]
+        valid = q_pos < q_lens.unsqueeze(1)
+        query_rows = starts.unsqueeze(1) + torch.minimum(q_pos, q_lens.unsqueeze(1) - 1)
+        # absolute position of each query; key j is visible when j <= that position (and j < ctx)
+        abs_pos = (ctx_lens - q_lens).unsqueeze(1) + q_pos  # [B, Lq]
+        keys = torch.arange(max_blocks * self.block_size, device=self.device)
+        mask = (keys.view(1, 1, -1) <= abs_pos.unsqueeze(2)) & (keys.view(1, 1, -1) < ctx_lens.view(-1, 1, 1))
+        return AttentionGroup(query_rows=query_rows, valid=valid, output_rows=query_rows[valid],
+                              block_tables=block_tables, mask=mask.unsqueeze(1))
+
+    def _tensor(self, values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -1,0 +1,94 @@
+"""Plain state of one request as it moves through the engine."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from roseinfer.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probabilities (of the model's raw distribution) for one generated token."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top: list[tuple[int, float]]  # the N most likely tokens, best first
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = field(default_factory=time.perf_counter)
+    status: RequestStatus = RequestStatus.WAITING
+    # prompt followed by generated tokens: what a (re)computation feeds the model
+    token_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at (last) admission
+    num_preemptions: int = 0
+    # prefix-cache bookkeeping: blocks already indexed and the chain key of the last one
+    num_indexed_blocks: int = 0
+    last_block_key: int | None = None
+    step_count: int = 0  # engine steps this request was part of
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    admitted_time: float | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finished_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def in_prefill(self) -> bool:
+        """True while more than the last token still needs its K/V computed."""
+        return self.num_tokens - self.num_computed_tokens > 1
+
+
+@dataclass
+class RequestOutput:
+    """What one engine step produced for one request (a delta, not the whole history)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0

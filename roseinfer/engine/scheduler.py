@@ -1,0 +1,215 @@
+"""Continuous batching: which requests compute how many tokens in the next forward pass.
+
+One step = one forward over a mixed batch under a unified token budget: running requests come
+first (decodes, then the next chunk of prompts already admitted), then new requests are admitted
+with what is left. When blocks run out, the most recently admitted request is preempted
+(blocks freed, requeued at the front, recomputed later -- mostly from the prefix cache).
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from roseinfer.config import EngineConfig
+from roseinfer.engine.block_manager import BlockManager
+from roseinfer.engine.request import Request, RequestOutput, RequestStatus, TokenLogprobs
+
+UNLIMITED = 1 << 62
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_tokens: int  # tokens whose K/V this step computes
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the end of the known tokens, so its last logits pick the next token."""
+        return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
+                 eos_token_ids: set[int]) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished_ids: deque[str] = deque()  # the finished-event queue
+        self.max_running = min(config.max_num_seqs, config.max_active_requests or UNLIMITED)
+        self._admitting_steps = 0
+        self._decode_turn = True
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, req: Request) -> None:
+        if req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        elif req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        self._finish(req, "abort")
+
+    def pop_finished_ids(self) -> list[str]:
+        ids = list(self.finished_ids)
+        self.finished_ids.clear()
+        return ids
+
+    # ---- scheduling ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = [self.config.max_num_batched_tokens, self.config.prefill_max_tokens or UNLIMITED]
+        phase = self._phase()
+        self._schedule_running(out, budget, phase)
+        if phase != "decode" and not out.preempted_ids:
+            self._admit_waiting(out, budget)
+        return out
+
+    def _phase(self) -> str | None:
+        """With decode_first, steps alternate between decode-only and prefill-only batches
+        whenever both kinds of work exist; otherwise every step mixes them."""
+        if not self.config.decode_first:
+            return None
+        has_decode = any(not r.in_prefill for r in self.running)
+        has_prefill = bool(self.waiting) or any(r.in_prefill for r in self.running)
+        if not (has_decode and has_prefill):
+            return None
+        self._decode_turn = not self._decode_turn
+        return "prefill" if self._decode_turn else "decode"
+
+    def _schedule_running(self, out: SchedulerOutput, budget: list[int], phase: str | None) -> None:
+        i = 0
+        while i < len(self.running) and budget[0] > 0 and len(out.scheduled) < self.config.max_num_seqs:
+            req = self.running[i]
+            i += 1
+            prefill = req.in_prefill
+            if (phase == "decode" and prefill) or (phase == "prefill" and not prefill):
+                continue
+            remaining = req.num_tokens - req.num_computed_tokens
+            n = min(remaining, budget[0], budget[1]) if prefill else 1
+            if n <= 0 or (n < remaining and not self.config.enable_chunked_prefill):
+                continue
+            while not self.block_manager.can_append(req, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted_ids.append(victim.request_id)
+                if victim is req:
+                    return
+            self.block_manager.append_slots(req, n)
+            out.scheduled.append(ScheduledRequest(req, n))
+            budget[0] -= n
+            if prefill:
+                budget[1] -= n
+
+    def _admission_order(self) -> list[Request]:
+        if self.config.prefill_admission_policy == "fifo":
+            return list(self.waiting)
+        self._admitting_steps += 1
+        window = [self.waiting[i] for i in range(min(self.config.pack_lookahead, len(self.waiting)))]
+        if self._admitting_steps % self.config.pack_fifo_every == 0:
+            return window  # starvation guard: the head goes first now and then
+        return sorted(window, key=lambda r: r.num_tokens)
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: list[int]) -> None:
+        if not self.waiting:
+            return
+        pack = self.config.prefill_admission_policy == "pack"
+        max_new = self.config.prefill_max_batch_size or UNLIMITED
+        admitted = 0
+        for req in self._admission_order():
+            if (len(self.running) >= self.max_running or admitted >= max_new or budget[0] <= 0
+                    or budget[1] <= 0 or len(out.scheduled) >= self.config.max_num_seqs):
+                break
+            hit = self.block_manager.allocate_cached_prefix(req)
+            req.num_computed_tokens = hit
+            remaining = req.num_tokens - hit
+            n = min(remaining, budget[0], budget[1])
+            # pack admits whole prompts only (the head may still be chunked when nothing else fits)
+            too_big = n < remaining and (not self.config.enable_chunked_prefill or (pack and admitted > 0))
+            if too_big or not self.block_manager.append_slots(req, n):
+                self.block_manager.free(req)
+                req.num_computed_tokens = 0
+                if pack and too_big:
+                    continue
+                break
+            self.block_manager.record_lookup(req, hit)
+            self.waiting.remove(req)
+            req.status = RequestStatus.RUNNING
+            req.num_cached_tokens = hit
+            if req.admitted_time is None:
+                req.admitted_time = time.perf_counter()
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, n))
+            budget[0] -= n
+            budget[1] -= n
+            admitted += 1
+
+    def _preempt(self, req: Request) -> None:
+        self.block_manager.free(req)
+        self.running.remove(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+
+    # ---- results ---------------------------------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled: list[int | None],
+               logprobs: list[TokenLogprobs | None]) -> list[RequestOutput]:
+        """Apply one step's sampled tokens (None for rows that only computed a prompt chunk)."""
+        outputs: list[RequestOutput] = []
+        now = time.perf_counter()
+        for item, token, logprob in zip(out.scheduled, sampled, logprobs):
+            req = item.request
+            req.num_computed_tokens += item.num_tokens
+            req.step_count += 1
+            self.block_manager.cache_full_blocks(req)
+            if token is None:
+                continue
+            req.token_ids.append(token)
+            req.token_times.append(now)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            if logprob is not None:
+                req.logprobs.append(logprob)
+            reason = self._stop_reason(req, token)
+            if reason is not None:
+                self.running.remove(req)
+                self._finish(req, reason)
+            outputs.append(RequestOutput(
+                req.request_id, [token], reason is not None, reason,
+                [logprob] if logprob is not None else [], req.num_prompt_tokens, req.num_cached_tokens))
+        return outputs
+
+    def _stop_reason(self, req: Request, token: int) -> str | None:
+        params = req.sampling_params
+        # The sampler masks EOS and stop ids for the first min_tokens tokens; this guards the same rule.
+        if req.num_output_tokens > params.min_tokens:
+            if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+                return "stop"
+        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, req: Request, reason: str) -> None:
+        self.block_manager.free(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.finished_time = time.perf_counter()
+        self.finished_ids.append(req.request_id)

@@ -1,0 +1,73 @@
+"""Attention over the paged KV cache.
+
+The cache of one layer is a pair of tensors `[num_blocks * block_size, num_kv_heads, head_dim]`;
+token t of a sequence lives in slot `block_table[t // block_size] * block_size + t % block_size`.
+The batch is one flat list of tokens. Sequences that decode (one query each) and sequences
+that prefill a chunk (several queries) form two groups, each run as one padded batched
+attention call; the masks and gather indices are built once per step by the model runner and
+shared by every layer, so there is no Python loop over sequences here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionGroup:
+    query_rows: torch.Tensor  # [B, Lq] rows of the flat batch (padding repeats a valid row)
+    valid: torch.Tensor  # [B, Lq] bool: which query slots are real tokens
+    output_rows: torch.Tensor  # [n_valid] flat-batch rows, in the order valid selects them
+    block_tables: torch.Tensor  # [B, max_blocks] (padding: block 0, masked out)
+    mask: torch.Tensor  # [B, 1, Lq, max_blocks * block_size] bool: True = attend
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] cache slot of each token of the flat batch
+    groups: list[AttentionGroup]
+
+
+class PagedAttention:
+    """Pure-torch backend: runs wherever torch runs (CPU and CUDA)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, Hkv, D]; returns [T, H, D]."""
+        k_cache, v_cache = kv_cache
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
+        if len(meta.groups) == 1 and meta.groups[0].output_rows.numel() == q.shape[0]:
+            return self._group(q, k_cache, v_cache, meta.groups[0]).reshape_as(q)
+        out = torch.empty_like(q)
+        for group in meta.groups:
+            out[group.output_rows] = self._group(q, k_cache, v_cache, group)
+        return out
+
+    def _group(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               group: AttentionGroup) -> torch.Tensor:
+        batch, max_blocks = group.block_tables.shape
+        blocks_k = k_cache.view(-1, _block_size(group, max_blocks), self.num_kv_heads, self.head_dim)
+        blocks_v = v_cache.view_as(blocks_k)
+        # [B, max_blocks, bs, Hkv, D] -> [B, Hkv, L, D]
+        keys = blocks_k[group.block_tables].flatten(1, 2).transpose(1, 2)
+        values = blocks_v[group.block_tables].flatten(1, 2).transpose(1, 2)
+        queries = q[group.query_rows].transpose(1, 2)  # [B, H, Lq, D]
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask, scale=self.scale,
+                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        out = out.transpose(1, 2)  # [B, Lq, H, D]
+        if out.shape[1] == 1:
+            return out.squeeze(1)
+        return out[group.valid]
+
+
+def _block_size(group: AttentionGroup, max_blocks: int) -> int:
+    return group.mask.shape[-1] // max_blocks

@@ -1,0 +1,86 @@
+"""Resolve a model argument (HF folder, GGUF file, hub id, or nothing) to a HF folder and load it."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from roseinfer.loader.default_model import default_model_path
+from roseinfer.loader.gguf import convert_gguf
+from roseinfer.models.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from roseinfer.models.registry import build_model
+
+
+class ModelLoadError(ValueError):
+    """A model that cannot be found or read; the message is one line a user can act on."""
+
+
+def resolve_model_folder(model: str | None) -> Path:
+    if model is None:
+        return convert_gguf(default_model_path())
+    path = Path(model).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"{model}: a model file must be a .gguf file (or pass a Hugging Face folder)")
+        return convert_gguf(path)
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            ggufs = sorted(path.glob("*.gguf"))
+            if ggufs:
+                return convert_gguf(ggufs[0])
+            raise ModelLoadError(f"{model}: folder has no config.json (not a Hugging Face model folder)")
+        return path
+    looks_like_hub_id = model.count("/") <= 1 and not model.startswith((".", "/", "~")) and not model.endswith(".gguf")
+    if not looks_like_hub_id:
+        raise ModelLoadError(f"{model}: no such file or folder")
+    return _download(model)
+
+
+def _download(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        folder = snapshot_download(repo_id, allow_patterns=[
+            "*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"])
+    except Exception as exc:  # noqa: BLE001 -- any hub failure becomes one actionable line
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelLoadError(f"could not fetch {repo_id!r} from the Hugging Face hub ({reason}); "
+                             f"pass a local folder or .gguf file instead") from None
+    return Path(folder)
+
+
+def load_model_config(folder: Path) -> ModelConfig:
+    from transformers import AutoConfig
+
+    # Check before AutoConfig, which fails with its own message on types it does not know.
+    model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    return ModelConfig.from_hf(AutoConfig.from_pretrained(str(folder)))
+
+
+def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder}: no *.safetensors weights found")
+    for name in files:
+        with safe_open(str(folder / name), framework="pt") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)
+
+
+def load_model(folder: Path, model_config: ModelConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    with torch.device(device):
+        model = build_model(model_config)
+    model.to(dtype)
+    model.load_weights(iter_safetensors(folder))
+    return model.eval()

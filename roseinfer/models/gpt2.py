@@ -1,0 +1,71 @@
+"""GPT-2: learned positions, LayerNorm, fused c_attn. Checkpoints store Conv1D weights as
+[in, out], so they are transposed into nn.Linear's [out, in] on load."""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from roseinfer.layers.activation import get_activation
+from roseinfer.layers.attention import AttentionMetadata, PagedAttention
+from roseinfer.models.config import ModelConfig
+from roseinfer.models.weights import WeightLoader
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        hidden = cfg.hidden_size
+        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
+        self.ln_1 = nn.LayerNorm(hidden, eps=cfg.norm_eps)
+        self.c_attn = nn.Linear(hidden, 3 * hidden)
+        self.c_proj = nn.Linear(hidden, hidden)
+        self.ln_2 = nn.LayerNorm(hidden, eps=cfg.norm_eps)
+        self.c_fc = nn.Linear(hidden, cfg.intermediate_size)
+        self.mlp_proj = nn.Linear(cfg.intermediate_size, hidden)
+        self.act = get_activation(cfg.hidden_act)
+        self.attn = PagedAttention(cfg.num_heads, cfg.num_heads, cfg.head_dim, cfg.head_dim ** -0.5)
+
+    def forward(self, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = self.c_attn(self.ln_1(x)).view(tokens, 3, self.num_heads, self.head_dim).unbind(1)
+        attn = self.attn(q, k, v, kv_cache, meta)
+        x = x + self.c_proj(attn.reshape(tokens, -1))
+        return x + self.mlp_proj(self.act(self.c_fc(self.ln_2(x))))
+
+
+class GPT2LMHeadModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        self.h = nn.ModuleList(GPT2Block(cfg) for _ in range(cfg.num_layers))
+        self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = self.wte(input_ids) + self.wpe(positions)
+        for block, kv_cache in zip(self.h, kv_caches):
+            x = block(x, kv_cache, meta)
+        return self.ln_f(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(hidden, self.wte.weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        loader = WeightLoader(self, {})
+        for name, tensor in weights:
+            name = name.removeprefix("transformer.")
+            if name == "lm_head.weight" or name.endswith((".attn.bias", ".attn.masked_bias")):
+                continue  # tied head; old checkpoints store the causal mask as a buffer
+            if name.endswith(CONV1D_SUFFIXES):
+                tensor = tensor.t()
+            name = name.replace(".attn.c_attn.", ".c_attn.").replace(".attn.c_proj.", ".c_proj.")
+            name = name.replace(".mlp.c_fc.", ".c_fc.").replace(".mlp.c_proj.", ".mlp_proj.")
+            loader.load(name, tensor)
+        loader.check_complete()

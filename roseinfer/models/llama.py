@@ -1,0 +1,126 @@
+"""The Llama family: Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2/2.5 (qkv bias), Qwen3 (q/k norm).
+
+q/k/v and gate/up are fused into one matmul each; `load_weights` slices the checkpoint's
+separate tensors into them.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from roseinfer.layers.activation import get_activation
+from roseinfer.layers.attention import AttentionMetadata, PagedAttention
+from roseinfer.layers.norm import RMSNorm
+from roseinfer.layers.rotary import RotaryEmbedding
+from roseinfer.models.config import ModelConfig
+from roseinfer.models.weights import WeightLoader
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        # Qwen2 has bias on q/k/v only; Llama's attention_bias covers o_proj too.
+        o_bias = cfg.attention_bias and cfg.model_type in ("llama", "mistral")
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.rotary = rotary
+        self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.attn(q, k, v, kv_cache, meta)
+        return self.o_proj(out.reshape(tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.act = get_activation(cfg.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, rotary)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # One rotary table shared by all layers (not a submodule of each, so it is stored once).
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.hf_config)
+        self.rotary = rotary
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    packed_modules = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            x = layer(positions, x, kv_cache, meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    def shard_sizes(self, packed_name: str) -> list[int]:
+        cfg = self.cfg
+        if packed_name == "qkv_proj":
+            kv = cfg.num_kv_heads * cfg.head_dim
+            return [cfg.num_heads * cfg.head_dim, kv, kv]
+        return [cfg.intermediate_size, cfg.intermediate_size]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        loader = WeightLoader(self, self.packed_modules)
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.lm_head is None):
+                continue
+            loader.load(name, tensor)
+        loader.check_complete()

@@ -1,0 +1,17 @@
+"""model_type -> model class."""
+from __future__ import annotations
+
+from torch import nn
+
+from roseinfer.models.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from roseinfer.models.gpt2 import GPT2LMHeadModel
+from roseinfer.models.llama import LlamaForCausalLM
+
+MODEL_CLASSES: dict[str, type[nn.Module]] = {"gpt2": GPT2LMHeadModel}
+MODEL_CLASSES.update({name: LlamaForCausalLM for name in SUPPORTED_MODEL_TYPES if name != "gpt2"})
+
+
+def build_model(cfg: ModelConfig) -> nn.Module:
+    if cfg.model_type not in MODEL_CLASSES:
+        raise ValueError(f"unsupported model_type {cfg.model_type!r}; supported: {', '.join(MODEL_CLASSES)}")
+    return MODEL_CLASSES[cfg.model_type](cfg)
