@@ -58,7 +58,8 @@ class LLM:
     def _output(self, req) -> CompletionOutput:
         out_ids = req.output_token_ids
         metrics = {"arrival": req.arrival_time, "admitted": req.admitted_time or 0.0,
-                   "first_token": req.first_token_time or 0.0, "finished": req.finished_time or 0.0}
+                   "first_token": req.first_token_time or 0.0, "finished": req.finished_time or 0.0,
+                   "num_preemptions": req.num_preemptions}
         return CompletionOutput(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, token_ids=out_ids,
             text=self.tokenizer.decode(out_ids), finish_reason=req.finish_reason,

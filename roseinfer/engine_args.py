@@ -1,0 +1,51 @@
+"""Command-line flags for every EngineConfig field, shared by all subcommands that build an engine."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+
+from roseinfer.config import ADMISSION_POLICIES, EngineConfig
+
+HELP = {
+    "model": "HF folder, .gguf file or hub id (default: the embedded SmolLM2-135M-Instruct)",
+    "dtype": "float32 (default), float16, bfloat16 or auto",
+    "device": "cpu (default) or cuda",
+    "seed": "seed of the engine's sampling generator (requests may also carry their own)",
+    "max_model_len": "context length cap (default: the model's)",
+    "num_threads": "torch CPU threads (default: torch's choice)",
+    "block_size": "tokens per KV block",
+    "num_kv_blocks": "KV pool size in blocks (default: sized from memory)",
+    "kv_cache_memory_gb": "CPU memory for the KV pool when --num-kv-blocks is not given",
+    "gpu_memory_utilization": "fraction of GPU memory for weights + KV pool",
+    "enable_prefix_caching": "reuse cached KV blocks of shared prefixes",
+    "max_num_seqs": "most sequences in one step",
+    "max_num_batched_tokens": "token budget of one step (decodes + prefill chunks)",
+    "enable_chunked_prefill": "split long prompts over several steps",
+    "prefill_max_batch_size": "most new requests admitted per step",
+    "prefill_max_tokens": "most prompt tokens computed per step",
+    "prefill_admission_policy": "fifo, or pack (smallest prompts first within a lookahead window)",
+    "pack_lookahead": "waiting requests the pack policy looks at",
+    "pack_fifo_every": "pack's starvation guard: every Nth admitting step is FIFO",
+    "decode_first": "alternate decode-only and prefill-only steps instead of mixing them",
+    "max_active_requests": "most admitted (running) requests at once",
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    for f in fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default
+        if f.type in ("bool", bool):
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=HELP[f.name])
+            continue
+        kind = {"int": int, "int | None": int, "float": float, "float | None": float}.get(str(f.type), str)
+        choices = ADMISSION_POLICIES if f.name == "prefill_admission_policy" else None
+        group.add_argument(flag, type=kind, default=default, choices=choices,
+                           help=f"{HELP[f.name]} (default: {default})")
+
+
+def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
+    values = {f.name: getattr(args, f.name) for f in fields(EngineConfig)}
+    values.update(overrides)
+    return EngineConfig(**values)

@@ -1,0 +1,70 @@
+"""Shared fixtures: tiny random checkpoints (one per architecture), their tokenizer, and the
+HF transformers greedy reference. Built once per test session into a temp folder."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Callable
+
+import pytest
+
+from tiny_models import ARCHS, build_tiny_model, hf_greedy, train_tokenizer
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Also declared in pyproject.toml; repeated here so the markers exist under any rootdir.
+    config.addinivalue_line("markers", "cuda: needs a CUDA device")
+    config.addinivalue_line("markers", "slow: loads the default model")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip `@pytest.mark.cuda` tests on machines without a GPU instead of failing them."""
+    if not any(item.get_closest_marker("cuda") for item in items):
+        return  # don't pay for the torch import/CUDA probe when nothing asks for it
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if item.get_closest_marker("cuda"):
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_models_root(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    return tmp_path_factory.mktemp("tiny_models")
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tiny_models_root: pathlib.Path) -> pathlib.Path:
+    """A folder with just tokenizer.json + tokenizer_config.json (incl. chat_template)."""
+    out = tiny_models_root / "tokenizer"
+    train_tokenizer(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tiny_models_root: pathlib.Path) -> Callable[[str], pathlib.Path]:
+    """`tiny_model_factory("qwen3")` -> checkpoint folder; each arch is built at most once per
+    session, so tests that need one specific arch need not parametrize over all of them."""
+    built: dict[str, pathlib.Path] = {}
+
+    def get(arch: str) -> pathlib.Path:
+        if arch not in built:
+            built[arch] = build_tiny_model(arch, tiny_models_root / arch)
+        return built[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session", params=ARCHS, ids=ARCHS)
+def tiny_model_dir(request: pytest.FixtureRequest, tiny_model_factory: Callable[[str], pathlib.Path]) -> pathlib.Path:
+    """Every test using this runs once per architecture in tiny_models.ARCHS."""
+    return tiny_model_factory(request.param)
+
+
+@pytest.fixture
+def hf_reference() -> Callable[[str | pathlib.Path, list[int], int], list[int]]:
+    """`hf_reference(model_dir, prompt_ids, max_new_tokens)` -> HF greedy new ids (no EOS stop)."""
+    return hf_greedy
