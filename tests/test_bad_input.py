@@ -1,0 +1,64 @@
+"""Bad input gets a clear ValueError and leaves the LLM usable and leak-free."""
+from __future__ import annotations
+
+import pytest
+
+from roseinfer import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_factory):
+    return LLM(model=str(tiny_model_factory("llama")), num_kv_blocks=64)
+
+
+@pytest.mark.parametrize("prompt, params, message", [
+    ("", SamplingParams(), "empty"),
+    ([], SamplingParams(), "empty"),
+    ([5] * 300, SamplingParams(max_tokens=4), "context length"),
+    ([5] * 250, SamplingParams(max_tokens=20), "context length"),
+    ([10_000], SamplingParams(), "token ids"),
+    ([5], SamplingParams(logit_bias={99_999: 1.0}), "logit_bias"),
+])
+def test_bad_requests_raise_value_error(llm, prompt, params, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate([prompt], params)
+    assert llm.kv_cache_stats()["used_blocks"] == 0
+    assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"temperature": -0.5}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -3}, "top_k"),
+    ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+])
+def test_bad_sampling_params(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_a_request_that_can_never_fit_the_pool_is_rejected(tiny_model_factory):
+    small = LLM(model=str(tiny_model_factory("llama")), num_kv_blocks=4)
+    with pytest.raises(ValueError, match="KV blocks"):
+        small.generate([[5] * 60], SamplingParams(max_tokens=10))
+    assert small.kv_cache_stats()["used_blocks"] == 0
+
+
+def test_unknown_model_type(tmp_path, tiny_model_factory):
+    import json
+    import shutil
+
+    folder = tmp_path / "weird"
+    shutil.copytree(tiny_model_factory("llama"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["model_type"] = "falcon"
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="supported: gpt2, llama"):
+        LLM(model=str(folder))
+
+
+def test_missing_model_is_one_clear_line(tmp_path):
+    with pytest.raises(ValueError, match="no such file or folder"):
+        LLM(model=str(tmp_path / "nope" / "model.gguf"))

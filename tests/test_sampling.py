@@ -1,0 +1,91 @@
+"""Sampling: seeds, top-k, penalties and logit bias by their definitions, stop ids, min_tokens, logprobs."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from roseinfer import LLM, SamplingParams
+from roseinfer.engine.request import Request
+from roseinfer.engine.sampler import Sampler
+from tiny_models import sample_prompts
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_factory):
+    return LLM(model=str(tiny_model_factory("llama")), num_kv_blocks=128)
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_model_factory):
+    return sample_prompts(tiny_model_factory("llama"), 6, seed=5)
+
+
+def _sample(**kw) -> SamplingParams:
+    return SamplingParams(**{"temperature": 1.0, "max_tokens": 12, "ignore_eos": True, **kw})
+
+
+def test_seed_reproducible_alone_and_in_mixed_batch(llm, prompts):
+    alone = llm.generate([prompts[0]], _sample(seed=7))[0].token_ids
+    mixed = llm.generate(prompts, [_sample(seed=7)] + [_sample() for _ in prompts[1:]])[0].token_ids
+    assert alone == mixed
+    assert llm.generate([prompts[0]], _sample(seed=8))[0].token_ids != alone
+
+
+def test_top_k_1_equals_greedy(llm, prompts):
+    greedy = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    top1 = llm.generate(prompts, _sample(top_k=1, temperature=0.8))
+    assert [o.token_ids for o in top1] == [o.token_ids for o in greedy]
+
+
+def test_stop_token_ids_and_min_tokens(llm, prompts):
+    greedy = llm.generate([prompts[1]], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
+    stop_id = greedy.token_ids[3]
+    first = greedy.token_ids.index(stop_id)
+    out = llm.generate([prompts[1]], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_id]))[0]
+    assert out.token_ids == greedy.token_ids[:first + 1] and out.finish_reason == "stop"
+    masked = llm.generate([prompts[1]], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                                                       stop_token_ids=[stop_id], min_tokens=12))[0]
+    assert stop_id not in masked.token_ids and len(masked.token_ids) == 12 and masked.finish_reason == "length"
+
+
+def test_logprobs_match_log_softmax(llm, prompts):
+    out = llm.generate([prompts[2]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3))[0]
+    assert len(out.logprobs) == 4
+    for lp, token in zip(out.logprobs, out.token_ids):
+        assert lp.token_id == token and lp.rank == 1  # greedy picks the most likely token
+        assert lp.top[0][0] == token and lp.top[0][1] == pytest.approx(lp.logprob)
+        assert len(lp.top) == 3 and lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1]
+        assert lp.logprob <= 0
+
+
+def _processed(params: SamplingParams, logits: torch.Tensor, prompt: list[int], output: list[int]) -> torch.Tensor:
+    req = Request("r", prompt, params)
+    req.token_ids.extend(output)
+    sampler = Sampler(eos_token_ids={0}, device=torch.device("cpu"), seed=0)
+    row = logits.clone().unsqueeze(0)
+    sampler._process_row(row, 0, req)
+    return row[0]
+
+
+def test_penalties_follow_their_definitions():
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0])
+    prompt, output = [1], [3, 3, 2]
+    rep = _processed(SamplingParams(repetition_penalty=2.0), logits, prompt, output)
+    assert rep.tolist() == [2.0, -2.0, 0.25, 1.5, -2.0]  # seen tokens 1, 2, 3; positive /2, negative *2
+    freq = _processed(SamplingParams(frequency_penalty=0.5), logits, prompt, output)
+    assert freq.tolist() == [2.0, -1.0, 0.0, 2.0, -2.0]  # output counts: token 3 twice, token 2 once
+    pres = _processed(SamplingParams(presence_penalty=0.5), logits, prompt, output)
+    assert pres.tolist() == [2.0, -1.0, 0.0, 2.5, -2.0]
+    bias = _processed(SamplingParams(logit_bias={4: 10.0}), logits, prompt, output)
+    assert bias.tolist() == [2.0, -1.0, 0.5, 3.0, 8.0]
+    eos_masked = _processed(SamplingParams(min_tokens=5, max_tokens=8), logits, prompt, output)
+    assert eos_masked[0] == float("-inf") and eos_masked[1:].tolist() == logits[1:].tolist()
+
+
+def test_top_p_and_min_p_keep_only_the_nucleus():
+    sampler = Sampler(eos_token_ids=set(), device=torch.device("cpu"), seed=0)
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    probs = sampler._filtered_probs(logits, [SamplingParams(top_p=0.7)])
+    assert probs[0, 2:].tolist() == [0.0, 0.0] and probs[0, :2].sum().item() == pytest.approx(1.0)
+    probs = sampler._filtered_probs(logits, [SamplingParams(min_p=0.4)])  # keeps p >= 0.2
+    assert (probs[0] > 0).tolist() == [True, True, False, False]
