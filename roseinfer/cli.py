@@ -14,7 +14,7 @@ def _sampling_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     group.add_argument("--top-p", type=float, default=1.0)
     group.add_argument("--top-k", type=int, default=-1)
-    group.add_argument("--seed", dest="sampling_seed", type=int, default=None, help="per-request seed")
+    group.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible sampled output)")
     group.add_argument("--no-chat-template", action="store_true",
                        help="send the prompt as is instead of wrapping it in the model's chat template")
 
@@ -23,7 +23,7 @@ def _sampling_params(args: argparse.Namespace):
     from roseinfer import SamplingParams
 
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, seed=args.sampling_seed)
+                          top_k=args.top_k, seed=args.seed)
 
 
 def _prompt_ids(llm, text: str, use_template: bool, history: list[dict] | None = None) -> list[int]:
@@ -36,7 +36,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from roseinfer import LLM
 
     start = time.perf_counter()
-    llm = LLM(**vars(engine_config_from_args(args)))
+    llm = LLM(**vars(engine_config_from_args(args, seed=0)))
     loaded = time.perf_counter()
     out = llm.generate([_prompt_ids(llm, args.prompt, not args.no_chat_template)], _sampling_params(args))[0]
     print(out.text)
@@ -49,7 +49,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from roseinfer import LLM
     from roseinfer.tokenizer import IncrementalDetokenizer
 
-    llm = LLM(**vars(engine_config_from_args(args)))
+    llm = LLM(**vars(engine_config_from_args(args, seed=0)))
     engine = llm.engine
     history: list[dict] = []
     print("roseinfer chat: type a message, Ctrl-D to quit.", file=sys.stderr)
@@ -92,13 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Complete one prompt (chat template applied by default) and print the text.")
     gen.add_argument("prompt")
     _sampling_args(gen)
-    add_engine_args(gen)
+    add_engine_args(gen, skip=("seed",))
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="interactive chat, streaming tokens as they come",
                           description="Interactive chat with the model; tokens stream as they are produced.")
     _sampling_args(chat)
-    add_engine_args(chat)
+    add_engine_args(chat, skip=("seed",))
     chat.set_defaults(func=cmd_chat)
 
     from roseinfer.server.app import add_server_args

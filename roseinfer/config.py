@@ -18,7 +18,7 @@ class EngineConfig:
     # KV cache
     block_size: int = 16
     num_kv_blocks: int | None = None  # None = sized from kv_cache_memory_gb / gpu_memory_utilization
-    kv_cache_memory_gb: float | None = None  # CPU budget for the pool; None = min(4 GiB, 25% of RAM)
+    kv_cache_memory_gb: float | None = None  # CPU budget for the pool; None = min(1 GiB, 10% of RAM)
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     # scheduler

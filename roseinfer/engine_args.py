@@ -31,9 +31,12 @@ HELP = {
 }
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """Add a flag per EngineConfig field except those in `skip` (a subcommand's own flag of that name wins)."""
     group = parser.add_argument_group("engine")
     for f in fields(EngineConfig):
+        if f.name in skip:
+            continue
         flag = "--" + f.name.replace("_", "-")
         default = f.default
         if f.type in ("bool", bool):
@@ -46,6 +49,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
-    values = {f.name: getattr(args, f.name) for f in fields(EngineConfig)}
+    values = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
     values.update(overrides)
     return EngineConfig(**values)

@@ -62,7 +62,8 @@ class LLMEngine:
             budget = self.config.kv_cache_memory_gb * 2**30
         else:
             ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            budget = min(4 * 2**30, 0.25 * ram)
+            # modest by default: the pool is zeroed up front, and a laptop runs other things too
+            budget = min(2**30, 0.1 * ram)
         # never more than every sequence at full length could use
         ceiling = self.config.max_num_seqs * -(-self.max_model_len // self.config.block_size)
         blocks = min(int(budget // per_block), ceiling)

@@ -16,7 +16,6 @@ import logging
 import os
 import re
 import shutil
-import struct
 import tempfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +32,7 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3"
 # Bump whenever the output of the conversion changes, so stale caches are ignored.
 _CONVERTER_VERSION = 1
 _GGUF_MAGIC = b"GGUF"
+_SHARD_BYTES = 2 * 2**30  # big models are written in shards of this size
 
 # GGUF per-block tensor name -> HF name inside `model.layers.N.` (llama-like families).
 _LLAMA_BLOCK_NAMES: dict[str, str] = {
@@ -41,7 +41,8 @@ _LLAMA_BLOCK_NAMES: dict[str, str] = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
 }  # fmt: skip
-_LLAMA_GLOBAL_NAMES: dict[str, str] = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LLAMA_GLOBAL_NAMES: dict[str, str] = {
+    "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # GGUF per-block tensor name -> HF name inside `transformer.h.N.` (gpt2).
 _GPT2_BLOCK_NAMES: dict[str, str] = {
     "attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj",
@@ -123,82 +124,32 @@ def _check_magic(path: Path) -> None:
             raise ValueError(f"{path} is not a GGUF file: it starts with {magic!r}, expected {_GGUF_MAGIC!r}")
 
 
-# GGUF value type id -> struct format (8 = string, 9 = array are handled apart).
-_SCALAR_FMT: dict[int, str] = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-
-
 @dataclass(frozen=True)
 class _RawTensor:
     name: str
     qtype: Any  # gguf.GGMLQuantizationType
     shape: tuple[int, ...]  # torch order (GGUF stores dimensions innermost first)
-    data: np.ndarray  # raw bytes shaped (*shape[:-1], bytes per row), as gguf.quants expects
+    data: np.ndarray  # raw data shaped as gguf.quants.dequantize expects (memory-mapped)
 
 
 def _parse_gguf(path: Path) -> tuple[dict[str, Any], dict[str, _RawTensor]]:
-    """Read metadata and tensor infos (tensor data stays memory-mapped). Not gguf.GGUFReader:
-    it turns each of the ~100k tokenizer strings into numpy views, which takes seconds, and we
-    need none of them (transformers reads the tokenizer itself), so they are skipped here."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    """Metadata and tensors through gguf-py's reader; tensor data stays memory-mapped.
 
-    buf = np.asarray(np.memmap(path, dtype=np.uint8, mode="r"))
-    pos = 4
-
-    def read(fmt: str) -> Any:
-        nonlocal pos
-        (value,) = struct.unpack_from("<" + fmt, buf, pos)
-        pos += struct.calcsize(fmt)
-        return value
-
-    def read_str(keep: bool = True) -> str | None:
-        nonlocal pos
-        n = read("Q")
-        pos += n
-        return bytes(buf[pos - n : pos]).decode("utf-8", errors="replace") if keep else None
-
-    def read_value(vtype: int, keep: bool) -> Any:
-        nonlocal pos
-        if vtype == 8:
-            return read_str(keep)
-        if vtype != 9:
-            return read(_SCALAR_FMT[vtype])
-        etype, count = read("I"), read("Q")
-        if etype in _SCALAR_FMT:  # fixed-size elements: one numpy read, or a jump
-            dtype = np.dtype("<" + _SCALAR_FMT[etype])
-            pos += count * dtype.itemsize
-            return np.frombuffer(buf, dtype, count, pos - count * dtype.itemsize).tolist() if keep else None
-        values = [read_value(etype, keep) for _ in range(count)]
-        return values if keep else None
+    The tokenizer arrays are left unread (transformers rebuilds the tokenizer itself)."""
+    from gguf import GGUFReader, GGUFValueType
 
     try:
-        version = read("I")
-        if version not in (2, 3):
-            raise ValueError(f"unsupported GGUF version {version} (only little-endian v2/v3)")
-        n_tensors, n_kv = read("Q"), read("Q")
+        reader = GGUFReader(path)
         meta: dict[str, Any] = {}
-        for _ in range(n_kv):
-            key, vtype = str(read_str()), read("I")
-            keep = not (vtype == 9 and key.startswith("tokenizer.ggml."))
-            meta[key] = read_value(vtype, keep)
-        infos = []
-        for _ in range(n_tensors):
-            name, n_dims = read_str(), read("I")
-            dims = [read("Q") for _ in range(n_dims)]
-            infos.append((name, dims, read("I"), read("Q")))
-        align = int(meta.get("general.alignment", 32))
-        data_start = -(-pos // align) * align
-        tensors: dict[str, _RawTensor] = {}
-        for name, dims, type_id, offset in infos:
-            qtype = GGMLQuantizationType(type_id)
-            block, type_size = GGML_QUANT_SIZES[qtype]
-            row_bytes = dims[0] // block * type_size
-            nbytes = row_bytes * int(np.prod(dims[1:], dtype=np.int64))
-            start = data_start + offset
-            if start + nbytes > buf.size:
-                raise ValueError(f"tensor {name} runs past the end of the file (truncated download?)")
-            raw = buf[start : start + nbytes].reshape(*reversed(dims[1:]), row_bytes)
-            tensors[name] = _RawTensor(name, qtype, tuple(reversed(dims)), raw)
-    except (struct.error, KeyError, ValueError) as e:
+        for key, field in reader.fields.items():
+            is_array = field.types and field.types[0] == GGUFValueType.ARRAY
+            if not (is_array and key.startswith("tokenizer.ggml.")):
+                meta[key] = field.contents()
+        tensors = {
+            t.name: _RawTensor(t.name, t.tensor_type, tuple(int(d) for d in reversed(t.shape)), t.data)
+            for t in reader.tensors
+        }
+    except (ValueError, IndexError, KeyError, OSError) as e:
         raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
     return meta, tensors
 
@@ -220,7 +171,7 @@ def _convert_into(src: Path, out: Path) -> None:
     # temp dir that the caller is already removing.
     with ThreadPoolExecutor(max_workers=1) as pool:
         tok_job = pool.submit(_save_tokenizer, src, out) if "tokenizer.ggml.model" in meta else None
-        _write_safetensors(out / "model.safetensors", plans, lambda p: _dequantize(tensors[p.gguf_name], p))
+        _write_safetensors(out, plans, lambda p: _dequantize(tensors[p.gguf_name], p))
     if tok_job is not None:
         tok_job.result()  # re-raises a tokenizer failure
     else:
@@ -367,25 +318,36 @@ def _dequantize(tensor: _RawTensor, plan: _TensorPlan) -> np.ndarray:
     return np.ascontiguousarray(data, dtype=np.float32)
 
 
-def _write_safetensors(path: Path, plans: list[_TensorPlan], produce: Callable[[_TensorPlan], np.ndarray]) -> None:
-    """Stream tensors into a safetensors file one at a time: the header needs only shapes, so
-    peak memory is one float32 tensor instead of the whole model (28 GB for a 7B one)."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
+def _write_safetensors(out: Path, plans: list[_TensorPlan], produce: Callable[[_TensorPlan], np.ndarray]) -> None:
+    """Write the tensors with the safetensors library, in shards of at most _SHARD_BYTES (HF's
+    sharded layout with an index when there is more than one), so peak memory is one shard."""
+    from safetensors.numpy import save_file
+
+    shards: list[list[_TensorPlan]] = [[]]
+    size = 0
     for plan in plans:
         nbytes = 4 * int(np.prod(plan.shape, dtype=np.int64))
-        header[plan.hf_name] = {"dtype": "F32", "shape": list(plan.shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # safetensors pads the header so the data is 8-byte aligned
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for plan in plans:
+        if shards[-1] and size + nbytes > _SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(plan)
+        size += nbytes
+    count = len(shards)
+    names = ["model.safetensors"] if count == 1 else [f"model-{i:05d}-of-{count:05d}.safetensors"
+                                                      for i in range(1, count + 1)]
+    weight_map: dict[str, str] = {}
+    for name, shard in zip(names, shards):
+        tensors = {}
+        for plan in shard:
             arr = produce(plan)
             if arr.shape != plan.shape:
                 raise AssertionError(f"{plan.gguf_name}: got shape {arr.shape}, planned {plan.shape}")
-            f.write(np.ascontiguousarray(arr, dtype="<f4").data)  # no intermediate bytes copy
+            tensors[plan.hf_name] = arr
+        save_file(tensors, str(out / name), metadata={"format": "pt"})
+        weight_map.update({plan.hf_name: name for plan in shard})
+    if count > 1:
+        index = {"metadata": {"total_size": sum(4 * int(np.prod(p.shape)) for p in plans)}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
 def _save_tokenizer(src: Path, out: Path) -> None:

@@ -1,0 +1,205 @@
+"""Write tiny Hugging Face models to GGUF the way llama.cpp's convert_hf_to_gguf.py does.
+
+Used by the GGUF loader tests (and reusable by others): the files carry the same metadata
+keys, tensor names, q/k rotary permutation (llama family) and Conv1D transposes (gpt2) as
+real llama.cpp files, so converting them back checks the loader against the real format.
+
+    tok = make_tiny_tokenizer()
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), ...))
+    write_tiny_gguf(tmp_path / "m.gguf", model, tok, "Q8_0")
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as QT
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
+_CORPUS = [
+    "the quick brown fox jumps over the lazy dog.",
+    "What is the capital of France? The capital of France is Paris.",
+    "Hello world, this is a tiny tokenizer for tests: 0123456789 !?",
+]
+
+_LLAMA_BLOCK = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+}  # fmt: skip
+_LLAMA_GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+_GPT2_BLOCK = {
+    "ln_1": "attn_norm", "attn.c_attn": "attn_qkv", "attn.c_proj": "attn_output",
+    "ln_2": "ffn_norm", "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down",
+}  # fmt: skip
+_GPT2_GLOBAL = {"transformer.wte": "token_embd", "transformer.wpe": "position_embd", "transformer.ln_f": "output_norm"}
+# llama.cpp writes mistral as llama.
+_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2"}
+# Byte offsets of the fp16 scale fields (d, dmin) inside one K-quant block (ggml-common.h).
+_K_FP16_FIELDS = {QT.Q2_K: (-4, -2), QT.Q3_K: (-2,), QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (-2,)}
+
+
+def make_tiny_tokenizer(vocab_size: int = 300) -> Any:
+    """A byte-level BPE tokenizer (GPT-2 style) with ChatML special tokens and a chat template.
+
+    The full 256-byte alphabet is included so any text encodes; vocab_size must be > 259.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )  # fmt: skip
+    tok.train_from_iterator(_CORPUS * 4, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>", unk_token="<|endoftext|>",
+        pad_token="<|im_end|>", chat_template=CHAT_TEMPLATE,
+    )  # fmt: skip
+
+
+def llama_permute(w: np.ndarray, n_head: int, n_head_kv: int | None = None) -> np.ndarray:
+    """convert_hf_to_gguf.LlamaModel.permute: HF half-split rotary rows -> ggml adjacent pairs."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_tensor_names(hf_model: torch.nn.Module) -> dict[str, str]:
+    """HF state-dict name -> GGUF tensor name, for the tensors write_tiny_gguf stores."""
+    model_type = hf_model.config.model_type
+    if model_type == "gpt2":
+        block_prefix, block, glob = "transformer.h.", _GPT2_BLOCK, _GPT2_GLOBAL
+    else:
+        block_prefix, block, glob = "model.layers.", _LLAMA_BLOCK, _LLAMA_GLOBAL
+    names: dict[str, str] = {}
+    for hf_name in hf_model.state_dict():
+        stem, _, suffix = hf_name.rpartition(".")
+        if stem.startswith(block_prefix):
+            layer, _, rest = stem[len(block_prefix) :].partition(".")
+            if rest in block:
+                names[hf_name] = f"blk.{layer}.{block[rest]}.{suffix}"
+        elif stem in glob:
+            names[hf_name] = f"{glob[stem]}.{suffix}"
+    if model_type == "gpt2":  # llama.cpp always writes gpt2's (tied) head as its own tensor
+        names["lm_head.weight"] = "output.weight"
+    elif hf_model.config.tie_word_embeddings:
+        names.pop("lm_head.weight", None)  # tied: no output.weight, like llama.cpp
+    return names
+
+
+def _encode(data: np.ndarray, qtype: QT, rng: np.random.Generator) -> tuple[np.ndarray, QT]:
+    """Data to store for one tensor. 1-D tensors and rows that do not fit the block size stay
+    F32, as llama.cpp does. gguf-py cannot quantize K-quants, so for those this writes random
+    blocks with sane fp16 scales: they exercise dequantization and reshaping, not accuracy."""
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    if qtype == QT.F32 or data.ndim == 1 or data.shape[-1] % block:
+        return data.astype(np.float32), QT.F32
+    if qtype == QT.F16:
+        return data.astype(np.float16), QT.F16
+    if qtype not in _K_FP16_FIELDS:
+        return gguf.quants.quantize(data, qtype), qtype
+    n_blocks = data.size // block
+    raw = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)
+    for offset in _K_FP16_FIELDS[qtype]:  # overwrite the fp16 scales so no block is inf/nan
+        raw[:, offset : offset + 2 or None] = np.full((n_blocks, 1), 0.01, dtype=np.float16).view(np.uint8)
+    return raw.reshape(*data.shape[:-1], -1), qtype
+
+
+def write_tiny_gguf(
+    path: str | Path, hf_model: torch.nn.Module, tokenizer: Any | None = None, qtype: str | QT = QT.F32
+) -> Path:
+    """Write hf_model (llama / mistral / qwen2 / qwen3 / gpt2) as a GGUF file and return its path.
+
+    tokenizer: a byte-level BPE fast tokenizer (e.g. make_tiny_tokenizer()) whose vocab, merges,
+    special tokens and chat template go into the metadata, or None for no tokenizer at all.
+    qtype: GGML type name or enum for the 2-D weights (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, ...).
+    """
+    path = Path(path)
+    qtype = QT[qtype] if isinstance(qtype, str) else qtype
+    cfg = hf_model.config
+    model_type = cfg.model_type
+    arch = _ARCH[model_type]
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny-{model_type}")
+    if model_type == "gpt2":
+        w.add_context_length(cfg.n_positions)
+        w.add_embedding_length(cfg.n_embd)
+        w.add_feed_forward_length(cfg.n_inner or 4 * cfg.n_embd)
+        w.add_block_count(cfg.n_layer)
+        w.add_head_count(cfg.n_head)
+        w.add_layer_norm_eps(cfg.layer_norm_epsilon)
+    else:
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        w.add_context_length(cfg.max_position_embeddings)
+        w.add_embedding_length(cfg.hidden_size)
+        w.add_feed_forward_length(cfg.intermediate_size)
+        w.add_block_count(cfg.num_hidden_layers)
+        w.add_head_count(cfg.num_attention_heads)
+        w.add_head_count_kv(cfg.num_key_value_heads)
+        w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+        rope = getattr(cfg, "rope_parameters", None) or {}
+        w.add_rope_freq_base(float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))))
+        w.add_rope_dimension_count(head_dim)
+        w.add_key_length(head_dim)  # convert_hf_to_gguf writes these when config has head_dim
+        w.add_value_length(head_dim)
+    w.add_vocab_size(cfg.vocab_size)
+    if tokenizer is not None:
+        _add_tokenizer(w, tokenizer)
+
+    rng = np.random.default_rng(0)
+    state = {k: v.detach().float().numpy() for k, v in hf_model.state_dict().items()}
+    for hf_name, gguf_name in gguf_tensor_names(hf_model).items():
+        data = state.get(hf_name, state.get("transformer.wte.weight") if hf_name == "lm_head.weight" else None)
+        assert data is not None, hf_name
+        if arch == "llama" and ".attn_q." in gguf_name:
+            data = llama_permute(data, cfg.num_attention_heads, cfg.num_attention_heads)
+        elif arch == "llama" and ".attn_k." in gguf_name:
+            data = llama_permute(data, cfg.num_attention_heads, cfg.num_key_value_heads)
+        elif arch == "gpt2" and gguf_name.split(".")[-2] in ("attn_qkv", "attn_output", "ffn_up", "ffn_down"):
+            data = data.T if gguf_name.endswith(".weight") else data  # Conv1D (in, out) -> (out, in)
+        stored, stored_type = _encode(np.ascontiguousarray(data), qtype, rng)
+        if stored_type in (QT.F32, QT.F16):
+            w.add_tensor(gguf_name, stored)
+        else:
+            w.add_tensor(gguf_name, stored, raw_dtype=stored_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _add_tokenizer(w: gguf.GGUFWriter, tokenizer: Any) -> None:
+    model = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
+    assert model["type"] == "BPE", "write_tiny_gguf only handles byte-level BPE tokenizers"
+    vocab = tokenizer.get_vocab()  # includes added tokens
+    tokens = [tok for tok, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    assert [vocab[t] for t in tokens] == list(range(len(tokens))), "token ids must be dense"
+    special = set(tokenizer.all_special_tokens)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens])
+    w.add_token_merges(merges)
+    for attr, add in (("bos", w.add_bos_token_id), ("eos", w.add_eos_token_id),
+                      ("unk", w.add_unk_token_id), ("pad", w.add_pad_token_id)):  # fmt: skip
+        if (token_id := getattr(tokenizer, f"{attr}_token_id", None)) is not None:
+            add(token_id)
+    w.add_add_bos_token(False)
+    if tokenizer.chat_template:
+        w.add_chat_template(tokenizer.chat_template)
