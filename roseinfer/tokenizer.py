@@ -66,12 +66,25 @@ class IncrementalDetokenizer:
 
     def add(self, new_ids: list[int]) -> str:
         self.ids.extend(new_ids)
-        decode = self.tokenizer.decode
-        prefix = decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
-        full = decode(self.ids[self.prefix_offset:], self.skip_special_tokens)
+        prefix, full = self._window_texts()
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""
-        delta = full[len(prefix):]
+        return self._emit(full[len(prefix):])
+
+    def flush(self) -> str:
+        """Release what is still held back when the stream ends, as the full decode shows it
+        (U+FFFD for a truly incomplete character), so the streamed text equals decode(all ids)."""
+        if self.read_offset >= len(self.ids):
+            return ""
+        prefix, full = self._window_texts()
+        return self._emit(full[len(prefix):])
+
+    def _window_texts(self) -> tuple[str, str]:
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
+        return prefix, decode(self.ids[self.prefix_offset:], self.skip_special_tokens)
+
+    def _emit(self, delta: str) -> str:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         # keep the window short: drop ids that can no longer affect decoding
         if self.prefix_offset > 64:

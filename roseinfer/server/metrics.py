@@ -1,0 +1,75 @@
+"""Prometheus metrics, `roseinfer_` prefix, one CollectorRegistry per app (tests build several).
+
+Per-request numbers are recorded once, when a request finishes (the SchedulerManager's
+on_finished hook, in the worker: a handful of counter/histogram updates, microseconds). Gauges and
+the prefix-cache counters are engine state, read from SchedulerManager.stats() at scrape time.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from roseinfer.engine.request import Request
+from roseinfer.server.engine_loop import RequestStream, StreamDelta
+
+# vLLM's bucket edges, so dashboards built for it read ours the same way
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                   10.0, 20.0, 40.0, 80.0)
+TOKEN_GAP_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                   50.0, 60.0, 120.0, 240.0, 480.0, 960.0)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.running = Gauge("roseinfer_num_requests_running", "Requests in the running batch", registry=r)
+        self.waiting = Gauge("roseinfer_num_requests_waiting", "Requests waiting for admission", registry=r)
+        self.kv_usage = Gauge("roseinfer_kv_cache_usage_ratio", "Fraction of KV blocks in use (0 when idle)",
+                              registry=r)
+        self.prompt_tokens = Counter("roseinfer_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generation_tokens = Counter("roseinfer_generation_tokens", "Generated tokens", registry=r)
+        self.prefix_queries = Counter("roseinfer_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      registry=r)
+        self.prefix_hits = Counter("roseinfer_prefix_cache_hits", "Prompt tokens served by the prefix cache",
+                                   registry=r)
+        self.requests = Counter("roseinfer_requests", "Finished requests", ["finish_reason"], registry=r)
+        self.ttft = Histogram("roseinfer_time_to_first_token_seconds", "Submission to first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("roseinfer_inter_token_latency_seconds", "Gap between consecutive tokens",
+                             buckets=TOKEN_GAP_BUCKETS, registry=r)
+        self.e2e = Histogram("roseinfer_e2e_request_latency_seconds", "Submission to the last token",
+                             buckets=REQUEST_BUCKETS, registry=r)
+        self.queue_time = Histogram("roseinfer_request_queue_time_seconds", "Engine arrival to admission",
+                                    buckets=REQUEST_BUCKETS, registry=r)
+        self.prefill_time = Histogram("roseinfer_request_prefill_time_seconds", "Admission to first token",
+                                      buckets=REQUEST_BUCKETS, registry=r)
+        self._prefix_seen = (0, 0)  # the engine's cumulative (queries, hits) at the last scrape
+
+    def observe_finished(self, stream: RequestStream, final: StreamDelta, request: Request) -> None:
+        """SchedulerManager's on_finished hook."""
+        self.requests.labels(final.finish_reason or "abort").inc()
+        self.generation_tokens.inc(final.num_output_tokens)
+        start = stream.timings["submit_start"]
+        self.e2e.observe(final.timestamp - start)
+        if request.admitted_time is None:  # aborted while waiting: no prompt was computed
+            return
+        self.prompt_tokens.inc(final.num_prompt_tokens)
+        self.queue_time.observe(request.admitted_time - request.arrival_time)
+        if request.first_token_time is not None:
+            self.ttft.observe(request.first_token_time - start)
+            self.prefill_time.observe(request.first_token_time - request.admitted_time)
+        times = request.token_times
+        for earlier, later in zip(times, times[1:]):
+            self.itl.observe(later - earlier)
+
+    def render(self, stats: dict) -> bytes:
+        """The Prometheus text exposition, gauges refreshed from `stats` first."""
+        self.running.set(stats["num_running"])
+        self.waiting.set(stats["num_waiting"])
+        self.kv_usage.set(stats["kv_cache_usage_ratio"])
+        queries, hits = stats["prefix_cache_queries"], stats["prefix_cache_hits"]
+        self.prefix_queries.inc(max(0, queries - self._prefix_seen[0]))
+        self.prefix_hits.inc(max(0, hits - self._prefix_seen[1]))
+        self._prefix_seen = (queries, hits)
+        return generate_latest(self.registry)

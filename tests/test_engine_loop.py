@@ -1,0 +1,183 @@
+"""SchedulerManager and the stop-string matcher, driven directly (no HTTP)."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from roseinfer.config import EngineConfig
+from roseinfer.engine.llm_engine import LLMEngine
+from roseinfer.sampling_params import SamplingParams
+from roseinfer.server.engine_loop import OverloadedError, RequestStream, SchedulerManager, StreamDelta
+from roseinfer.server.stop_strings import StopStringMatcher
+
+PROMPT = "The cat sees a red apple"
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_factory) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(tiny_model_factory("llama"))))
+
+
+@pytest.fixture
+def manager(engine: LLMEngine):
+    created: list[SchedulerManager] = []
+
+    def make(**kwargs) -> SchedulerManager:
+        m = SchedulerManager(engine, **kwargs)
+        m.start()
+        created.append(m)
+        return m
+
+    yield make
+    for m in created:
+        m.shutdown()
+    assert not engine.has_unfinished(), "a manager left work in the engine"
+
+
+def drain(stream: RequestStream) -> list[StreamDelta]:
+    deltas = []
+    while not deltas or not deltas[-1].finished:
+        deltas.append(stream.get(timeout=30))
+    return deltas
+
+
+def greedy(max_tokens: int, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+
+
+def wait_until(predicate, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def test_stream_interval_first_token_at_once_then_every_n_and_the_rest_at_the_end(engine, manager) -> None:
+    m = manager(stream_interval=4)
+    deltas = drain(m.submit(engine.tokenizer.encode(PROMPT), greedy(10)))
+    assert [len(d.token_ids) for d in deltas] == [1, 4, 4, 1]
+    assert [d.num_output_tokens for d in deltas] == [1, 5, 9, 10]
+    assert [d.finished for d in deltas] == [False, False, False, True]
+    assert deltas[-1].finish_reason == "length"
+    assert all(d.num_prompt_tokens == len(engine.tokenizer.encode(PROMPT)) for d in deltas)
+    stamps = [d.timestamp for d in deltas]
+    assert stamps == sorted(stamps)
+
+
+def test_streamed_text_equals_the_full_decode(engine, manager) -> None:
+    m = manager(stream_interval=3)
+    prompts = [engine.tokenizer.encode(f"{PROMPT} {i}") for i in range(12)]
+    streams = [m.submit(ids, greedy(40)) for ids in prompts]
+    for stream in streams:
+        deltas = drain(stream)
+        ids = [t for d in deltas for t in d.token_ids]
+        assert len(ids) == 40
+        assert "".join(d.text for d in deltas) == engine.tokenizer.decode(ids)
+        timings = stream.timings
+        order = ["submit_start", "submit_end", "admitted", "first_token", "finished"]
+        assert [timings[k] for k in order] == sorted(timings[k] for k in order)
+
+
+def _reference_text(engine: LLMEngine, m: SchedulerManager, ids: list[int], n: int) -> str:
+    return "".join(d.text for d in drain(m.submit(ids, greedy(n))))
+
+
+def test_stop_string_across_chunks_is_cut_with_everything_after_it(engine, manager) -> None:
+    m = manager()
+    ids = engine.tokenizer.encode(PROMPT)
+    full = _reference_text(engine, m, ids, 60)
+    # a stop string that starts a few tokens in and spans several tokens' worth of text
+    start = len(full) // 3
+    stop = full[start:start + 6]
+    expected = full[:full.index(stop)]
+    deltas = drain(m.submit(ids, greedy(60), stop=[stop, "never-appears-xyz"]))
+    streamed = "".join(d.text for d in deltas)
+    assert streamed == expected
+    assert deltas[-1].finish_reason == "stop"
+    assert deltas[-1].num_output_tokens < 60  # aborted in the engine once the stop text appeared
+    # nothing that was sent may end in a prefix of the stop string and then be taken back
+    sent = ""
+    for d in deltas:
+        sent += d.text
+        assert expected.startswith(sent)
+    assert wait_until(lambda: m.stats()["kv_cache_usage_ratio"] == 0.0)
+
+
+def test_stop_matcher_holds_back_only_what_could_start_a_stop() -> None:
+    matcher = StopStringMatcher(["world", "wx"])
+    assert matcher.add("hello w") == ("hello ", False)  # "w" may begin either stop string
+    assert matcher.add("o") == ("", False)  # "wo" may still become "world"
+    assert matcher.add("ndrous") == ("wondrous", False)  # it did not
+    assert matcher.add(" wor") == (" ", False)
+    assert matcher.add("ld and more") == ("", True)
+    late = StopStringMatcher(["</s>"])
+    assert late.add("a</") == ("a", False)
+    assert late.flush() == "</"  # the request ended without a match: held text is ordinary text
+    first = StopStringMatcher(["bb", "ab"])
+    assert first.add("xabb") == ("x", True)  # the earliest match wins, whichever string it is
+    with pytest.raises(ValueError):
+        StopStringMatcher([""])
+
+
+def test_abort_frees_blocks_at_once(engine, manager) -> None:
+    m = manager()
+    stream = m.submit(engine.tokenizer.encode(PROMPT), greedy(200))
+    first = stream.get(timeout=30)
+    assert not first.finished
+    assert m.stats()["kv_cache_usage_ratio"] > 0
+    m.abort(stream.request_id)
+    rest = drain(stream)
+    assert rest[-1].finish_reason == "abort"
+    assert rest[-1].num_output_tokens < 200
+    stats = m.stats()
+    assert stats["kv_cache_usage_ratio"] == 0.0 and stats["num_running"] == 0
+    assert wait_until(lambda: m.stats()["num_inflight"] == 0)
+
+
+def test_overload_and_bad_input_fail_in_the_callers_thread(engine, manager) -> None:
+    m = manager(max_inflight_requests=2)
+    ids = engine.tokenizer.encode(PROMPT)
+    held = [m.submit(ids, greedy(200)) for _ in range(2)]
+    with pytest.raises(OverloadedError):
+        m.submit(ids, greedy(4))
+    with pytest.raises(ValueError, match="empty"):
+        m.submit([], greedy(4))
+    with pytest.raises(ValueError, match="context length"):
+        m.submit(ids, greedy(engine.max_model_len))
+    with pytest.raises(ValueError, match="already in flight"):
+        m.submit(ids, greedy(4), request_id=held[0].request_id)
+    for stream in held:
+        m.abort(stream.request_id)
+        drain(stream)
+    assert wait_until(lambda: m.stats()["num_inflight"] == 0)
+    assert drain(m.submit(ids, greedy(4)))[-1].finish_reason == "length"
+
+
+def test_async_consumer_and_shutdown_aborts_what_is_in_flight(engine) -> None:
+    m = SchedulerManager(engine)
+    m.start()
+    ids = engine.tokenizer.encode(PROMPT)
+
+    async def run() -> list[StreamDelta]:
+        stream = m.submit(ids, greedy(200))  # on the loop: read with async for
+        with pytest.raises(RuntimeError):
+            stream.get(timeout=1)
+        deltas = []
+        async for delta in stream:
+            deltas.append(delta)
+            if len(deltas) == 3:
+                # shutdown blocks while the worker finishes; run it off the loop that must
+                # receive the final delta
+                await asyncio.get_running_loop().run_in_executor(None, m.shutdown)
+        return deltas
+
+    deltas = asyncio.run(run())
+    assert deltas[-1].finished and deltas[-1].finish_reason == "abort"
+    assert not m.is_alive and not engine.has_unfinished()
+    assert engine.kv_cache_stats()["used_blocks"] == 0
+    with pytest.raises(RuntimeError):
+        m.submit(ids, greedy(4))
