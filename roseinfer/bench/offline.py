@@ -1,0 +1,307 @@
+"""``bench offline``: the blog's benchmark_scheduler, batch throughput without a server.
+
+Modes (``--mode``):
+
+* ``naive``: one request at a time, each run to completion before the next is added.
+* ``offline``: everything submitted at once, then run to completion through
+  ``LLM.generate`` (the offline API users call).
+* ``online``: everything submitted at once, then the engine is stepped by hand and each
+  request's tokens are stamped as ``step()`` hands them over, for TTFT/TPOT/latency.
+
+``--backend hf`` runs the same prompt ids through transformers' ``generate`` (greedy,
+batched with left padding; see ``hf_runner``) for side-by-side tables.
+
+Decode time = total time - prefill phase, where the prefill phase lasts until every
+request has its first token (for ``naive``: the sum of each request's own time to first
+token). Both throughputs count all completion tokens: ``completion,decode`` divides them by
+the decode time, ``completion,total`` by the total time.
+
+Each result is one ``RunResult``; the summary table is built from plain row dicts
+(``summary_rows``). Hook for a later ``--floor`` (``bench/floor.py``'s matmul floor): in
+``run_offline_bench``'s loop, while a batch size's engine is alive, measure
+``matmul_floor(runner.engine.runner.model, bs)`` and append it as one more row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from roseinfer.sampling_params import SamplingParams
+
+from .datasets import random_requests
+from .engine_flags import (add_engine_flags, add_sampling_flags, engine_config_from_flags, nvtx_range,
+                           sampling_params_from_flags)
+from .metrics import RequestTiming, format_p50_p95_p99
+
+MODES: tuple[str, ...] = ("naive", "offline", "online")
+BACKENDS: tuple[str, ...] = ("roseinfer", "hf")
+
+
+class Runner(Protocol):
+    """Runs one benchmark mode over token-id prompts; returns per-request timings."""
+
+    name: str
+
+    def run(self, mode: str, prompts: list[list[int]], params: SamplingParams) -> list[RequestTiming]: ...
+
+
+@dataclass
+class RunResult:
+    backend: str
+    mode: str
+    batch_size: int
+    prompt_tokens: int
+    total_time: float
+    prefill_time: float
+    timings: list[RequestTiming] = field(repr=False)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(t.num_tokens for t in self.timings)
+
+    @property
+    def decode_time(self) -> float:
+        return max(self.total_time - self.prefill_time, 0.0)
+
+    def throughput(self, seconds: float) -> float:
+        return self.completion_tokens / seconds if seconds > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend, "mode": self.mode, "batch_size": self.batch_size,
+            "num_requests": len(self.timings), "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens, "total_time_s": self.total_time,
+            "prefill_time_s": self.prefill_time, "decode_time_s": self.decode_time,
+            "throughput_completion_decode": self.throughput(self.decode_time),
+            "throughput_completion_total": self.throughput(self.total_time),
+            "ttft_s": [t.ttft for t in self.timings], "tpot_s": [t.tpot for t in self.timings],
+            "latency_s": [t.latency for t in self.timings],
+        }
+
+
+class RoseinferRunner:
+    name = "roseinfer"
+
+    def __init__(self, args: argparse.Namespace, batch_size: int) -> None:
+        from roseinfer.llm import LLM
+
+        self.llm = LLM(**vars(engine_config_from_flags(args, max_num_seqs=batch_size)))
+        self.engine = self.llm.engine
+
+    def run(self, mode: str, prompts: list[list[int]], params: SamplingParams) -> list[RequestTiming]:
+        if mode == "naive":
+            return [t for ids in prompts for t in self._step_all([ids], params)]
+        if mode == "offline":
+            return self._generate(prompts, params)
+        return self._step_all(prompts, params)
+
+    def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[RequestTiming]:
+        t0 = time.perf_counter()
+        outs = self.llm.generate(prompts, params)
+        timings = []
+        for out in outs:
+            # LLM.generate keeps only the first and the finishing token's times; with the
+            # token count that is enough for TTFT, TPOT and latency.
+            first, finished = out.metrics["first_token"], out.metrics["finished"]
+            stamps = [first] if len(out.token_ids) < 2 else [first, finished]
+            timings.append(RequestTiming(t0, t0, admitted=out.metrics["admitted"], token_times=stamps,
+                                         end=finished, output_tokens=len(out.token_ids)))
+        return timings
+
+    def _step_all(self, prompts: list[list[int]], params: SamplingParams) -> list[RequestTiming]:
+        engine = self.engine
+        t0 = time.perf_counter()
+        timings: dict[str, RequestTiming] = {}
+        for ids in prompts:
+            rid = engine.add_request(ids, params)
+            timings[rid] = RequestTiming(submit_start=t0, submit_end=time.perf_counter())
+        while engine.has_unfinished():
+            outputs = engine.step()
+            now = time.perf_counter()
+            for out in outputs:
+                timing = timings[out.request_id]
+                timing.token_times.extend([now] * len(out.new_token_ids))
+                if out.finished:
+                    timing.end = now
+        for rid, timing in timings.items():
+            timing.admitted = engine.get_request(rid).admitted_time
+        engine.pop_finished_ids()
+        return list(timings.values())
+
+
+def prefill_phase(mode: str, timings: list[RequestTiming], t0: float) -> float:
+    firsts = [(t.submit_start, t.first_token) for t in timings if t.first_token is not None]
+    if not firsts:
+        return 0.0
+    if mode == "naive":
+        return sum(first - start for start, first in firsts)
+    return max(first for _, first in firsts) - t0
+
+
+def build_prompts(args: argparse.Namespace, tokenizer: Any, run_index: int) -> list[list[int]]:
+    """Token-id prompts for one run. Generated prompts are drawn afresh per run (seed +
+    run index) so that a run cannot hit prefix-cache blocks left by the one before."""
+    if args.prompt is not None:
+        return [tokenizer.encode(args.prompt)] * args.num_requests
+    reqs = random_requests(args.num_requests, args.prompt_len, 1, seed=args.seed + run_index, tokenizer=tokenizer)
+    return [tokenizer.encode(r.prompt)[: args.prompt_len] for r in reqs]
+
+
+def run_once(runner: Runner, mode: str, batch_size: int, prompts: list[list[int]],
+             params: SamplingParams) -> RunResult:
+    t0 = time.perf_counter()
+    timings = runner.run(mode, prompts, params)
+    total = time.perf_counter() - t0
+    return RunResult(runner.name, mode, batch_size, sum(map(len, prompts)), total,
+                     prefill_phase(mode, timings, t0), timings)
+
+
+def format_run(r: RunResult, header: str) -> str:
+    lines = [
+        f"=== {header} ===",
+        f"Requests: {len(r.timings)}",
+        f"Prompt tokens (total): {r.prompt_tokens}",
+        f"Completion tokens (total): {r.completion_tokens}",
+        f"Prefill time: {r.prefill_time:.3f} s",
+        f"Decode time: {r.decode_time:.3f} s",
+        f"Total time: {r.total_time:.3f} s",
+        f"Throughput(completion,decode): {r.throughput(r.decode_time):.2f} tokens/s",
+        f"Throughput(completion,total): {r.throughput(r.total_time):.2f} tokens/s",
+    ]
+    if r.mode == "online":
+        lines += [format_p50_p95_p99("TTFT", [t.ttft for t in r.timings if t.ttft is not None]),
+                  format_p50_p95_p99("TPOT", [t.tpot for t in r.timings if t.tpot is not None]),
+                  format_p50_p95_p99("Latency", [t.latency for t in r.timings])]
+    return "\n".join(lines)
+
+
+def summary_rows(results: list[RunResult]) -> list[dict[str, Any]]:
+    """One row per (backend, mode, batch size): means over its repeat runs."""
+    groups: dict[tuple[str, str, int], list[RunResult]] = {}
+    for r in results:
+        groups.setdefault((r.backend, r.mode, r.batch_size), []).append(r)
+    rows = []
+    for (backend, mode, bs), runs in groups.items():
+        rows.append({
+            "backend": backend, "mode": mode, "batch_size": bs, "runs": len(runs),
+            "total_time_s": statistics.fmean(r.total_time for r in runs),
+            "decode_time_s": statistics.fmean(r.decode_time for r in runs),
+            "throughput_completion_decode": statistics.fmean(r.throughput(r.decode_time) for r in runs),
+            "throughput_completion_total": statistics.fmean(r.throughput(r.total_time) for r in runs),
+        })
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    head = (f"{'backend':<10} {'mode':<8} {'batch':>5} {'runs':>4} {'total s':>9} {'decode s':>9} "
+            f"{'tok/s (compl,decode)':>21} {'tok/s (compl,total)':>20}")
+    out = ["=== summary (mean over repeat runs) ===", head]
+    for r in rows:
+        out.append(f"{r['backend']:<10} {r['mode']:<8} {r['batch_size']:>5} {r['runs']:>4} "
+                   f"{r['total_time_s']:>9.3f} {r['decode_time_s']:>9.3f} "
+                   f"{r['throughput_completion_decode']:>21.2f} {r['throughput_completion_total']:>20.2f}")
+    return "\n".join(out)
+
+
+def _csv_list(text: str, kind: type, choices: tuple[str, ...] | None = None) -> list:
+    items = [kind(x.strip()) for x in text.split(",") if x.strip()]
+    if not items or (choices is not None and any(x not in choices for x in items)):
+        raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(choices or ('integers',))}")
+    return items
+
+
+def add_offline_args(parser: argparse.ArgumentParser) -> None:
+    p = parser
+    p.add_argument("--mode", default="all", choices=(*MODES, "all"),
+                   help="naive: one request at a time; offline: LLM.generate on all; online: submit all, "
+                        "step the engine and stamp each token; all (default): the three in turn")
+    p.add_argument("--backend", default="roseinfer", type=lambda s: _csv_list(s, str, (*BACKENDS, "both")),
+                   help="roseinfer (default), hf (transformers generate, greedy, left-padded batches), "
+                        "or both / roseinfer,hf for a side-by-side table")
+    p.add_argument("--batch-sizes", default=None, type=lambda s: _csv_list(s, int),
+                   help="comma list, e.g. 1,16,64: repeat everything once per batch size "
+                        "(default: --max-batch-size)")
+    p.add_argument("--num-requests", type=int, default=16, help="requests per run (default: %(default)s)")
+    p.add_argument("--prompt-len", type=int, default=32, help="tokens per generated prompt (default: 32)")
+    p.add_argument("--prompt", default=None, help="use this text for every request instead of generated prompts")
+    p.add_argument("--warmup-runs", type=int, default=1, help="unreported runs before the measured ones (default: 1)")
+    p.add_argument("--repeat-runs", type=int, default=1, help="measured runs per mode (default: 1)")
+    p.add_argument("--json", default=None, metavar="PATH", help="write every run and the summary as JSON")
+    add_sampling_flags(p)
+    add_engine_flags(p)
+
+
+def _run_modes(args: argparse.Namespace, runner: Runner, batch_size: int, modes: list[str],
+               tokenizer: Any, params: SamplingParams) -> list[RunResult]:
+    results = []
+    for mode in modes:
+        for k in range(args.warmup_runs + args.repeat_runs):
+            prompts = build_prompts(args, tokenizer, k)
+            with nvtx_range(args, f"{runner.name}/{mode}/bs{batch_size}/run{k}"):
+                result = run_once(runner, mode, batch_size, prompts, params)
+            measured = k - args.warmup_runs
+            if measured < 0:
+                continue  # warmup: JIT, allocator and cache growth stay out of the numbers
+            results.append(result)
+            print(format_run(result, f"{mode} | backend={runner.name} | batch_size={batch_size} | "
+                                     f"run {measured + 1}/{args.repeat_runs}"), flush=True)
+    return results
+
+
+def run_offline_bench(args: argparse.Namespace) -> dict[str, Any]:
+    from roseinfer.loader.default_model import DEFAULT_MODEL_NAME
+    from roseinfer.loader.model_loader import resolve_model_folder
+    from roseinfer.tokenizer import Tokenizer
+
+    if args.warmup_runs < 0 or args.repeat_runs < 1:
+        raise ValueError("--warmup-runs must be >= 0 and --repeat-runs >= 1")
+    if args.num_requests < 1 or args.prompt_len < 1:
+        raise ValueError("--num-requests and --prompt-len must be >= 1")
+    backends = list(BACKENDS) if "both" in args.backend else list(dict.fromkeys(args.backend))
+    modes = list(MODES) if args.mode == "all" else [args.mode]
+    batch_sizes = args.batch_sizes or [args.max_batch_size]
+    if args.num_threads:
+        # the engine sets this itself, but an hf-only run builds no engine; torch's count
+        # is process-wide, so both backends then run on the same number of threads
+        torch.set_num_threads(args.num_threads)
+    folder = resolve_model_folder(args.model)
+    tokenizer = Tokenizer(folder)
+    params = sampling_params_from_flags(args)
+    hf = None
+    if "hf" in backends:
+        from .hf_runner import HFRunner
+
+        hf = HFRunner(folder, args.device, args.dtype, tokenizer.eos_token_ids, batch_sizes[0])
+    print(f"Model: {args.model or DEFAULT_MODEL_NAME}\nDevice: {args.device}", flush=True)
+    results: list[RunResult] = []
+    for bs in batch_sizes:
+        for backend in backends:
+            # The engine is built per batch size (max_num_seqs is fixed at construction);
+            # the HF model is loaded once and only re-batched.
+            if backend == "roseinfer":
+                runner: Runner = RoseinferRunner(args, bs)
+            else:
+                hf.batch_size = bs
+                runner = hf
+            results += _run_modes(args, runner, bs, modes, tokenizer, params)
+            # Drop this engine's KV pool before the next one sizes its own from free memory.
+            del runner
+            gc.collect()
+            if args.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+    rows = summary_rows(results)
+    print(format_table(rows), flush=True)
+    report = {"args": {k: v for k, v in vars(args).items() if k != "func"},
+              "runs": [r.to_dict() for r in results], "summary": rows}
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2)
+    return report

@@ -1,0 +1,107 @@
+"""``roseinfer bench offline`` (the blog's benchmark_scheduler) on the tiny llama checkpoint:
+every mode on both backends, the blog's summary lines, warmup exclusion, --batch-sizes,
+and the stand-alone ``python -m roseinfer.benchmark_scheduler`` entry point."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from roseinfer.cli import main
+
+N, PROMPT_LEN, NEW = 6, 12, 5
+# One torch thread: on a small shared CPU, tiny matmuls spread over two threads spend
+# most of their time waking the second one (20x slower here).
+ONE_THREAD = ["--num-threads", "1"]
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_threads():
+    """--num-threads sets torch's process-wide thread count; give later tests theirs back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_factory) -> str:
+    return str(tiny_model_factory("llama"))
+
+
+def _value(text: str, label: str) -> list[float]:
+    return [float(x) for x in re.findall(rf"^{re.escape(label)}: ([0-9.]+)", text, flags=re.M)]
+
+
+def test_all_modes_both_backends(model: str, tmp_path, capsys) -> None:
+    out_json = tmp_path / "offline.json"
+    rc = main(["bench", "offline", "--hf-model-id", model, "--mode", "all", "--backend", "roseinfer,hf",
+                                "--num-requests", str(N), "--prompt-len", str(PROMPT_LEN),
+                                "--max-new-tokens", str(NEW), "--no-stop-on-eos", "--max-batch-size", "4",
+                                "--warmup-runs", "1", "--repeat-runs", "2", "--json", str(out_json), *ONE_THREAD])
+    text = capsys.readouterr().out
+    assert rc == 0
+    # 3 modes x 2 backends x 2 measured runs; the warmup run is neither printed nor stored
+    headers = re.findall(r"^=== (\w+) \| backend=(\w+) \| batch_size=4 \| run (\d)/2 ===$", text, flags=re.M)
+    assert len(headers) == 12 and not any(run == "0" or run == "3" for *_, run in headers)
+    for backend in ("roseinfer", "hf"):
+        for mode in ("naive", "offline", "online"):
+            assert sum(h[:2] == (mode, backend) for h in headers) == 2
+    assert _value(text, "Completion tokens (total)") == [N * NEW] * 12
+    assert _value(text, "Prompt tokens (total)") == [N * PROMPT_LEN] * 12
+    for prefill, decode, total in zip(_value(text, "Prefill time"), _value(text, "Decode time"),
+                                      _value(text, "Total time")):
+        assert 0 < prefill < total and decode == pytest.approx(total - prefill, abs=2e-3)
+    for label in ("Throughput(completion,decode)", "Throughput(completion,total)"):
+        assert len(re.findall(rf"^{re.escape(label)}: [0-9.]+ tokens/s$", text, flags=re.M)) == 12
+    # percentile lines for online runs only: 2 backends x 2 runs
+    for label in ("TTFT", "TPOT", "Latency"):
+        assert len(re.findall(rf"^{label}: p50=[0-9.]+ms p95=[0-9.]+ms p99=[0-9.]+ms$", text, flags=re.M)) == 4
+    assert "=== summary (mean over repeat runs) ===" in text
+
+    report = json.loads(out_json.read_text())
+    assert len(report["runs"]) == 12 and len(report["summary"]) == 6
+    for run in report["runs"]:
+        assert run["num_requests"] == N and run["completion_tokens"] == N * NEW
+        assert run["throughput_completion_total"] == pytest.approx(N * NEW / run["total_time_s"])
+        assert all(ttft > 0 for ttft in run["ttft_s"])
+        assert all(lat >= ttft for lat, ttft in zip(run["latency_s"], run["ttft_s"]))
+    for run in report["runs"]:
+        # batch size 4, 6 requests: the first 4 get their first token from one step, the
+        # last 2 from a later one (roseinfer admits them as slots free, hf runs a second
+        # batch); one at a time, every request has its own
+        distinct = len(set(run["ttft_s"]))
+        assert distinct == (N if run["mode"] == "naive" else 2), run["mode"]
+
+def test_batch_sizes_and_stop_on_eos(model: str, capsys) -> None:
+    rc = main(["bench", "offline", "--hf-model-id", model, "--mode", "online", "--batch-sizes", "1,3",
+                                "--num-requests", "3", "--prompt-len", "8", "--max-new-tokens", "4",
+                                "--warmup-runs", "0", *ONE_THREAD])
+    text = capsys.readouterr().out
+    assert rc == 0
+    assert re.findall(r"^=== online \| backend=roseinfer \| batch_size=(\d) ", text, flags=re.M) == ["1", "3"]
+    rows = re.findall(r"^roseinfer\s+online\s+(\d)\s+1\s", text, flags=re.M)
+    assert rows == ["1", "3"]
+    # stopping on EOS: never more than max_new_tokens per request
+    assert all(0 < c <= 3 * 4 for c in _value(text, "Completion tokens (total)"))
+
+
+def test_bad_flags_are_one_line_errors(model: str, capsys) -> None:
+    assert main(["bench", "offline", "--hf-model-id", model, "--repeat-runs", "0"]) == 2
+    assert "error: --warmup-runs must be >= 0 and --repeat-runs >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "offline", "--backend", "vllm"])
+
+
+def test_python_dash_m_entry_point(model: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "roseinfer.benchmark_scheduler", "--hf-model-id", model,
+                           "--mode", "offline", "--num-requests", "2", "--prompt-len", "4",
+                           "--max-new-tokens", "3", "--no-stop-on-eos", "--warmup-runs", "0", *ONE_THREAD],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "Completion tokens (total): 6" in proc.stdout
+    assert "Throughput(completion,total):" in proc.stdout
