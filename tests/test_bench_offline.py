@@ -1,11 +1,14 @@
 """``roseinfer bench offline`` (the blog's benchmark_scheduler) on the tiny llama checkpoint:
 every mode on both backends, the blog's summary lines, warmup exclusion, --batch-sizes,
-and the stand-alone ``python -m roseinfer.benchmark_scheduler`` entry point."""
+the stand-alone ``python -m roseinfer.benchmark_scheduler`` entry point, and --floor (the
+matmul floor table) with its helpers."""
 
 from __future__ import annotations
 
 import json
+import math
 import re
+import statistics
 import subprocess
 import sys
 
@@ -105,3 +108,89 @@ def test_python_dash_m_entry_point(model: str) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "Completion tokens (total): 6" in proc.stdout
     assert "Throughput(completion,total):" in proc.stdout
+
+
+# --------------------------------------------------------------------------- --floor
+
+FLOOR_COLUMNS = ["batch", "engine decode tok/s", "floor tok/s", "decode/floor", "e2e tok/s", "e2e/floor",
+                 "hf tok/s"]
+
+
+def _markdown_rows(text: str) -> tuple[list[str], list[list[str]]]:
+    """Header and body cells of the Markdown table printed after the floor heading."""
+    lines = [ln for ln in text[text.index("=== matmul floor"):].splitlines() if ln.startswith("|")]
+    cells = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines]
+    assert set("".join(cells[1])) <= set("-:"), "second line is the Markdown alignment row"
+    return cells[0], cells[2:]
+
+
+def test_floor_table(model: str, tmp_path, capsys) -> None:
+    out_json = tmp_path / "floor.json"
+    rc = main(["bench", "offline", "--hf-model-id", model, "--mode", "offline", "--floor", "--batch-sizes", "1,2",
+               "--backend", "both", "--prompt-len", "8", "--max-new-tokens", "6", "--no-stop-on-eos",
+               "--warmup-runs", "1", "--repeat-runs", "2", "--floor-steps", "4", "--json", str(out_json),
+               *ONE_THREAD])
+    text = capsys.readouterr().out
+    assert rc == 0
+    # one batch of B requests per batch size; a floor sample before and after each measured run
+    assert _value(text, "Completion tokens (total)") == [1 * 6] * 4 + [2 * 6] * 4
+    samples = re.findall(r"^Matmul floor \(batch_size=(\d), sample (\d)\): ([0-9.]+) tokens/s$", text, flags=re.M)
+    assert [(b, s) for b, s, _ in samples] == [("1", "1"), ("1", "2"), ("1", "3"), ("2", "1"), ("2", "2"), ("2", "3")]
+    assert all(float(v) > 0 for *_, v in samples)
+    # the table comes after the usual summary, in Markdown
+    assert text.index("=== summary (mean over repeat runs) ===") < text.index("=== matmul floor (mode=offline, threads=1")
+    header, rows = _markdown_rows(text)
+    # prompts of 8 tokens: B=1,2 prefill in one step, so the prefill column is there too
+    assert header == FLOOR_COLUMNS + ["prefill tok/s"]
+    assert [r[0] for r in rows] == ["1", "2"]
+    for row in rows:
+        values = [float(c) for c in row[1:]]
+        assert all(v > 0 and math.isfinite(v) for v in values), row
+        decode, floor, decode_ratio, e2e, e2e_ratio = values[:5]
+        assert decode_ratio == pytest.approx(decode / floor, rel=0.02, abs=0.01)
+        assert e2e_ratio == pytest.approx(e2e / floor, rel=0.02, abs=0.01)
+
+    report = json.loads(out_json.read_text())
+    assert report["floor"]["mode"] == "offline" and report["floor"]["threads"] == 1
+    table = report["floor"]["rows"]
+    assert [r["batch_size"] for r in table] == [1, 2] and all(r["num_requests"] == r["batch_size"] for r in table)
+    for r in table:
+        assert len(r["floor_samples_tok_s"]) == 3 and r["floor_tok_s"] == statistics.median(r["floor_samples_tok_s"])
+        assert r["decode_over_floor"] == pytest.approx(r["engine_decode_tok_s"] / r["floor_tok_s"])
+        assert r["e2e_over_floor"] == pytest.approx(r["e2e_tok_s"] / r["floor_tok_s"])
+        assert r["hf_tok_s"] > 0 and r["prefill_tok_s"] > 0
+    for run in report["runs"]:
+        # decode tokens: everything after each request's first token
+        assert run["decode_tokens"] == run["completion_tokens"] - run["num_requests"]
+
+
+def test_floor_flag_errors(model: str, capsys) -> None:
+    assert main(["bench", "offline", "--hf-model-id", model, "--floor", "--mode", "naive", *ONE_THREAD]) == 2
+    assert "--floor compares batched runs" in capsys.readouterr().err
+    assert main(["bench", "offline", "--hf-model-id", model, "--floor", "--backend", "hf", *ONE_THREAD]) == 2
+    assert "include the roseinfer backend" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arch,tied", [("llama", True), ("gpt2", True), ("llama3_rope_untied", False)])
+def test_matmul_floor_and_linear_weights(tiny_model_factory, arch: str, tied: bool) -> None:
+    from roseinfer.bench.floor import linear_weights, matmul_floor
+    from roseinfer.loader.model_loader import load_model, load_model_config
+
+    folder = tiny_model_factory(arch)
+    cfg = load_model_config(folder)
+    m = load_model(folder, cfg, torch.float32, torch.device("cpu"))
+    weights = linear_weights(m)
+    linears = [mod.weight for mod in m.modules() if isinstance(mod, torch.nn.Linear)]
+    head = weights[-1]
+    # the LM head is always the last matmul, exactly once, whether tied or not
+    assert head.shape == (cfg.vocab_size, cfg.hidden_size)
+    assert sum(w is head for w in weights) == 1
+    embeddings = [mod.weight for mod in m.modules() if isinstance(mod, torch.nn.Embedding)]
+    assert any(head is e for e in embeddings) == tied
+    assert len(weights) == len(linears) + tied
+    torch.set_num_threads(1)
+    for bs in (1, 3):
+        tok_s = matmul_floor(m, bs, steps=3, warmup=1)
+        assert tok_s > 0 and math.isfinite(tok_s)
+    with pytest.raises(ValueError):
+        matmul_floor(m, 0)

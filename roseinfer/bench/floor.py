@@ -24,11 +24,16 @@ def matmul_floor(model: nn.Module, batch_size: int, steps: int = 20, warmup: int
     """Decode tokens/s of a loop doing only the model's matmuls for `batch_size` sequences."""
     weights = linear_weights(model)
     inputs = {w.shape[1]: torch.randn(batch_size, w.shape[1], dtype=w.dtype, device=w.device) for w in weights}
+    if batch_size < 1 or steps < 1 or warmup < 0:
+        raise ValueError("matmul_floor needs batch_size >= 1, steps >= 1, warmup >= 0")
+    cuda = weights[0].device.type == "cuda"
     for step in range(warmup + steps):
         if step == warmup:
+            if cuda:
+                torch.cuda.synchronize()  # the warmup's queued kernels stay out of the timing
             start = time.perf_counter()
         for w in weights:
             torch.nn.functional.linear(inputs[w.shape[1]], w)
-    if weights[0].device.type == "cuda":
+    if cuda:
         torch.cuda.synchronize()
     return batch_size * steps / (time.perf_counter() - start)

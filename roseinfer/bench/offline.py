@@ -17,9 +17,20 @@ token). Both throughputs count all completion tokens: ``completion,decode`` divi
 the decode time, ``completion,total`` by the total time.
 
 Each result is one ``RunResult``; the summary table is built from plain row dicts
-(``summary_rows``). Hook for a later ``--floor`` (``bench/floor.py``'s matmul floor): in
-``run_offline_bench``'s loop, while a batch size's engine is alive, measure
-``matmul_floor(runner.engine.runner.model, bs)`` and append it as one more row.
+(``summary_rows``).
+
+``--floor`` puts the engine beside the matmul floor (``bench/floor.py``): a decode step that
+does only the model's matmuls, LM head included, on the engine's own loaded weights, with the
+engine's thread count. Per batch size B, B requests are submitted at once (unless
+``--num-requests`` says otherwise), and while that engine is alive the floor for B is timed
+before the first measured run and after every one (``--repeat-runs`` R gives R+1 samples,
+interleaved with the engine's runs so that both see the same machine weather). The floor
+table (``floor_rows``, Markdown) reports medians: the engine's decode throughput (tokens
+produced after every request has its first token, over the decode time), its end-to-end
+output throughput (all completion tokens over the total time, prefill included), the median
+floor, both ratios to it, HF's end-to-end figure when ``--backend`` includes hf, and the
+prefill throughput (prompt tokens over the time to the last first token) where the whole
+prefill fits in one engine step, so that no decode work is mixed into that time.
 """
 
 from __future__ import annotations
@@ -27,8 +38,10 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -39,10 +52,12 @@ from roseinfer.sampling_params import SamplingParams
 from .datasets import random_requests
 from .engine_flags import (add_engine_flags, add_sampling_flags, engine_config_from_flags, nvtx_range,
                            sampling_params_from_flags)
+from .floor import matmul_floor
 from .metrics import RequestTiming, format_p50_p95_p99
 
 MODES: tuple[str, ...] = ("naive", "offline", "online")
 BACKENDS: tuple[str, ...] = ("roseinfer", "hf")
+DEFAULT_NUM_REQUESTS = 16
 
 
 class Runner(Protocol):
@@ -71,6 +86,36 @@ class RunResult:
     def decode_time(self) -> float:
         return max(self.total_time - self.prefill_time, 0.0)
 
+    @property
+    def decode_tokens(self) -> int:
+        """Completion tokens produced in the decode phase, i.e. after every request has its
+        first token (for ``naive``: after each request's own first token). Counted from the
+        token stamps where a run keeps one per token (``online``, hf); where it keeps only the
+        first and last (``offline``), every token after a request's first, which is exact
+        when the whole prefill took one step."""
+        if self.mode == "naive":
+            return sum(max(t.num_tokens - 1, 0) for t in self.timings)
+        firsts = [t.first_token for t in self.timings if t.first_token is not None]
+        if not firsts:
+            return 0
+        last_first = max(firsts)
+        count = 0
+        for t in self.timings:
+            if len(t.token_times) == t.num_tokens:
+                count += sum(stamp > last_first for stamp in t.token_times)
+            else:
+                count += max(t.num_tokens - 1, 0)
+        return count
+
+    @property
+    def decode_throughput(self) -> float:
+        """Decode-phase tokens over the decode time (the floor table's engine figure)."""
+        return self.decode_tokens / self.decode_time if self.decode_time > 0 else 0.0
+
+    @property
+    def prefill_throughput(self) -> float:
+        return self.prompt_tokens / self.prefill_time if self.prefill_time > 0 else 0.0
+
     def throughput(self, seconds: float) -> float:
         return self.completion_tokens / seconds if seconds > 0 else 0.0
 
@@ -82,6 +127,8 @@ class RunResult:
             "prefill_time_s": self.prefill_time, "decode_time_s": self.decode_time,
             "throughput_completion_decode": self.throughput(self.decode_time),
             "throughput_completion_total": self.throughput(self.total_time),
+            "decode_tokens": self.decode_tokens, "throughput_decode_tokens": self.decode_throughput,
+            "throughput_prefill": self.prefill_throughput,
             "ttft_s": [t.ttft for t in self.timings], "tpot_s": [t.tpot for t in self.timings],
             "latency_s": [t.latency for t in self.timings],
         }
@@ -146,12 +193,22 @@ def prefill_phase(mode: str, timings: list[RequestTiming], t0: float) -> float:
     return max(first for _, first in firsts) - t0
 
 
-def build_prompts(args: argparse.Namespace, tokenizer: Any, run_index: int) -> list[list[int]]:
+def num_requests_for(args: argparse.Namespace, batch_size: int) -> int:
+    """Requests per run: --num-requests, else the batch size under --floor (one full batch,
+    submitted at once), else 16."""
+    if args.num_requests is not None:
+        return args.num_requests
+    return batch_size if getattr(args, "floor", False) else DEFAULT_NUM_REQUESTS
+
+
+def build_prompts(args: argparse.Namespace, tokenizer: Any, run_index: int,
+                  num_requests: int | None = None) -> list[list[int]]:
     """Token-id prompts for one run. Generated prompts are drawn afresh per run (seed +
     run index) so that a run cannot hit prefix-cache blocks left by the one before."""
+    n = num_requests if num_requests is not None else (args.num_requests or DEFAULT_NUM_REQUESTS)
     if args.prompt is not None:
-        return [tokenizer.encode(args.prompt)] * args.num_requests
-    reqs = random_requests(args.num_requests, args.prompt_len, 1, seed=args.seed + run_index, tokenizer=tokenizer)
+        return [tokenizer.encode(args.prompt)] * n
+    reqs = random_requests(n, args.prompt_len, 1, seed=args.seed + run_index, tokenizer=tokenizer)
     return [tokenizer.encode(r.prompt)[: args.prompt_len] for r in reqs]
 
 
@@ -229,31 +286,149 @@ def add_offline_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-sizes", default=None, type=lambda s: _csv_list(s, int),
                    help="comma list, e.g. 1,16,64: repeat everything once per batch size "
                         "(default: --max-batch-size)")
-    p.add_argument("--num-requests", type=int, default=16, help="requests per run (default: %(default)s)")
+    p.add_argument("--num-requests", type=int, default=None,
+                   help=f"requests per run (default: {DEFAULT_NUM_REQUESTS}; with --floor, the batch size)")
     p.add_argument("--prompt-len", type=int, default=32, help="tokens per generated prompt (default: 32)")
     p.add_argument("--prompt", default=None, help="use this text for every request instead of generated prompts")
     p.add_argument("--warmup-runs", type=int, default=1, help="unreported runs before the measured ones (default: 1)")
     p.add_argument("--repeat-runs", type=int, default=1, help="measured runs per mode (default: 1)")
     p.add_argument("--json", default=None, metavar="PATH", help="write every run and the summary as JSON")
+    g = p.add_argument_group("matmul floor")
+    g.add_argument("--floor", action="store_true",
+                   help="also time the matmul floor (only the model's matmuls, LM head included, on the "
+                        "engine's weights and threads) for each batch size, before and after every measured "
+                        "run, and print a Markdown table of the engine's decode and end-to-end tok/s beside "
+                        "the median floor and their ratios; the engine runs the offline mode (online if "
+                        "only that is run), one batch of batch-size requests unless --num-requests is given")
+    g.add_argument("--floor-steps", type=int, default=16, help="timed decode steps per floor sample (default: 16)")
+    g.add_argument("--floor-warmup", type=int, default=2, help="untimed steps before each floor sample (default: 2)")
     add_sampling_flags(p)
     add_engine_flags(p)
 
 
 def _run_modes(args: argparse.Namespace, runner: Runner, batch_size: int, modes: list[str],
-               tokenizer: Any, params: SamplingParams) -> list[RunResult]:
+               tokenizer: Any, params: SamplingParams,
+               around_measured: Callable[[str], None] | None = None) -> list[RunResult]:
+    """Warmup then measured runs of each mode. ``around_measured(mode)``, when given, is
+    called before a mode's first measured run and after each measured run (the floor)."""
     results = []
+    n = num_requests_for(args, batch_size)
     for mode in modes:
         for k in range(args.warmup_runs + args.repeat_runs):
-            prompts = build_prompts(args, tokenizer, k)
+            measured = k - args.warmup_runs
+            if measured == 0 and around_measured is not None:
+                around_measured(mode)
+            prompts = build_prompts(args, tokenizer, k, n)
             with nvtx_range(args, f"{runner.name}/{mode}/bs{batch_size}/run{k}"):
                 result = run_once(runner, mode, batch_size, prompts, params)
-            measured = k - args.warmup_runs
             if measured < 0:
                 continue  # warmup: JIT, allocator and cache growth stay out of the numbers
             results.append(result)
             print(format_run(result, f"{mode} | backend={runner.name} | batch_size={batch_size} | "
                                      f"run {measured + 1}/{args.repeat_runs}"), flush=True)
+            if around_measured is not None:
+                around_measured(mode)
     return results
+
+
+def floor_mode_for(modes: list[str]) -> str:
+    """The mode the floor table compares: offline (LLM.generate), else online."""
+    for mode in ("offline", "online"):
+        if mode in modes:
+            return mode
+    raise ValueError("--floor compares batched runs: use --mode offline, online or all")
+
+
+def prefill_in_one_step(args: argparse.Namespace, result: RunResult) -> bool:
+    """True when every request of the run was admitted and prefilled in the first engine
+    step, so that the time to the last first token is prefill work only."""
+    n = len(result.timings)
+    budget = min(args.max_num_batched_tokens, args.prefill_max_tokens or args.max_num_batched_tokens)
+    return (result.mode != "naive" and n <= result.batch_size and result.prompt_tokens <= budget
+            and n <= (args.prefill_max_batch_size or n) and n <= (args.max_active_requests or n))
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return num / den if num is not None and den else None
+
+
+def floor_rows(args: argparse.Namespace, results: list[RunResult], floors: dict[int, list[float]],
+               mode: str) -> list[dict[str, Any]]:
+    """One row per batch size: medians over the repeat runs and over the floor samples."""
+    rows = []
+    for bs, samples in floors.items():
+        runs = [r for r in results if (r.backend, r.mode, r.batch_size) == ("roseinfer", mode, bs)]
+        hf_runs = [r for r in results if (r.backend, r.mode, r.batch_size) == ("hf", mode, bs)]
+        floor = _median(samples)
+        decode = _median([r.decode_throughput for r in runs])
+        e2e = _median([r.throughput(r.total_time) for r in runs])
+        clean = [r for r in runs if prefill_in_one_step(args, r)]
+        rows.append({
+            "batch_size": bs, "mode": mode, "num_requests": len(runs[0].timings) if runs else 0,
+            "runs": len(runs), "engine_decode_tok_s": decode, "floor_tok_s": floor,
+            "decode_over_floor": _ratio(decode, floor), "e2e_tok_s": e2e, "e2e_over_floor": _ratio(e2e, floor),
+            "prefill_tok_s": _median([r.prefill_throughput for r in clean]) if clean and len(clean) == len(runs)
+            else None,
+            "hf_tok_s": _median([r.throughput(r.total_time) for r in hf_runs]),
+            "hf_decode_tok_s": _median([r.decode_throughput for r in hf_runs]),
+            "floor_samples_tok_s": list(samples),
+            "engine_decode_runs_tok_s": [r.decode_throughput for r in runs],
+            "e2e_runs_tok_s": [r.throughput(r.total_time) for r in runs],
+        })
+    return rows
+
+
+def _cell(value: float | None, spec: str) -> str:
+    return "–" if value is None or not math.isfinite(value) else format(value, spec)
+
+
+def format_floor_table(rows: list[dict[str, Any]], threads: int, steps: int) -> str:
+    """The floor rows as a Markdown table (pasteable into a README)."""
+    with_hf = any(r["hf_tok_s"] is not None for r in rows)
+    with_prefill = any(r["prefill_tok_s"] is not None for r in rows)
+    cols = ["batch", "engine decode tok/s", "floor tok/s", "decode/floor", "e2e tok/s", "e2e/floor"]
+    cols += ["hf tok/s"] * with_hf + ["prefill tok/s"] * with_prefill
+    mode = rows[0]["mode"] if rows else "offline"
+    out = [f"=== matmul floor (mode={mode}, threads={threads}, median over runs and floor samples) ===", "",
+           "| " + " | ".join(cols) + " |", "|" + "|".join("-" * (len(c) + 1) + ":" for c in cols) + "|"]
+    for r in rows:
+        cells = [str(r["batch_size"]), _cell(r["engine_decode_tok_s"], ".1f"), _cell(r["floor_tok_s"], ".1f"),
+                 _cell(r["decode_over_floor"], ".2f"), _cell(r["e2e_tok_s"], ".1f"),
+                 _cell(r["e2e_over_floor"], ".2f")]
+        cells += [_cell(r["hf_tok_s"], ".1f")] * with_hf + [_cell(r["prefill_tok_s"], ".1f")] * with_prefill
+        out.append("| " + " | ".join(cells) + " |")
+    notes = [f"floor: tokens/s of a decode step doing only the model's matmuls (LM head included) on its own "
+             f"weights, {steps} steps per sample, sampled before and after every measured run; "
+             "engine decode: tokens after every request's first token / decode time; "
+             "e2e: all completion tokens / total time (prefill included)"]
+    if with_hf:
+        notes.append("hf: transformers generate, completion tokens / total time (same definition as e2e)")
+    if with_prefill:
+        notes.append("prefill: prompt tokens / time to the last first token, shown where the whole prefill "
+                     "fits in one step (raise --max-num-batched-tokens for the others)")
+    out += [""] + [f"{note}." for note in notes]
+    return "\n".join(out)
+
+
+def _floor_sampler(args: argparse.Namespace, runner: RoseinferRunner, batch_size: int, mode: str,
+                   samples: list[float]) -> Callable[[str], None]:
+    """The ``around_measured`` hook: one floor sample for ``batch_size`` on the engine's
+    loaded model (same weights, dtype, device and threads), around each measured run of
+    ``mode``."""
+    model = runner.engine.runner.model
+
+    def sample(run_mode: str) -> None:
+        if run_mode != mode:
+            return
+        tok_s = matmul_floor(model, batch_size, args.floor_steps, args.floor_warmup)
+        samples.append(tok_s)
+        print(f"Matmul floor (batch_size={batch_size}, sample {len(samples)}): {tok_s:.2f} tokens/s", flush=True)
+
+    return sample
 
 
 def run_offline_bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -263,10 +438,18 @@ def run_offline_bench(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.warmup_runs < 0 or args.repeat_runs < 1:
         raise ValueError("--warmup-runs must be >= 0 and --repeat-runs >= 1")
-    if args.num_requests < 1 or args.prompt_len < 1:
+    if (args.num_requests is not None and args.num_requests < 1) or args.prompt_len < 1:
         raise ValueError("--num-requests and --prompt-len must be >= 1")
     backends = list(BACKENDS) if "both" in args.backend else list(dict.fromkeys(args.backend))
     modes = list(MODES) if args.mode == "all" else [args.mode]
+    floor = getattr(args, "floor", False)
+    floor_mode = None
+    if floor:
+        if "roseinfer" not in backends:
+            raise ValueError("--floor times the engine's own model: include the roseinfer backend")
+        if args.floor_steps < 1 or args.floor_warmup < 0:
+            raise ValueError("--floor-steps must be >= 1 and --floor-warmup >= 0")
+        floor_mode = floor_mode_for(modes)
     batch_sizes = args.batch_sizes or [args.max_batch_size]
     if args.num_threads:
         # the engine sets this itself, but an hf-only run builds no engine; torch's count
@@ -282,16 +465,22 @@ def run_offline_bench(args: argparse.Namespace) -> dict[str, Any]:
         hf = HFRunner(folder, args.device, args.dtype, tokenizer.eos_token_ids, batch_sizes[0])
     print(f"Model: {args.model or DEFAULT_MODEL_NAME}\nDevice: {args.device}", flush=True)
     results: list[RunResult] = []
+    floors: dict[int, list[float]] = {}
+    threads = torch.get_num_threads()
     for bs in batch_sizes:
         for backend in backends:
             # The engine is built per batch size (max_num_seqs is fixed at construction);
             # the HF model is loaded once and only re-batched.
+            around = None
             if backend == "roseinfer":
                 runner: Runner = RoseinferRunner(args, bs)
+                if floor:
+                    around = _floor_sampler(args, runner, bs, floor_mode, floors.setdefault(bs, []))
+                    threads = torch.get_num_threads()  # the engine has set its own by now
             else:
                 hf.batch_size = bs
                 runner = hf
-            results += _run_modes(args, runner, bs, modes, tokenizer, params)
+            results += _run_modes(args, runner, bs, modes, tokenizer, params, around)
             # Drop this engine's KV pool before the next one sizes its own from free memory.
             del runner
             gc.collect()
@@ -301,6 +490,11 @@ def run_offline_bench(args: argparse.Namespace) -> dict[str, Any]:
     print(format_table(rows), flush=True)
     report = {"args": {k: v for k, v in vars(args).items() if k != "func"},
               "runs": [r.to_dict() for r in results], "summary": rows}
+    if floor:
+        table = floor_rows(args, results, floors, floor_mode)
+        print(format_floor_table(table, threads, args.floor_steps), flush=True)
+        report["floor"] = {"mode": floor_mode, "threads": threads, "steps": args.floor_steps,
+                           "warmup": args.floor_warmup, "rows": table}
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=2)
