@@ -16,6 +16,7 @@ class ModelRunner:
                  dtype: torch.dtype, device: torch.device, sampler: Sampler) -> None:
         self.model = model
         self.block_size = block_size
+        self.dtype = dtype
         self.device = device
         self.sampler = sampler
         shape = (num_kv_blocks * block_size, model_config.num_kv_heads, model_config.head_dim)
@@ -65,6 +66,8 @@ class ModelRunner:
         decode = [i for i, item in enumerate(items) if item.num_tokens == 1]
         prefill = [i for i, item in enumerate(items) if item.num_tokens > 1]
         groups = [self._group(items, offsets, idx) for idx in (decode, prefill) if idx]
+        if len(groups) == 1 and groups[0].is_decode:
+            groups[0].whole_batch = True  # every row decodes, in order: no query gather or scatter
         meta = AttentionMetadata(slot_mapping=self._tensor(slots), groups=groups)
         return self._tensor(input_ids), self._tensor(positions), meta, self._tensor(sample_rows)
 
@@ -82,9 +85,11 @@ class ModelRunner:
         # absolute position of each query; key j is visible when j <= that position (and j < ctx)
         abs_pos = (ctx_lens - q_lens).unsqueeze(1) + q_pos  # [B, Lq]
         keys = torch.arange(max_blocks * self.block_size, device=self.device)
-        mask = (keys.view(1, 1, -1) <= abs_pos.unsqueeze(2)) & (keys.view(1, 1, -1) < ctx_lens.view(-1, 1, 1))
+        visible = (keys.view(1, 1, -1) <= abs_pos.unsqueeze(2)) & (keys.view(1, 1, -1) < ctx_lens.view(-1, 1, 1))
+        # additive float mask: SDPA would otherwise convert a bool mask in every layer
+        mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))
         return AttentionGroup(query_rows=query_rows, valid=valid, output_rows=query_rows[valid],
-                              block_tables=block_tables, mask=mask.unsqueeze(1))
+                              block_tables=block_tables, mask=mask.unsqueeze(1), block_size=self.block_size)
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

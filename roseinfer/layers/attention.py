@@ -21,7 +21,13 @@ class AttentionGroup:
     valid: torch.Tensor  # [B, Lq] bool: which query slots are real tokens
     output_rows: torch.Tensor  # [n_valid] flat-batch rows, in the order valid selects them
     block_tables: torch.Tensor  # [B, max_blocks] (padding: block 0, masked out)
-    mask: torch.Tensor  # [B, 1, Lq, max_blocks * block_size] bool: True = attend
+    mask: torch.Tensor  # [B, 1, Lq, max_blocks * block_size] additive: 0 = attend, -inf = not
+    block_size: int
+    whole_batch: bool = False  # the group is every row of the batch, in order (no gather/scatter)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.query_rows.shape[1] == 1
 
 
 @dataclass
@@ -45,29 +51,34 @@ class PagedAttention:
         k_cache, v_cache = kv_cache
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
-        if len(meta.groups) == 1 and meta.groups[0].output_rows.numel() == q.shape[0]:
-            return self._group(q, k_cache, v_cache, meta.groups[0]).reshape_as(q)
+        if len(meta.groups) == 1 and meta.groups[0].whole_batch:
+            return self._group(q, k_cache, v_cache, meta.groups[0])
         out = torch.empty_like(q)
         for group in meta.groups:
             out[group.output_rows] = self._group(q, k_cache, v_cache, group)
         return out
 
+    def _gather(self, cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+        """[B, Hkv, max_blocks * block_size, D] through the block tables. index_select on whole
+        blocks is several times faster than advanced indexing on CPU."""
+        batch, max_blocks = group.block_tables.shape
+        blocks = cache.view(-1, group.block_size * self.num_kv_heads * self.head_dim)
+        gathered = blocks.index_select(0, group.block_tables.flatten())
+        return gathered.view(batch, max_blocks * group.block_size, self.num_kv_heads, self.head_dim).transpose(1, 2)
+
     def _group(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                group: AttentionGroup) -> torch.Tensor:
-        batch, max_blocks = group.block_tables.shape
-        blocks_k = k_cache.view(-1, _block_size(group, max_blocks), self.num_kv_heads, self.head_dim)
-        blocks_v = v_cache.view_as(blocks_k)
-        # [B, max_blocks, bs, Hkv, D] -> [B, Hkv, L, D]
-        keys = blocks_k[group.block_tables].flatten(1, 2).transpose(1, 2)
-        values = blocks_v[group.block_tables].flatten(1, 2).transpose(1, 2)
+        keys, values = self._gather(k_cache, group), self._gather(v_cache, group)
+        if group.is_decode:
+            # One query per sequence: the query heads sharing a KV head become that head's
+            # "query length", so GQA needs no repeated K/V and one mask row serves them all.
+            queries = q if group.whole_batch else q[group.output_rows]
+            batch = queries.shape[0]
+            groups = self.num_heads // self.num_kv_heads
+            queries = queries.view(batch, self.num_kv_heads, groups, self.head_dim)
+            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask, scale=self.scale)
+            return out.reshape(batch, self.num_heads, self.head_dim)
         queries = q[group.query_rows].transpose(1, 2)  # [B, H, Lq, D]
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask, scale=self.scale,
                                              enable_gqa=self.num_heads != self.num_kv_heads)
-        out = out.transpose(1, 2)  # [B, Lq, H, D]
-        if out.shape[1] == 1:
-            return out.squeeze(1)
-        return out[group.valid]
-
-
-def _block_size(group: AttentionGroup, max_blocks: int) -> int:
-    return group.mask.shape[-1] // max_blocks
+        return out.transpose(1, 2)[group.valid]

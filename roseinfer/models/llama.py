@@ -37,13 +37,17 @@ class LlamaAttention(nn.Module):
 
     def forward(self, rope: Rope, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(tokens, self.num_heads, self.head_dim)
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, *rope)
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size:].view(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is None:
+            # q and k side by side as one [T, H + Hkv, D] view: one rotary pass instead of two
+            qk = qkv[:, :self.q_size + self.kv_size].view(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+            qk = apply_rotary(qk, *rope)
+            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        else:
+            q = self.q_norm(qkv[:, :self.q_size].view(tokens, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size].view(tokens, self.num_kv_heads, self.head_dim))
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         out = self.attn(q, k, v, kv_cache, meta)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
