@@ -1,0 +1,77 @@
+"""Where one decode step's time goes: scheduling, batch building, forward, logits + sampling,
+bookkeeping -- and the forward with attention stubbed out -- beside the matmul floor.
+
+Usage: python benchmarks/step_breakdown.py [--model M] [--batch-size 64] [--steps 20] [--num-threads N]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from roseinfer import LLM, SamplingParams
+from roseinfer.bench.floor import matmul_floor
+from roseinfer.layers import attention
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--num-threads", type=int, default=None)
+    args = parser.parse_args()
+    llm = LLM(model=args.model, num_threads=args.num_threads, num_kv_blocks=max(64, args.batch_size * 8))
+    engine, runner, scheduler = llm.engine, llm.engine.runner, llm.engine.scheduler
+    params = SamplingParams(temperature=0.0, max_tokens=args.steps * 2 + 4, ignore_eos=True)
+    for i in range(args.batch_size):
+        engine.add_request([(i * 7 + j) % 1000 + 100 for j in range(args.prompt_len)], params)
+    while any(r.in_prefill for r in scheduler.running) or scheduler.waiting:
+        engine.step()
+    engine.step()
+    parts: dict[str, list[float]] = {k: [] for k in ("schedule", "prepare", "forward", "logits+sample", "update")}
+    stubbed: list[float] = []
+    real_attention = attention.PagedAttention.__call__
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        out = scheduler.schedule()
+        t1 = time.perf_counter()
+        with torch.inference_mode():
+            ids, positions, meta, rows = runner._prepare(out.scheduled)
+            t2 = time.perf_counter()
+            hidden = runner.model(ids, positions, runner.kv_caches, meta)
+            t3 = time.perf_counter()
+            tokens, logprobs = runner.sampler(runner.model.compute_logits(hidden[rows]),
+                                              [s.request for s in out.scheduled])
+            t4 = time.perf_counter()
+            # the same forward with attention replaced by the identity: what attention costs
+            attention.PagedAttention.__call__ = lambda self, q, k, v, cache, m: q
+            t5 = time.perf_counter()
+            runner.model(ids, positions, runner.kv_caches, meta)
+            stubbed.append(time.perf_counter() - t5)
+            attention.PagedAttention.__call__ = real_attention
+        t6 = time.perf_counter()
+        scheduler.update(out, tokens, logprobs)
+        t7 = time.perf_counter()
+        for key, a, b in (("schedule", t0, t1), ("prepare", t1, t2), ("forward", t2, t3),
+                          ("logits+sample", t3, t4), ("update", t6, t7)):
+            parts[key].append(b - a)
+    floor = statistics.median(matmul_floor(runner.model, args.batch_size) for _ in range(3))
+    med = {k: statistics.median(v) * 1000 for k, v in parts.items()}
+    step = sum(med.values())
+    print(f"batch {args.batch_size}, {torch.get_num_threads()} threads, median over {args.steps} decode steps (ms):")
+    for key, value in med.items():
+        print(f"  {key:<14} {value:8.2f}  ({value / step:6.1%})")
+    print(f"  {'step':<14} {step:8.2f}")
+    print(f"  attention      {med['forward'] - statistics.median(stubbed) * 1000:8.2f}  (forward minus forward without attention)")
+    overhead = med["schedule"] + med["prepare"] + med["update"]
+    print(f"  engine overhead (schedule + prepare + update) {overhead:.2f} ms = {overhead / step:.1%} of the step")
+    print(f"matmul floor step {args.batch_size / floor * 1000:.2f} ms -> engine/floor {args.batch_size / floor * 1000 / step:.2f}")
+    engine.pop_finished_ids()
+
+
+if __name__ == "__main__":
+    main()
