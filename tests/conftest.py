@@ -4,7 +4,7 @@ HF transformers greedy reference. Built once per test session into a temp folder
 from __future__ import annotations
 
 import pathlib
-from typing import Callable
+from typing import Callable, Iterator
 
 import pytest
 
@@ -68,3 +68,13 @@ def tiny_model_dir(request: pytest.FixtureRequest, tiny_model_factory: Callable[
 def hf_reference() -> Callable[[str | pathlib.Path, list[int], int], list[int]]:
     """`hf_reference(model_dir, prompt_ids, max_new_tokens)` -> HF greedy new ids (no EOS stop)."""
     return hf_greedy
+
+
+@pytest.fixture
+def restore_torch_threads() -> Iterator[None]:
+    """Commands given --num-threads set torch's process-wide thread count; give later tests theirs back."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)

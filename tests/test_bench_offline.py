@@ -23,12 +23,7 @@ N, PROMPT_LEN, NEW = 6, 12, 5
 ONE_THREAD = ["--num-threads", "1"]
 
 
-@pytest.fixture(autouse=True)
-def _restore_torch_threads():
-    """--num-threads sets torch's process-wide thread count; give later tests theirs back."""
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("restore_torch_threads")
 
 
 @pytest.fixture(scope="module")

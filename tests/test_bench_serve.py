@@ -10,17 +10,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import threading
-import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from roseinfer.bench.serve import add_serve_args, main, run_serve_bench
+from server_helpers import serve_app
 
 FIRST_DELAY = 0.05
 GAP = 0.02
@@ -86,19 +84,8 @@ async def chat_completions(request: Request) -> Any:
 
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
-    # Port 0: the OS picks a free port; we read it back from the bound socket.
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                           lifespan="off"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "stub server did not start"
-        time.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serve_app(app) as url:
+        yield url
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from roseinfer.cli import main
 
@@ -19,12 +18,7 @@ METRICS = ("add_request latency", "Tokenize", "Queue wait", "Prefill->first toke
            "Latency")
 
 
-@pytest.fixture(autouse=True)
-def _restore_torch_threads():
-    """--num-threads sets torch's process-wide thread count; give later tests theirs back."""
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("restore_torch_threads")
 
 
 @pytest.fixture(scope="module")

@@ -73,23 +73,28 @@ class ModelRunner:
 
     def _group(self, items: list[ScheduledRequest], offsets: list[int], idx: list[int]) -> AttentionGroup:
         q_lens = self._tensor([items[i].num_tokens for i in idx])
-        ctx_lens = self._tensor([items[i].request.num_computed_tokens + items[i].num_tokens for i in idx])
         starts = self._tensor([offsets[i] for i in idx])
         max_q = int(q_lens.max())
-        max_blocks = -(-int(ctx_lens.max()) // self.block_size)
-        tables = [items[i].request.block_table[:max_blocks] for i in idx]
-        block_tables = self._tensor([t + [0] * (max_blocks - len(t)) for t in tables])
         q_pos = torch.arange(max_q, device=self.device).unsqueeze(0)  # [1, Lq]
         valid = q_pos < q_lens.unsqueeze(1)
         query_rows = starts.unsqueeze(1) + torch.minimum(q_pos, q_lens.unsqueeze(1) - 1)
+        group = AttentionGroup(query_rows=query_rows, valid=valid, output_rows=query_rows[valid],
+                               block_size=self.block_size)
+        if max_q > 1 and all(items[i].request.num_computed_tokens == 0 for i in idx):
+            group.fresh = True  # whole prompts: attention needs neither the cache nor a mask
+            return group
+        ctx_lens = self._tensor([items[i].request.num_computed_tokens + items[i].num_tokens for i in idx])
+        max_blocks = -(-int(ctx_lens.max()) // self.block_size)
+        tables = [items[i].request.block_table[:max_blocks] for i in idx]
+        group.block_tables = self._tensor([t + [0] * (max_blocks - len(t)) for t in tables])
         # absolute position of each query; key j is visible when j <= that position (and j < ctx)
         abs_pos = (ctx_lens - q_lens).unsqueeze(1) + q_pos  # [B, Lq]
         keys = torch.arange(max_blocks * self.block_size, device=self.device)
         visible = (keys.view(1, 1, -1) <= abs_pos.unsqueeze(2)) & (keys.view(1, 1, -1) < ctx_lens.view(-1, 1, 1))
         # additive float mask: SDPA would otherwise convert a bool mask in every layer
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))
-        return AttentionGroup(query_rows=query_rows, valid=valid, output_rows=query_rows[valid],
-                              block_tables=block_tables, mask=mask.unsqueeze(1), block_size=self.block_size)
+        group.mask = mask.unsqueeze(1)
+        return group
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -20,10 +20,11 @@ class AttentionGroup:
     query_rows: torch.Tensor  # [B, Lq] rows of the flat batch (padding repeats a valid row)
     valid: torch.Tensor  # [B, Lq] bool: which query slots are real tokens
     output_rows: torch.Tensor  # [n_valid] flat-batch rows, in the order valid selects them
-    block_tables: torch.Tensor  # [B, max_blocks] (padding: block 0, masked out)
-    mask: torch.Tensor  # [B, 1, Lq, max_blocks * block_size] additive: 0 = attend, -inf = not
     block_size: int
+    block_tables: torch.Tensor | None = None  # [B, max_blocks] (padding: block 0, masked out)
+    mask: torch.Tensor | None = None  # [B, 1, Lq, max_blocks * block_size] additive: 0 = attend, -inf = not
     whole_batch: bool = False  # the group is every row of the batch, in order (no gather/scatter)
+    fresh: bool = False  # prefill with nothing cached before it: attend to this step's K/V directly
 
     @property
     def is_decode(self) -> bool:
@@ -52,10 +53,10 @@ class PagedAttention:
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
         if len(meta.groups) == 1 and meta.groups[0].whole_batch:
-            return self._group(q, k_cache, v_cache, meta.groups[0])
+            return self._group(q, k_cache, v_cache, meta.groups[0], k, v)
         out = torch.empty_like(q)
         for group in meta.groups:
-            out[group.output_rows] = self._group(q, k_cache, v_cache, group)
+            out[group.output_rows] = self._group(q, k_cache, v_cache, group, k, v)
         return out
 
     def _gather(self, cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
@@ -67,7 +68,14 @@ class PagedAttention:
         return gathered.view(batch, max_blocks * group.block_size, self.num_kv_heads, self.head_dim).transpose(1, 2)
 
     def _group(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               group: AttentionGroup) -> torch.Tensor:
+               group: AttentionGroup, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if group.fresh:
+            # Whole prompts from position 0: this step's K/V are all there is, and right padding
+            # is invisible to real queries under a causal mask -- no cache gather, no explicit mask.
+            queries, keys, values = (t[group.query_rows].transpose(1, 2) for t in (q, k, v))
+            out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=self.scale,
+                                                 enable_gqa=self.num_heads != self.num_kv_heads)
+            return out.transpose(1, 2)[group.valid]
         keys, values = self._gather(k_cache, group), self._gather(v_cache, group)
         if group.is_decode:
             # One query per sequence: the query heads sharing a KV head become that head's
