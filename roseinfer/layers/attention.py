@@ -5,7 +5,8 @@ token t of a sequence lives in slot `block_table[t // block_size] * block_size +
 The batch is one flat list of tokens. Sequences that decode (one query each) and sequences
 that prefill a chunk (several queries) form two groups, each run as one padded batched
 attention call; the masks and gather indices are built once per step by the model runner and
-shared by every layer, so there is no Python loop over sequences here.
+shared by every layer, so there is no Python loop over sequences here. A prefill group of whole
+prompts needs no cache at all: its own K/V under a causal mask are the whole context.
 """
 from __future__ import annotations
 
