@@ -62,3 +62,16 @@ def test_unknown_model_type(tmp_path, tiny_model_factory):
 def test_missing_model_is_one_clear_line(tmp_path):
     with pytest.raises(ValueError, match="no such file or folder"):
         LLM(model=str(tmp_path / "nope" / "model.gguf"))
+
+
+def test_unreachable_hub_id_is_one_clear_line(monkeypatch):
+    import huggingface_hub
+
+    def offline(*args, **kwargs):
+        raise OSError("Name or service not known\nlong traceback text")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(ValueError) as info:
+        LLM(model="SomeOrg/some-model")
+    message = str(info.value)
+    assert "SomeOrg/some-model" in message and "local folder" in message and "\n" not in message
