@@ -113,8 +113,9 @@ def test_collector_tokenize_workers_stream_interval(blog_flags: list[str], tmp_p
 
 def test_pretok_and_rejections(blog_flags: list[str], tmp_path, capsys) -> None:
     out_json = tmp_path / "r.json"
-    # 64 tokens each keep the first requests in flight far longer than the burst takes
-    rc = main(["bench", "streaming", *blog_flags, "--max-new-tokens", "64", "--pretok",
+    # 200 tokens each (near the tiny model's context) keep the first requests in flight far
+    # longer than the burst takes, even when the submitting thread waits for the GIL
+    rc = main(["bench", "streaming", *blog_flags, "--max-new-tokens", "200", "--pretok",
                "--max-inflight-requests", "3", "--json", str(out_json)])
     text = capsys.readouterr().out
     assert rc == 0
@@ -124,8 +125,8 @@ def test_pretok_and_rejections(blog_flags: list[str], tmp_path, capsys) -> None:
     # a burst of 8 against a limit of 3: the first 3 get in, the rest cannot
     assert len(ok) >= 3 and rejected and len(ok) + len(rejected) == N
     assert f"Rejected: {len(rejected)}/{N} " in text
-    assert f"Completion tokens (total): {len(ok) * 64}" in text
-    _check_requests(ok, 64)
+    assert f"Completion tokens (total): {len(ok) * 200}" in text
+    _check_requests(ok, 200)
     # pre-tokenized: the prompt was ready from the start, and its encode time is still reported
     assert all(r["tokenized"] is None and r["tokenize_s"] > 0 for r in ok)
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
@@ -11,6 +10,7 @@ from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.sampling_params import SamplingParams
 from roseinfer.server.engine_loop import OverloadedError, RequestStream, SchedulerManager, StreamDelta
 from roseinfer.server.stop_strings import StopStringMatcher
+from server_helpers import wait_for
 
 PROMPT = "The cat sees a red apple"
 
@@ -45,15 +45,6 @@ def drain(stream: RequestStream) -> list[StreamDelta]:
 
 def greedy(max_tokens: int, **kwargs) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
-
-
-def wait_until(predicate, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
 
 
 def test_stream_interval_first_token_at_once_then_every_n_and_the_rest_at_the_end(engine, manager) -> None:
@@ -104,7 +95,7 @@ def test_stop_string_across_chunks_is_cut_with_everything_after_it(engine, manag
     for d in deltas:
         sent += d.text
         assert expected.startswith(sent)
-    assert wait_until(lambda: m.stats()["kv_cache_usage_ratio"] == 0.0)
+    assert wait_for(lambda: m.stats()["kv_cache_usage_ratio"] == 0.0)
 
 
 def test_stop_matcher_holds_back_only_what_could_start_a_stop() -> None:
@@ -135,7 +126,7 @@ def test_abort_frees_blocks_at_once(engine, manager) -> None:
     assert rest[-1].num_output_tokens < 200
     stats = m.stats()
     assert stats["kv_cache_usage_ratio"] == 0.0 and stats["num_running"] == 0
-    assert wait_until(lambda: m.stats()["num_inflight"] == 0)
+    assert wait_for(lambda: m.stats()["num_inflight"] == 0)
 
 
 def test_overload_and_bad_input_fail_in_the_callers_thread(engine, manager) -> None:
@@ -153,7 +144,7 @@ def test_overload_and_bad_input_fail_in_the_callers_thread(engine, manager) -> N
     for stream in held:
         m.abort(stream.request_id)
         drain(stream)
-    assert wait_until(lambda: m.stats()["num_inflight"] == 0)
+    assert wait_for(lambda: m.stats()["num_inflight"] == 0)
     assert drain(m.submit(ids, greedy(4)))[-1].finish_reason == "length"
 
 

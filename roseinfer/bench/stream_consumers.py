@@ -95,8 +95,7 @@ class ThreadConsumers:
                 if delta.finished:
                     return
         except Exception as exc:  # noqa: BLE001 -- a failed stream is counted, not fatal
-            rec.error = f"{type(exc).__name__}: {exc}"
-            self.abort(stream.request_id)
+            _record_failure(rec, exc, stream, self.abort)
 
     def join(self) -> None:
         for thread in self.threads:
@@ -131,8 +130,7 @@ class CollectorConsumer:
         try:
             await asyncio.wait_for(drain(), self.timeout)
         except Exception as exc:  # noqa: BLE001 -- a failed stream is counted, not fatal
-            rec.error = f"{type(exc).__name__}: {exc}"
-            self.abort(stream.request_id)
+            _record_failure(rec, exc, stream, self.abort)
 
     def join(self) -> None:
         for future in self.futures:
@@ -148,3 +146,9 @@ def make_consumer(kind: str, timeout: float, abort: Callable[[str], None]) -> Th
     if kind not in CONSUMERS:
         raise ValueError(f"unknown consumer {kind!r}; expected one of {', '.join(CONSUMERS)}")
     return CollectorConsumer(timeout, abort) if kind == "collector" else ThreadConsumers(timeout, abort)
+
+
+def _record_failure(rec: StreamRecord, exc: Exception, stream: Any, abort: Callable[[str], None]) -> None:
+    """A stream that failed or timed out is counted as failed and its request aborted (blocks freed)."""
+    rec.error = f"{type(exc).__name__}: {exc}"
+    abort(stream.request_id)
