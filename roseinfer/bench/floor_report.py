@@ -1,0 +1,113 @@
+"""The --floor report of `bench offline`: floor samples around the measured runs, and one
+Markdown row per batch size with the engine's and HF's throughput beside the floor."""
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+from typing import TYPE_CHECKING, Any, Callable
+
+from roseinfer.bench.floor import matmul_floor
+
+if TYPE_CHECKING:
+    from roseinfer.bench.offline import RoseinferRunner, RunResult
+
+
+def floor_mode_for(modes: list[str]) -> str:
+    """The mode the floor table compares: offline (LLM.generate), else online."""
+    for mode in ("offline", "online"):
+        if mode in modes:
+            return mode
+    raise ValueError("--floor compares batched runs: use --mode offline, online or all")
+
+
+def prefill_in_one_step(args: argparse.Namespace, result: RunResult) -> bool:
+    """True when every request of the run was admitted and prefilled in the first engine
+    step, so that the time to the last first token is prefill work only."""
+    n = len(result.timings)
+    budget = min(args.max_num_batched_tokens, args.prefill_max_tokens or args.max_num_batched_tokens)
+    return (result.mode != "naive" and n <= result.batch_size and result.prompt_tokens <= budget
+            and n <= (args.prefill_max_batch_size or n) and n <= (args.max_active_requests or n))
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return num / den if num is not None and den else None
+
+
+def floor_rows(args: argparse.Namespace, results: list[RunResult], floors: dict[int, list[float]],
+               mode: str) -> list[dict[str, Any]]:
+    """One row per batch size: medians over the repeat runs and over the floor samples."""
+    rows = []
+    for bs, samples in floors.items():
+        runs = [r for r in results if (r.backend, r.mode, r.batch_size) == ("roseinfer", mode, bs)]
+        hf_runs = [r for r in results if (r.backend, r.mode, r.batch_size) == ("hf", mode, bs)]
+        floor = _median(samples)
+        decode = _median([r.decode_throughput for r in runs])
+        e2e = _median([r.throughput(r.total_time) for r in runs])
+        clean = [r for r in runs if prefill_in_one_step(args, r)]
+        rows.append({
+            "batch_size": bs, "mode": mode, "num_requests": len(runs[0].timings) if runs else 0,
+            "runs": len(runs), "engine_decode_tok_s": decode, "floor_tok_s": floor,
+            "decode_over_floor": _ratio(decode, floor), "e2e_tok_s": e2e, "e2e_over_floor": _ratio(e2e, floor),
+            "prefill_tok_s": _median([r.prefill_throughput for r in clean]) if clean and len(clean) == len(runs)
+            else None,
+            "hf_tok_s": _median([r.throughput(r.total_time) for r in hf_runs]),
+            "hf_decode_tok_s": _median([r.decode_throughput for r in hf_runs]),
+            "floor_samples_tok_s": list(samples),
+            "engine_decode_runs_tok_s": [r.decode_throughput for r in runs],
+            "e2e_runs_tok_s": [r.throughput(r.total_time) for r in runs],
+        })
+    return rows
+
+
+def _cell(value: float | None, spec: str) -> str:
+    return "–" if value is None or not math.isfinite(value) else format(value, spec)
+
+
+def format_floor_table(rows: list[dict[str, Any]], threads: int, steps: int) -> str:
+    """The floor rows as a Markdown table (pasteable into a README)."""
+    with_hf = any(r["hf_tok_s"] is not None for r in rows)
+    with_prefill = any(r["prefill_tok_s"] is not None for r in rows)
+    cols = ["batch", "engine decode tok/s", "floor tok/s", "decode/floor", "e2e tok/s", "e2e/floor"]
+    cols += ["hf tok/s"] * with_hf + ["prefill tok/s"] * with_prefill
+    mode = rows[0]["mode"] if rows else "offline"
+    out = [f"=== matmul floor (mode={mode}, threads={threads}, median over runs and floor samples) ===", "",
+           "| " + " | ".join(cols) + " |", "|" + "|".join("-" * (len(c) + 1) + ":" for c in cols) + "|"]
+    for r in rows:
+        cells = [str(r["batch_size"]), _cell(r["engine_decode_tok_s"], ".1f"), _cell(r["floor_tok_s"], ".1f"),
+                 _cell(r["decode_over_floor"], ".2f"), _cell(r["e2e_tok_s"], ".1f"),
+                 _cell(r["e2e_over_floor"], ".2f")]
+        cells += [_cell(r["hf_tok_s"], ".1f")] * with_hf + [_cell(r["prefill_tok_s"], ".1f")] * with_prefill
+        out.append("| " + " | ".join(cells) + " |")
+    notes = [f"floor: tokens/s of a decode step doing only the model's matmuls (LM head included) on its own "
+             f"weights, {steps} steps per sample, sampled before and after every measured run; "
+             "engine decode: tokens after every request's first token / decode time; "
+             "e2e: all completion tokens / total time (prefill included)"]
+    if with_hf:
+        notes.append("hf: transformers generate, completion tokens / total time (same definition as e2e)")
+    if with_prefill:
+        notes.append("prefill: prompt tokens / time to the last first token, shown where the whole prefill "
+                     "fits in one step (raise --max-num-batched-tokens for the others)")
+    out += [""] + [f"{note}." for note in notes]
+    return "\n".join(out)
+
+
+def floor_sampler(args: argparse.Namespace, runner: RoseinferRunner, batch_size: int, mode: str,
+                   samples: list[float]) -> Callable[[str], None]:
+    """The ``around_measured`` hook: one floor sample for ``batch_size`` on the engine's
+    loaded model (same weights, dtype, device and threads), around each measured run of
+    ``mode``."""
+    model = runner.engine.runner.model
+
+    def sample(run_mode: str) -> None:
+        if run_mode != mode:
+            return
+        tok_s = matmul_floor(model, batch_size, args.floor_steps, args.floor_warmup)
+        samples.append(tok_s)
+        print(f"Matmul floor (batch_size={batch_size}, sample {len(samples)}): {tok_s:.2f} tokens/s", flush=True)
+
+    return sample
