@@ -15,7 +15,7 @@ import torch
 from roseinfer.config import EngineConfig
 from roseinfer.engine.block_manager import BlockManager
 from roseinfer.engine.model_runner import ModelRunner
-from roseinfer.engine.request import Request, RequestOutput, RequestStatus
+from roseinfer.engine.request import Request, RequestOutput
 from roseinfer.engine.sampler import Sampler
 from roseinfer.engine.scheduler import Scheduler
 from roseinfer.loader.model_loader import load_model, load_model_config, resolve_model_folder
@@ -151,6 +151,3 @@ class LLMEngine:
 
     def kv_cache_stats(self) -> dict[str, int]:
         return self.block_manager.stats_dict()
-
-    def running_ids(self) -> list[str]:
-        return [r.request_id for r in self.scheduler.running if r.status is RequestStatus.RUNNING]
