@@ -71,7 +71,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             engine.abort_request(request_id)
         engine.pop_finished_ids()
-        print()
+        print(detok.flush())
         history += [{"role": "user", "content": text}, {"role": "assistant", "content": detok.text}]
 
 

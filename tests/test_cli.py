@@ -1,0 +1,52 @@
+"""roseinfer generate / chat / --help on a tiny model, through the real entry point."""
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from roseinfer import LLM, SamplingParams
+from roseinfer.cli import main
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_factory) -> str:
+    return str(tiny_model_factory("llama"))
+
+
+def _expected(model_dir: str, messages: list[dict]) -> str:
+    llm = LLM(model=model_dir, num_kv_blocks=32)
+    ids = llm.apply_chat_template(messages)
+    return llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=6))[0].text
+
+
+def test_generate_prints_the_greedy_completion(model_dir, capsys):
+    assert main(["generate", "hello there", "--model", model_dir, "--max-tokens", "6", "--num-kv-blocks", "32"]) == 0
+    out = capsys.readouterr()
+    assert out.out.rstrip("\n") == _expected(model_dir, [{"role": "user", "content": "hello there"}])
+    assert "finish_reason=" in out.err
+
+
+def test_chat_streams_each_turn_and_keeps_the_history(model_dir, capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello there\nand again\n"))
+    assert main(["chat", "--model", model_dir, "--max-tokens", "6", "--num-kv-blocks", "32"]) == 0
+    first = _expected(model_dir, [{"role": "user", "content": "hello there"}])
+    second = _expected(model_dir, [{"role": "user", "content": "hello there"},
+                                   {"role": "assistant", "content": first},
+                                   {"role": "user", "content": "and again"}])
+    assert capsys.readouterr().out == f"> {first}\n> {second}\n> "
+
+
+def test_bad_input_is_one_line_and_exit_code_2(model_dir, capsys):
+    assert main(["generate", "hi", "--model", model_dir, "--max-tokens", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("roseinfer: error: max_tokens") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["chat", "--help"], ["serve", "--help"],
+                                  ["bench", "offline", "--help"]])
+def test_help_is_useful_on_its_own(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 0
+    assert "usage: roseinfer" in capsys.readouterr().out
