@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import os
 import shutil
 import signal
@@ -295,7 +296,9 @@ def test_tokenize_detokenize_models_metrics(http: httpx.Client, llm: LLM) -> Non
     assert http.post("/detokenize", json={"model": MODEL, "tokens": tok["tokens"]}).json() == {"prompt": PROMPT}
     chat = http.post("/tokenize", json={"messages": MESSAGES}).json()
     assert chat["tokens"] == chat_ids(llm)
-    assert [m["id"] for m in http.get("/v1/models").json()["data"]] == [MODEL]
+    models = http.get("/v1/models").json()["data"]
+    assert [m["id"] for m in models] == [MODEL]
+    assert 0 < models[0]["created"] <= time.time()
     text = http.get("/metrics").text
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_ratio", "prompt_tokens_total",
                  "generation_tokens_total", "prefix_cache_queries_total", "prefix_cache_hits_total",

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import AsyncIterator
@@ -33,6 +34,7 @@ def build_app(engine: LLMEngine, served_model_name: str, stream_interval: int = 
               max_inflight_requests: int | None = None) -> FastAPI:
     """The app owns a SchedulerManager over `engine`, started and shut down by its lifespan."""
     metrics = ServerMetrics()
+    started = int(time.time())  # /v1/models reports when this server started serving the model
     manager = SchedulerManager(engine, stream_interval, max_inflight_requests, on_finished=metrics.observe_finished)
     serving = OpenAIServing(manager, served_model_name)
 
@@ -59,7 +61,7 @@ def build_app(engine: LLMEngine, served_model_name: str, stream_interval: int = 
 
     @app.get("/v1/models")
     async def models() -> dict:
-        card = {"id": served_model_name, "object": "model", "created": 0, "owned_by": "roseinfer",
+        card = {"id": served_model_name, "object": "model", "created": started, "owned_by": "roseinfer",
                 "root": str(engine.model_folder), "max_model_len": engine.max_model_len}
         return {"object": "list", "data": [card]}
 
