@@ -40,13 +40,15 @@ class LLM:
         else:
             params_list = [sampling_params or SamplingParams()] * len(prompts)
         engine = self.engine
-        # validate everything before submitting anything, so a bad prompt leaves no half-run batch
-        encoded = [engine.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-        for ids, params in zip(encoded, params_list):
-            engine.validate(ids, params)
-        ids = [engine.add_request(p, sp) for p, sp in zip(encoded, params_list)]
-        requests = {rid: engine.get_request(rid) for rid in ids}
+        ids: list[str] = []
+        requests = {}
         try:
+            # add_request validates; if a later prompt is bad, the finally below withdraws the
+            # ones already submitted, so a failed call leaves nothing behind
+            for prompt, params in zip(prompts, params_list):
+                rid = engine.add_request(prompt, params)
+                ids.append(rid)
+                requests[rid] = engine.get_request(rid)
             while engine.has_unfinished():
                 engine.step()
         finally:

@@ -75,3 +75,10 @@ def test_unreachable_hub_id_is_one_clear_line(monkeypatch):
         LLM(model="SomeOrg/some-model")
     message = str(info.value)
     assert "SomeOrg/some-model" in message and "local folder" in message and "\n" not in message
+
+
+def test_a_bad_prompt_after_good_ones_leaves_nothing_behind(llm):
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[5, 6, 7], [8, 9], []], SamplingParams(max_tokens=3))
+    assert not llm.engine.has_unfinished()
+    assert llm.kv_cache_stats()["used_blocks"] == 0
