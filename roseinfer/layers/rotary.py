@@ -1,4 +1,11 @@
-"""Rotary position embeddings, with the scaled variants transformers defines (llama3, linear, yarn)."""
+"""Rotary position embeddings, with the scaled variants transformers defines (llama3, linear, yarn).
+
+HF checkpoints rotate each head as two halves (x[i] pairs with x[i + d/2]). Here the pairs are
+adjacent (x[2i], x[2i+1]) so that a rotation is one complex multiply: one kernel instead of the
+six of the half-split form (slices, neg, cat, two muls, add), which measured 10-40x faster at 64-256
+tokens on CPU. The model reorders q/k projection rows at load time (`interleave_rotary_rows`); a
+permutation of head_dim applied to both q and k leaves every q.k score, and so the output, unchanged.
+"""
 from __future__ import annotations
 
 from typing import Any
@@ -18,7 +25,7 @@ def rope_parameters(hf_config: Any) -> dict:
 
 
 class RotaryEmbedding(nn.Module):
-    """Precomputes cos/sin for every position once; a forward is an index and four multiplies."""
+    """Precomputes cos + i*sin for every position once; a step looks its rows up once."""
 
     def __init__(self, head_dim: int, max_positions: int, hf_config: Any) -> None:
         super().__init__()
@@ -37,20 +44,26 @@ class RotaryEmbedding(nn.Module):
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq.float())
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
-        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        # the same float32 cos/sin as transformers, packed as one complex number per pair
+        # A plain attribute, not a buffer: `model.to(dtype)` would cast a complex buffer to real. The
+        # model is built on its device, so the table is created there and never moves.
+        self.rotations = torch.complex(freqs.cos() * scaling, freqs.sin() * scaling)
 
-    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin rows for a step's positions, [T, 1, D]; looked up once per step, used by every layer."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D]; cos, sin: [T, 1, D]."""
-    return x * cos + _rotate_half(x) * sin
+    def lookup(self, positions: torch.Tensor) -> torch.Tensor:
+        """Rotations for a step's positions, [T, 1, D/2] complex64; looked up once, used by every layer.
+        Half-precision models rotate in float32 too: torch has no fast complex32 kernels."""
+        return self.rotations[positions].unsqueeze(1)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def apply_rotary(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D] with rotary pairs adjacent; rotations: [T, 1, D/2] complex. Returns [T, heads, D]."""
+    tokens, heads, dim = x.shape
+    pairs = torch.view_as_complex(x.float().reshape(tokens, heads, dim // 2, 2))
+    return torch.view_as_real(pairs * rotations).view(tokens, heads, dim).to(x.dtype)
+
+
+def interleave_rotary_rows(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Reorders the output rows of a q/k projection (weight, bias or per-head norm weight) from
+    HF's half-split rotary layout to adjacent pairs, within each head: [h, 2, d/2] -> [h, d/2, 2]."""
+    heads = rows.shape[0] // head_dim
+    return rows.reshape(heads, 2, head_dim // 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)

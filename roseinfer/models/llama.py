@@ -1,7 +1,7 @@
 """The Llama family: Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2/2.5 (qkv bias), Qwen3 (q/k norm).
 
 q/k/v and gate/up are fused into one matmul each; `load_weights` slices the checkpoint's
-separate tensors into them.
+separate tensors into them, and reorders q/k rows for the adjacent-pair rotary (layers/rotary.py).
 """
 from __future__ import annotations
 
@@ -13,12 +13,11 @@ from torch import nn
 from roseinfer.layers.activation import get_activation
 from roseinfer.layers.attention import AttentionMetadata, PagedAttention
 from roseinfer.layers.norm import RMSNorm
-from roseinfer.layers.rotary import RotaryEmbedding, apply_rotary
+from roseinfer.layers.rotary import RotaryEmbedding, apply_rotary, interleave_rotary_rows
 from roseinfer.models.config import ModelConfig
 from roseinfer.models.weights import WeightLoader
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
-Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin for this step's positions
 
 
 class LlamaAttention(nn.Module):
@@ -35,19 +34,19 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5)
 
-    def forward(self, rope: Rope, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         v = qkv[:, self.q_size + self.kv_size:].view(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is None:
             # q and k side by side as one [T, H + Hkv, D] view: one rotary pass instead of two
             qk = qkv[:, :self.q_size + self.kv_size].view(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-            qk = apply_rotary(qk, *rope)
+            qk = apply_rotary(qk, rope)
             q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         else:
             q = self.q_norm(qkv[:, :self.q_size].view(tokens, self.num_heads, self.head_dim))
             k = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size].view(tokens, self.num_kv_heads, self.head_dim))
-            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+            q, k = apply_rotary(q, rope), apply_rotary(k, rope)
         out = self.attn(q, k, v, kv_cache, meta)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
@@ -73,7 +72,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
 
-    def forward(self, rope: Rope, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -102,7 +101,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
-        rope = self.model.rotary.lookup(positions, x.dtype)
+        rope = self.model.rotary.lookup(positions)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x = layer(rope, x, kv_cache, meta)
         return self.model.norm(x)
@@ -120,8 +119,11 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         loader = WeightLoader(self, self.packed_modules)
+        rotated = (".q_proj.", ".k_proj.", ".q_norm.", ".k_norm.")
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.lm_head is None):
                 continue
+            if any(part in name for part in rotated):
+                tensor = interleave_rotary_rows(tensor, self.cfg.head_dim)  # see layers/rotary.py
             loader.load(name, tensor)
         loader.check_complete()

@@ -1,0 +1,45 @@
+"""Layer-level checks against transformers' own functions."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from roseinfer.layers.rotary import apply_rotary, interleave_rotary_rows
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)])
+def test_adjacent_pair_rotary_gives_hf_scores(heads: int, kv_heads: int) -> None:
+    """Rows reordered at load + the complex rotation give the same q.k scores as HF's half-split
+    rotary, and the same rotated vectors once the reordering is undone."""
+    torch.manual_seed(0)
+    tokens, head_dim, hidden = 7, 16, 32
+    wq, wk = torch.randn(heads * head_dim, hidden), torch.randn(kv_heads * head_dim, hidden)
+    x = torch.randn(tokens, hidden)
+    angles = torch.outer(torch.arange(tokens, dtype=torch.float32) * 3 + 5, torch.rand(head_dim // 2))
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+
+    q_hf = (x @ wq.T).view(tokens, heads, head_dim).transpose(0, 1).unsqueeze(0)
+    k_hf = (x @ wk.T).view(tokens, kv_heads, head_dim).transpose(0, 1).unsqueeze(0)
+    q_hf, k_hf = apply_rotary_pos_emb(q_hf, k_hf, cos.unsqueeze(0), sin.unsqueeze(0))
+    q_hf, k_hf = q_hf[0].transpose(0, 1), k_hf[0].transpose(0, 1)  # [T, heads, D]
+
+    rotations = torch.polar(torch.ones_like(angles), angles).unsqueeze(1)
+    q = apply_rotary((x @ interleave_rotary_rows(wq, head_dim).T).view(tokens, heads, head_dim), rotations)
+    k = apply_rotary((x @ interleave_rotary_rows(wk, head_dim).T).view(tokens, kv_heads, head_dim), rotations)
+
+    group = heads // kv_heads
+    scores_hf = torch.einsum("thd,shd->hts", q_hf, k_hf.repeat_interleave(group, dim=1))
+    scores = torch.einsum("thd,shd->hts", q, k.repeat_interleave(group, dim=1))
+    torch.testing.assert_close(scores, scores_hf, rtol=1e-5, atol=1e-4)
+    # undo the reordering: [h, d/2, 2] -> [h, 2, d/2]
+    unpaired = q.view(tokens, heads, head_dim // 2, 2).transpose(2, 3).reshape(tokens, heads, head_dim)
+    torch.testing.assert_close(unpaired, q_hf, rtol=1e-5, atol=1e-5)
+
+
+def test_interleave_rotary_rows_is_a_per_head_permutation() -> None:
+    rows = torch.arange(2 * 8).float()  # two heads of head_dim 8, as a bias vector
+    out = interleave_rotary_rows(rows, 8)
+    assert out.tolist() == [0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15]
+    weight = torch.arange(16 * 3).float().view(16, 3)
+    assert torch.equal(interleave_rotary_rows(weight, 8)[:, 0], out * 3)
