@@ -16,20 +16,21 @@ from torch import nn
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
-def rope_parameters(hf_config: Any) -> dict:
-    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
-    params = dict(params)
+def rope_parameters(config: dict[str, Any]) -> dict:
+    """The rope settings of a config.json: `rope_parameters` (transformers 5) or the older
+    `rope_scaling` + `rope_theta`."""
+    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
     params.setdefault("rope_type", params.get("type", "default"))
-    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
     return params
 
 
 class RotaryEmbedding(nn.Module):
     """Precomputes cos + i*sin for every position once; a step looks its rows up once."""
 
-    def __init__(self, head_dim: int, max_positions: int, hf_config: Any) -> None:
+    def __init__(self, head_dim: int, max_positions: int, config: dict[str, Any]) -> None:
         super().__init__()
-        params = rope_parameters(hf_config)
+        params = rope_parameters(config)
         rope_type = params["rope_type"]
         if rope_type not in STATIC_ROPE_TYPES:
             raise ValueError(f"rope type {rope_type!r} is not supported; supported: {', '.join(STATIC_ROPE_TYPES)}")
@@ -38,10 +39,13 @@ class RotaryEmbedding(nn.Module):
             inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
             scaling = 1.0
         else:
-            # transformers owns the scaled-frequency formulas; reuse them so we match exactly.
+            # transformers owns the scaled-frequency formulas; reuse them so we match exactly
+            # (imported only here: default-rope models never load transformers).
+            from transformers import AutoConfig
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config)
+            fields = {k: v for k, v in config.items() if k != "model_type"}
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](AutoConfig.for_model(config["model_type"], **fields))
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq.float())
         # the same float32 cos/sin as transformers, packed as one complex number per pair

@@ -10,7 +10,7 @@ from torch import nn
 
 from roseinfer.loader.default_model import default_model_path
 from roseinfer.loader.gguf import convert_gguf
-from roseinfer.models.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from roseinfer.models.config import ModelConfig
 from roseinfer.models.registry import build_model
 
 
@@ -53,13 +53,7 @@ def _download(repo_id: str) -> Path:
 
 
 def load_model_config(folder: Path) -> ModelConfig:
-    from transformers import AutoConfig
-
-    # Check before AutoConfig, which fails with its own message on types it does not know.
-    model_type = json.loads((folder / "config.json").read_text()).get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    return ModelConfig.from_hf(AutoConfig.from_pretrained(str(folder)))
+    return ModelConfig.from_dict(json.loads((folder / "config.json").read_text()))
 
 
 def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:

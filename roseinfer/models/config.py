@@ -1,7 +1,7 @@
-"""The model facts the engine needs, read once from a transformers config."""
+"""The model facts the engine needs, read once from a checkpoint's config.json."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
@@ -24,35 +24,66 @@ class ModelConfig:
     attention_bias: bool = False
     qk_norm: bool = False
     hidden_act: str = "silu"
-    hf_config: Any = None  # kept for rotary init (transformers computes scaled frequencies)
+    raw_config: dict[str, Any] = field(default_factory=dict)  # config.json, for rotary scaling
 
     @classmethod
-    def from_hf(cls, hf: Any) -> "ModelConfig":
-        model_type = getattr(hf, "model_type", None)
+    def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
+        """Reads config.json directly: importing transformers' config classes would pull about
+        150 MB of modules into every process. Missing optional fields take transformers' defaults
+        (`_DEFAULTS`; tests/test_model_config.py checks them against transformers)."""
+        model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        get = _Fields(raw, _DEFAULTS[model_type])
         if model_type == "gpt2":
             return cls(
-                model_type="gpt2", vocab_size=hf.vocab_size, hidden_size=hf.n_embd, num_layers=hf.n_layer,
-                num_heads=hf.n_head, num_kv_heads=hf.n_head, head_dim=hf.n_embd // hf.n_head,
-                intermediate_size=hf.n_inner or 4 * hf.n_embd, max_position_embeddings=hf.n_positions,
-                norm_eps=hf.layer_norm_epsilon, tie_word_embeddings=True, attention_bias=True,
-                hidden_act=hf.activation_function, hf_config=hf,
+                model_type="gpt2", vocab_size=get("vocab_size"), hidden_size=get("n_embd"), num_layers=get("n_layer"),
+                num_heads=get("n_head"), num_kv_heads=get("n_head"), head_dim=get("n_embd") // get("n_head"),
+                intermediate_size=get("n_inner") or 4 * get("n_embd"), max_position_embeddings=get("n_positions"),
+                norm_eps=get("layer_norm_epsilon"), tie_word_embeddings=True, attention_bias=True,
+                hidden_act=get("activation_function"), raw_config=raw,
             )
-        num_heads = hf.num_attention_heads
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
-        max_pos = hf.max_position_embeddings
+        num_heads = get("num_attention_heads")
+        head_dim = get("head_dim") or get("hidden_size") // num_heads
+        max_pos = get("max_position_embeddings")
         # Mistral-style sliding window: we attend to the whole context, so cap the context at
         # the window, where both agree.
-        window = getattr(hf, "sliding_window", None) if model_type == "mistral" else None
+        window = get("sliding_window") if model_type == "mistral" else None
         if window:
             max_pos = min(max_pos, window)
         return cls(
-            model_type=model_type, vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
-            num_layers=hf.num_hidden_layers, num_heads=num_heads,
-            num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads, head_dim=head_dim,
-            intermediate_size=hf.intermediate_size, max_position_embeddings=max_pos, norm_eps=hf.rms_norm_eps,
-            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            attention_bias=bool(getattr(hf, "attention_bias", False)) or model_type == "qwen2",
-            qk_norm=model_type == "qwen3", hidden_act=getattr(hf, "hidden_act", "silu"), hf_config=hf,
+            model_type=model_type, vocab_size=get("vocab_size"), hidden_size=get("hidden_size"),
+            num_layers=get("num_hidden_layers"), num_heads=num_heads,
+            num_kv_heads=get("num_key_value_heads") or num_heads, head_dim=head_dim,
+            intermediate_size=get("intermediate_size"), max_position_embeddings=max_pos, norm_eps=get("rms_norm_eps"),
+            tie_word_embeddings=bool(get("tie_word_embeddings")),
+            attention_bias=bool(get("attention_bias")) or model_type == "qwen2",
+            qk_norm=model_type == "qwen3", hidden_act=get("hidden_act"), raw_config=raw,
         )
+
+
+_LLAMA_DEFAULTS = {"rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False,
+                   "num_key_value_heads": None, "head_dim": None, "attention_bias": False}
+# What transformers' config classes assume for fields a config.json leaves out.
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gpt2": {"n_inner": None, "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5, "n_positions": 1024},
+    "llama": {**_LLAMA_DEFAULTS, "max_position_embeddings": 2048},
+    "mistral": {**_LLAMA_DEFAULTS, "max_position_embeddings": 131072, "sliding_window": 4096,
+                "num_key_value_heads": 8},
+    "qwen2": {**_LLAMA_DEFAULTS, "max_position_embeddings": 32768, "num_key_value_heads": 32},
+    "qwen3": {**_LLAMA_DEFAULTS, "max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": 128},
+}
+
+
+class _Fields:
+    """config.json lookups: the file's value, else the default, else a clear error."""
+
+    def __init__(self, raw: dict[str, Any], defaults: dict[str, Any]) -> None:
+        self.raw, self.defaults = raw, defaults
+
+    def __call__(self, key: str) -> Any:
+        if key in self.raw:
+            return self.raw[key]
+        if key in self.defaults:
+            return self.defaults[key]
+        raise ValueError(f"config.json has no {key!r}, which a {self.raw.get('model_type')} model needs")

@@ -1,0 +1,74 @@
+"""ModelConfig reads config.json itself; every field must equal what transformers' config gives."""
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+from transformers import AutoConfig
+
+from roseinfer.loader.model_loader import load_model_config
+from roseinfer.models.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from tiny_models import ARCHS
+
+
+def _expected(hf) -> dict:
+    """The engine's fields, read the way transformers' config objects expose them."""
+    if hf.model_type == "gpt2":
+        return {"hidden_size": hf.n_embd, "num_layers": hf.n_layer, "num_heads": hf.n_head,
+                "intermediate_size": hf.n_inner or 4 * hf.n_embd, "max_position_embeddings": hf.n_positions,
+                "norm_eps": hf.layer_norm_epsilon, "hidden_act": hf.activation_function}
+    window = getattr(hf, "sliding_window", None) if hf.model_type == "mistral" else None
+    max_pos = min(hf.max_position_embeddings, window) if window else hf.max_position_embeddings
+    return {"hidden_size": hf.hidden_size, "num_layers": hf.num_hidden_layers, "num_heads": hf.num_attention_heads,
+            "num_kv_heads": hf.num_key_value_heads, "intermediate_size": hf.intermediate_size,
+            "head_dim": getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
+            "max_position_embeddings": max_pos, "norm_eps": hf.rms_norm_eps, "hidden_act": hf.hidden_act,
+            "tie_word_embeddings": hf.tie_word_embeddings}
+
+
+def _assert_matches(cfg: ModelConfig, hf) -> None:
+    assert cfg.vocab_size == hf.vocab_size
+    for key, value in _expected(hf).items():
+        assert getattr(cfg, key) == value, key
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_checkpoint_configs_match_transformers(tiny_model_factory, arch: str) -> None:
+    folder = tiny_model_factory(arch)
+    _assert_matches(load_model_config(folder), AutoConfig.from_pretrained(folder))
+
+
+MINIMAL = {
+    "gpt2": {"vocab_size": 100, "n_embd": 64, "n_layer": 2, "n_head": 4},
+    "llama": {"vocab_size": 100, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "intermediate_size": 128},
+}
+
+
+@pytest.mark.parametrize("model_type", SUPPORTED_MODEL_TYPES)
+def test_missing_fields_take_transformers_defaults(model_type: str) -> None:
+    raw = {"model_type": model_type, **MINIMAL["gpt2" if model_type == "gpt2" else "llama"]}
+    fields = {k: v for k, v in raw.items() if k != "model_type"}
+    _assert_matches(ModelConfig.from_dict(raw), AutoConfig.for_model(model_type, **fields))
+
+
+def test_missing_required_field_is_a_clear_error() -> None:
+    raw = {"model_type": "llama", **MINIMAL["llama"]}
+    del raw["intermediate_size"]
+    with pytest.raises(ValueError, match="config.json has no 'intermediate_size'"):
+        ModelConfig.from_dict(raw)
+
+
+def test_default_rope_model_loads_without_transformers(tiny_model_factory) -> None:
+    """Scaled rope borrows transformers' formulas; a default-rope model must not import it at all."""
+    folder: pathlib.Path = tiny_model_factory("llama")
+    assert json.loads((folder / "config.json").read_text()).get("rope_scaling") is None
+    code = ("import sys, torch; from roseinfer.loader.model_loader import load_model, load_model_config; "
+            f"p = {str(folder)!r}; from pathlib import Path; "
+            "load_model(Path(p), load_model_config(Path(p)), torch.float32, torch.device('cpu')); "
+            "print('transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
