@@ -159,6 +159,22 @@ def test_floor_table(model: str, tmp_path, capsys) -> None:
         assert run["decode_tokens"] == run["completion_tokens"] - run["num_requests"]
 
 
+def test_floor_table_reports_peak_rss_without_hf(model: str, tmp_path, capsys) -> None:
+    """Without HF's model in the process, each row carries the engine's peak RSS and its budget."""
+    out_json = tmp_path / "floor.json"
+    rc = main(["bench", "offline", "--hf-model-id", model, "--mode", "offline", "--floor", "--batch-sizes", "2",
+               "--prompt-len", "8", "--max-new-tokens", "4", "--no-stop-on-eos", "--warmup-runs", "0",
+               "--repeat-runs", "1", "--floor-steps", "2", "--json", str(out_json), *ONE_THREAD])
+    assert rc == 0
+    header, rows = _markdown_rows(capsys.readouterr().out)
+    assert header[-2:] == ["peak RSS MB", "RSS budget MB"]
+    (row,) = json.loads(out_json.read_text())["floor"]["rows"]
+    assert row["rss_budget_mb"] == pytest.approx(row["weights_mb"] + row["kv_pool_mb"] + 300)
+    # the process holds at least the weights and the (zeroed, so resident) KV pool
+    assert row["peak_rss_mb"] > row["weights_mb"] + row["kv_pool_mb"]
+    assert [float(c) for c in rows[0][-2:]] == pytest.approx([row["peak_rss_mb"], row["rss_budget_mb"]], abs=0.5)
+
+
 def test_floor_flag_errors(model: str, capsys) -> None:
     assert main(["bench", "offline", "--hf-model-id", model, "--floor", "--mode", "naive", *ONE_THREAD]) == 2
     assert "--floor compares batched runs" in capsys.readouterr().err

@@ -39,8 +39,9 @@ def _ratio(num: float | None, den: float | None) -> float | None:
 
 
 def floor_rows(args: argparse.Namespace, results: list[RunResult], floors: dict[int, list[float]],
-               mode: str) -> list[dict[str, Any]]:
-    """One row per batch size: medians over the repeat runs and over the floor samples."""
+               mode: str, memory: dict[int, dict[str, float]] | None = None) -> list[dict[str, Any]]:
+    """One row per batch size: medians over the repeat runs and over the floor samples, and the
+    engine's peak RSS against its budget where it was measured (`bench/memory.py`)."""
     rows = []
     for bs, samples in floors.items():
         runs = [r for r in results if (r.backend, r.mode, r.batch_size) == ("roseinfer", mode, bs)]
@@ -60,6 +61,7 @@ def floor_rows(args: argparse.Namespace, results: list[RunResult], floors: dict[
             "floor_samples_tok_s": list(samples),
             "engine_decode_runs_tok_s": [r.decode_throughput for r in runs],
             "e2e_runs_tok_s": [r.throughput(r.total_time) for r in runs],
+            **(memory or {}).get(bs, {}),
         })
     return rows
 
@@ -72,8 +74,9 @@ def format_floor_table(rows: list[dict[str, Any]], threads: int, steps: int) -> 
     """The floor rows as a Markdown table (pasteable into a README)."""
     with_hf = any(r["hf_tok_s"] is not None for r in rows)
     with_prefill = any(r["prefill_tok_s"] is not None for r in rows)
+    with_rss = any("peak_rss_mb" in r for r in rows)
     cols = ["batch", "engine decode tok/s", "floor tok/s", "decode/floor", "e2e tok/s", "e2e/floor"]
-    cols += ["hf tok/s"] * with_hf + ["prefill tok/s"] * with_prefill
+    cols += ["hf tok/s"] * with_hf + ["prefill tok/s"] * with_prefill + ["peak RSS MB", "RSS budget MB"] * with_rss
     mode = rows[0]["mode"] if rows else "offline"
     out = [f"=== matmul floor (mode={mode}, threads={threads}, median over runs and floor samples) ===", "",
            "| " + " | ".join(cols) + " |", "|" + "|".join("-" * (len(c) + 1) + ":" for c in cols) + "|"]
@@ -82,6 +85,8 @@ def format_floor_table(rows: list[dict[str, Any]], threads: int, steps: int) -> 
                  _cell(r["decode_over_floor"], ".2f"), _cell(r["e2e_tok_s"], ".1f"),
                  _cell(r["e2e_over_floor"], ".2f")]
         cells += [_cell(r["hf_tok_s"], ".1f")] * with_hf + [_cell(r["prefill_tok_s"], ".1f")] * with_prefill
+        if with_rss:
+            cells += [_cell(r.get("peak_rss_mb"), ".0f"), _cell(r.get("rss_budget_mb"), ".0f")]
         out.append("| " + " | ".join(cells) + " |")
     notes = [f"floor: tokens/s of a decode step doing only the model's matmuls (LM head included) on its own "
              f"weights, {steps} steps per sample, sampled before and after every measured run; "
@@ -89,6 +94,10 @@ def format_floor_table(rows: list[dict[str, Any]], threads: int, steps: int) -> 
              "e2e: all completion tokens / total time (prefill included)"]
     if with_hf:
         notes.append("hf: transformers generate, completion tokens / total time (same definition as e2e)")
+    if with_rss:
+        notes.append("peak RSS: the process's resident high-water mark from building the engine to the end of "
+                     "its runs; budget: weights + KV pool + 300 MB (shown only without --backend hf, whose "
+                     "model would share the process)")
     if with_prefill:
         notes.append("prefill: prompt tokens / time to the last first token, shown where the whole prefill "
                      "fits in one step (raise --max-num-batched-tokens for the others)")

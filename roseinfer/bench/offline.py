@@ -52,6 +52,7 @@ from .datasets import random_requests
 from .engine_flags import (add_engine_flags, add_sampling_flags, engine_config_from_flags, nvtx_range,
                            sampling_params_from_flags)
 from .floor_report import floor_mode_for, floor_rows, floor_sampler, format_floor_table
+from .memory import engine_memory, peak_rss_bytes, reset_peak_rss
 from .metrics import RequestTiming, format_p50_p95_p99
 
 MODES: tuple[str, ...] = ("naive", "offline", "online")
@@ -365,6 +366,7 @@ def run_offline_bench(args: argparse.Namespace) -> dict[str, Any]:
     print(f"Model: {args.model or DEFAULT_MODEL_NAME}\nDevice: {args.device}", flush=True)
     results: list[RunResult] = []
     floors: dict[int, list[float]] = {}
+    memory: dict[int, dict[str, float]] = {}
     threads = torch.get_num_threads()
     for bs in batch_sizes:
         for backend in backends:
@@ -372,6 +374,7 @@ def run_offline_bench(args: argparse.Namespace) -> dict[str, Any]:
             # the HF model is loaded once and only re-batched.
             around = None
             if backend == "roseinfer":
+                reset_peak_rss()
                 runner: Runner = RoseinferRunner(args, bs)
                 if floor:
                     around = floor_sampler(args, runner, bs, floor_mode, floors.setdefault(bs, []))
@@ -380,6 +383,8 @@ def run_offline_bench(args: argparse.Namespace) -> dict[str, Any]:
                 hf.batch_size = bs
                 runner = hf
             results += _run_modes(args, runner, bs, modes, tokenizer, params, around)
+            if backend == "roseinfer" and hf is None:  # with HF's model in the process the peak is not ours
+                memory[bs] = engine_memory(runner.engine, peak_rss_bytes())
             # Drop this engine's KV pool before the next one sizes its own from free memory.
             del runner
             gc.collect()
@@ -390,7 +395,7 @@ def run_offline_bench(args: argparse.Namespace) -> dict[str, Any]:
     report = {"args": {k: v for k, v in vars(args).items() if k != "func"},
               "runs": [r.to_dict() for r in results], "summary": rows}
     if floor:
-        table = floor_rows(args, results, floors, floor_mode)
+        table = floor_rows(args, results, floors, floor_mode, memory)
         print(format_floor_table(table, threads, args.floor_steps), flush=True)
         report["floor"] = {"mode": floor_mode, "threads": threads, "steps": args.floor_steps,
                            "warmup": args.floor_warmup, "rows": table}

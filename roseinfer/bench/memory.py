@@ -1,0 +1,47 @@
+"""Peak resident memory of this process against the engine's budget: weights + KV pool + 300 MB.
+
+Linux keeps the high-water mark in /proc/self/status (VmHWM) and resets it when "5" is written to
+/proc/self/clear_refs, so each engine's peak can be read on its own even in one bench process.
+"""
+from __future__ import annotations
+
+import resource
+from pathlib import Path
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from roseinfer.engine.llm_engine import LLMEngine
+
+RUNTIME_ALLOWANCE_BYTES = 300 * 10**6  # Python, torch, tokenizer and activations on top of weights + KV
+_STATUS, _CLEAR_REFS = Path("/proc/self/status"), Path("/proc/self/clear_refs")
+
+
+def reset_peak_rss() -> bool:
+    """Starts a new high-water mark; False where the OS cannot (the peak then covers the process)."""
+    try:
+        _CLEAR_REFS.write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int:
+    """The resident high-water mark since the last reset (or since the process started)."""
+    try:
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def engine_memory(engine: LLMEngine, peak: int) -> dict[str, float]:
+    """The engine's weights, KV pool, budget and the measured peak, in MB (10^6 bytes)."""
+    runner = engine.runner
+    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    kv_pool = sum(t.numel() * t.element_size() for pair in runner.kv_caches for t in pair)
+    mb = 10**6
+    return {"weights_mb": weights / mb, "kv_pool_mb": kv_pool / mb, "peak_rss_mb": peak / mb,
+            "rss_budget_mb": (weights + kv_pool + RUNTIME_ALLOWANCE_BYTES) / mb}
