@@ -43,3 +43,20 @@ def test_interleave_rotary_rows_is_a_per_head_permutation() -> None:
     assert out.tolist() == [0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15]
     weight = torch.arange(16 * 3).float().view(16, 3)
     assert torch.equal(interleave_rotary_rows(weight, 8)[:, 0], out * 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_equals_llama_rms_norm(dtype: torch.dtype) -> None:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from roseinfer.layers.norm import RMSNorm
+
+    torch.manual_seed(0)
+    ours, ref = RMSNorm(96, 1e-5), LlamaRMSNorm(96, eps=1e-5)
+    weight = torch.randn(96)
+    ours.weight.data.copy_(weight)
+    ref.weight.data.copy_(weight)
+    ours, ref = ours.to(dtype), ref.to(dtype)
+    for tokens in (1, 7, 300):
+        x = (torch.randn(tokens, 96) * 3).to(dtype)
+        assert torch.equal(ours(x), ref(x))
