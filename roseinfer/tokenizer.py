@@ -1,47 +1,194 @@
-"""Tokenizer (transformers' fast tokenizer) plus an incremental, UTF-8 safe detokenizer."""
+"""Tokenizer and an incremental, UTF-8 safe detokenizer.
+
+For a folder with a tokenizer.json, the tokenizer runs on the `tokenizers` library and renders
+chat templates with jinja2 itself, reproducing what `transformers.AutoTokenizer` (v5) gives,
+without importing transformers: that import alone costs ~150 MB of RSS. Folders without a
+tokenizer.json (sentencepiece-only) fall back to transformers' AutoTokenizer.
+"""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 from typing import Any
 
+from roseinfer.chat_template import compile_template, pick_template, template_messages, template_source
+
+# transformers' named special tokens, in the order it adds missing ones to the vocabulary.
+_SPECIAL_ATTRS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+_ADDED_TOKEN_FIELDS = ("single_word", "lstrip", "rstrip", "normalized", "special")
+
 
 class Tokenizer:
     def __init__(self, folder: str | Path) -> None:
-        from transformers import AutoTokenizer
+        folder = Path(folder)
+        self._hf: Any = None  # transformers tokenizer: only for folders without tokenizer.json
+        self._tok: Any = None  # tokenizers.Tokenizer otherwise
+        self._compiled: Any = None  # jinja2 template, compiled on first use
+        self._clean_up_spaces = False
+        self.special_tokens: dict[str, str]  # name -> text (bos_token, ...), as templates see them
+        self.chat_template: str | None
+        self.vocab_size: int  # added tokens included, like len(hf_tokenizer)
+        eos_id: int | None
+        if (folder / "tokenizer.json").is_file():
+            cfg = _read_json(folder / "tokenizer_config.json")
+            if "added_tokens_decoder" not in cfg:  # legacy file; transformers reads it only then
+                cfg.update(_read_json(folder / "special_tokens_map.json"))
+            self._tok, self.special_tokens = _load_backend(folder / "tokenizer.json", cfg)
+            self.chat_template = template_source(folder, cfg)
+            # transformers skips this cleanup for BPE models, where it would eat real spaces
+            self._clean_up_spaces = bool(cfg.get("clean_up_tokenization_spaces")) and (
+                type(self._tok.model).__name__ != "BPE"
+                or bool(cfg.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output")))
+            self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+            # every named special token is in the vocabulary by now (see _load_backend)
+            eos_id = None if self.eos_token is None else self._tok.token_to_id(self.eos_token)
+        else:
+            from transformers import AutoTokenizer
 
-        self.hf = AutoTokenizer.from_pretrained(str(folder))
-        self.eos_token_ids = _eos_ids(Path(folder), self.hf)
-        self.vocab_size = len(self.hf)
+            self._hf = AutoTokenizer.from_pretrained(str(folder))
+            self.special_tokens = dict(self._hf.special_tokens_map)
+            self.chat_template = pick_template(self._hf.chat_template)
+            self.vocab_size = len(self._hf)
+            eos_id = self._hf.eos_token_id
+        self.eos_token_ids: set[int] = _eos_ids(folder, eos_id)
+
+    # ---- special tokens ----
+    @property
+    def bos_token(self) -> str | None:
+        return self.special_tokens.get("bos_token")
 
     @property
+    def eos_token(self) -> str | None:
+        return self.special_tokens.get("eos_token")
+
+    @property
+    def pad_token(self) -> str | None:
+        return self.special_tokens.get("pad_token")
+
+    @property
+    def unk_token(self) -> str | None:
+        return self.special_tokens.get("unk_token")
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of one vocabulary entry (added tokens included), None if it has none."""
+        if self._hf is not None:
+            return self._hf.get_vocab().get(token)
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        if self._hf is not None:
+            return self._hf.convert_ids_to_tokens(int(token_id))
+        return self._tok.id_to_token(int(token_id))
+
+    # ---- text <-> ids ----
+    @property
     def has_chat_template(self) -> bool:
-        return bool(getattr(self.hf, "chat_template", None))
+        return bool(self.chat_template)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+        if self._hf is not None:
+            return list(self._hf.encode(text, add_special_tokens=add_special_tokens))
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+        if self._hf is not None:
+            return self._hf.decode(ids, skip_special_tokens=skip_special_tokens)
+        text = self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return _clean_up_tokenization(text) if self._clean_up_spaces else text
+
+    def render_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The conversation as text, rendered the way transformers' apply_chat_template does."""
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; send a plain prompt instead")
+        if not messages:
+            raise ValueError("Cannot apply chat template to an empty conversation. Provide at least one message.")
+        if self._compiled is None:
+            self._compiled = compile_template(self.chat_template)
+        return self._compiled.render(messages=template_messages(messages), tools=None, documents=None,
+                                     add_generation_prompt=add_generation_prompt, **self.special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        if not self.has_chat_template:
-            raise ValueError("this model has no chat template; send a plain prompt instead")
-        ids = self.hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
-            ids = ids["input_ids"]
-        return list(ids)
+        # The template writes the special tokens itself, so none are added (as in transformers).
+        return self.encode(self.render_chat_template(messages, add_generation_prompt), add_special_tokens=False)
 
 
-def _eos_ids(folder: Path, hf: Any) -> set[int]:
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token in tokenizer_config.json is a string or an AddedToken dict."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _load_backend(path: Path, cfg: dict[str, Any]) -> tuple[Any, dict[str, str]]:
+    """tokenizer.json set up as transformers' TokenizersBackend sets it up, and the named special
+    tokens. Like transformers, special tokens named in the config that are not yet added tokens
+    are added (as special, so decode(skip_special_tokens=True) drops them), as are the config's
+    added_tokens_decoder entries (whose flags override tokenizer.json's)."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as Backend
+
+    tok = Backend.from_file(str(path))
+    padding = tok.padding
+    # transformers' encode() switches off any truncation/padding saved in tokenizer.json
+    tok.no_truncation()
+    tok.no_padding()
+    tok.encode_special_tokens = bool(cfg.get("split_special_tokens", False))
+
+    named: dict[str, Any] = {}
+    for key in _SPECIAL_ATTRS:
+        value = cfg.get(key, padding["pad_token"] if key == "pad_token" and padding else None)
+        if _token_text(value) is not None:
+            named[key] = value
+    # model-specific named tokens (e.g. image_token) are special tokens too, in config order
+    named.update({k: v for k, v in cfg.items() if k.endswith("_token") and k not in named
+                  and k not in _SPECIAL_ATTRS and _token_text(v) is not None})
+    extra = cfg.get("extra_special_tokens") or cfg.get("additional_special_tokens") or []
+    if isinstance(extra, dict):
+        named.update({k: v for k, v in extra.items() if _token_text(v) is not None})
+        extra = []
+
+    def added_token(value: Any) -> Any:
+        if isinstance(value, str):
+            return AddedToken(value, special=True)
+        return AddedToken(value["content"], **{k: value[k] for k in _ADDED_TOKEN_FIELDS if k in value})
+
+    decoder = cfg.get("added_tokens_decoder") or {}
+    to_add = [added_token(decoder[i]) for i in sorted(decoder, key=int)]
+    present = {t.content for t in tok.get_added_tokens_decoder().values()} | {t.content for t in to_add}
+    for is_named, value in [(True, v) for v in named.values()] + [(False, v) for v in extra]:
+        token = added_token(value)
+        if token.content in present:
+            continue
+        if is_named:
+            token.special = True
+        to_add.append(token)
+        present.add(token.content)
+    if to_add:
+        tok.add_tokens(to_add)
+    return tok, {k: str(_token_text(v)) for k, v in named.items()}
+
+
+def _clean_up_tokenization(text: str) -> str:
+    """transformers' clean_up_tokenization (undoes WordPiece-style spaces before punctuation)."""
+    for old, new in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+                     (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+        text = text.replace(old, new)
+    return text
+
+
+def _eos_ids(folder: Path, tokenizer_eos_id: int | None) -> set[int]:
     """EOS ids from generation_config.json (what HF generate stops on) and the tokenizer."""
     ids: set[int] = set()
     gen = folder / "generation_config.json"
     if gen.exists():
         eos = json.loads(gen.read_text()).get("eos_token_id")
         ids.update([eos] if isinstance(eos, int) else (eos or []))
-    if hf.eos_token_id is not None:
-        ids.add(hf.eos_token_id)
+    if tokenizer_eos_id is not None:
+        ids.add(tokenizer_eos_id)
     return ids
 
 
