@@ -170,8 +170,9 @@ def test_floor_table_reports_peak_rss_without_hf(model: str, tmp_path, capsys) -
     assert header[-2:] == ["peak RSS MB", "RSS budget MB"]
     (row,) = json.loads(out_json.read_text())["floor"]["rows"]
     assert row["rss_budget_mb"] == pytest.approx(row["weights_mb"] + row["kv_pool_mb"] + 300)
-    # the process holds at least the weights and the (zeroed, so resident) KV pool
-    assert row["peak_rss_mb"] > row["weights_mb"] + row["kv_pool_mb"]
+    # the weights are resident (the KV pool only where touched, and this test process holds
+    # transformers and more, so no upper bound is asserted here)
+    assert row["peak_rss_mb"] > row["weights_mb"]
     assert [float(c) for c in rows[0][-2:]] == pytest.approx([row["peak_rss_mb"], row["rss_budget_mb"]], abs=0.5)
 
 

@@ -115,3 +115,17 @@ def test_random_operation_sequences_keep_the_books_consistent(ops):
         bm.free(req)
     _check_invariants(bm, [])
     assert bm.num_used_blocks == 0
+
+
+def test_freed_blocks_are_reused_first():
+    """A stack, not a queue: a freed block comes back before never-touched ones, so the pool's
+    touched (resident) part stays as small as the peak load."""
+    bm = BlockManager(num_blocks=16, block_size=BS, enable_prefix_caching=False)
+    first = _request(list(range(40)), "a")
+    _compute(bm, first)
+    assert first.block_table == [0, 1, 2]
+    used = set(first.block_table)
+    bm.free(first)
+    second = _request(list(range(500, 540)), "b")
+    _compute(bm, second)
+    assert set(second.block_table) == used

@@ -7,7 +7,7 @@ stored tokens are compared too, so a hash collision can never serve wrong K/V.
 """
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from roseinfer.engine.request import Request
@@ -39,7 +39,9 @@ class BlockManager:
 
     def __post_init__(self) -> None:
         self.blocks = [Block(i) for i in range(self.num_blocks)]
-        self.free_ids: deque[int] = deque(range(self.num_blocks))
+        # A stack: the most recently freed block is handed out first, so the blocks ever touched --
+        # resident pages of the lazily committed pool, warm cache lines -- stay as few as the peak load.
+        self.free_ids: list[int] = list(range(self.num_blocks - 1, -1, -1))
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks, least recent first
         self.index: dict[int, int] = {}  # key -> block id
 
@@ -127,7 +129,7 @@ class BlockManager:
 
     def _allocate_block(self) -> int:
         if self.free_ids:
-            block_id = self.free_ids.popleft()
+            block_id = self.free_ids.pop()
         else:
             block_id, _ = self.evictable.popitem(last=False)  # least recently used
             self._unindex(self.blocks[block_id])

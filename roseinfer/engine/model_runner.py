@@ -1,6 +1,9 @@
 """Owns the model and the KV pool; turns a scheduled step into tensors, one forward, and tokens."""
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 from torch import nn
 
@@ -19,11 +22,10 @@ class ModelRunner:
         self.dtype = dtype
         self.device = device
         self.sampler = sampler
-        shape = (num_kv_blocks * block_size, model_config.num_kv_heads, model_config.head_dim)
-        # One pool allocated up front. Zeroed, not empty: padded and masked key slots still enter
-        # the attention matmuls, and a NaN bit pattern there would survive a zero weight.
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                          for _ in range(model_config.num_layers)]
+        shape = (model_config.num_layers, 2, num_kv_blocks * block_size, model_config.num_kv_heads,
+                 model_config.head_dim)
+        pool = _zeroed_pool(shape, dtype, device)
+        self.kv_caches = [(pool[layer, 0], pool[layer, 1]) for layer in range(model_config.num_layers)]
 
     @staticmethod
     def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -98,3 +100,15 @@ class ModelRunner:
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
+
+
+def _zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The KV pool, allocated once. Zeroed, not empty: padded and masked key slots still enter the
+    attention matmuls, and a NaN bit pattern there would survive a zero weight. On CPU it comes
+    from an anonymous mmap, whose pages the OS zero-fills on first touch: the pool then costs
+    resident memory only for the blocks in use (torch.zeros would write every page up front)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    numel = math.prod(shape)
+    buffer = mmap.mmap(-1, numel * torch.empty((), dtype=dtype).element_size())
+    return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)  # the tensor keeps the mapping alive
