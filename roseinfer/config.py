@@ -15,6 +15,7 @@ class EngineConfig:
     seed: int = 0
     max_model_len: int | None = None  # None = the model's context length
     num_threads: int | None = None  # CPU intra-op threads; None = torch's default
+    prepack_weights: bool = True  # CPU fp32: linear weights reordered once for oneDNN (layers/linear.py)
     # KV cache
     block_size: int = 16
     num_kv_blocks: int | None = None  # None = sized from kv_cache_memory_gb / gpu_memory_utilization

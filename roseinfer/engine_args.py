@@ -13,6 +13,8 @@ HELP = {
     "seed": "seed of the engine's sampling generator (requests may also carry their own)",
     "max_model_len": "context length cap (default: the model's)",
     "num_threads": "torch CPU threads (default: torch's choice)",
+    "prepack_weights": "CPU fp32: run the linear layers on oneDNN with weights prepacked once (faster than "
+                       "F.linear/MKL; --no-prepack-weights uses F.linear)",
     "block_size": "tokens per KV block",
     "num_kv_blocks": "KV pool size in blocks (default: sized from memory)",
     "kv_cache_memory_gb": "CPU memory for the KV pool when --num-kv-blocks is not given",

@@ -183,23 +183,28 @@ def test_floor_flag_errors(model: str, capsys) -> None:
     assert "include the roseinfer backend" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("arch,tied", [("llama", True), ("gpt2", True), ("llama3_rope_untied", False)])
-def test_matmul_floor_and_linear_weights(tiny_model_factory, arch: str, tied: bool) -> None:
-    from roseinfer.bench.floor import linear_weights, matmul_floor
+@pytest.mark.parametrize("arch,prepack", [("llama", True), ("gpt2", True), ("llama3_rope_untied", False)])
+def test_matmul_floor_runs_the_models_own_linear_layers(tiny_model_factory, arch: str, prepack: bool,
+                                                         monkeypatch) -> None:
+    from roseinfer.bench.floor import matmul_floor
+    from roseinfer.layers.linear import Linear, linear_layers
     from roseinfer.loader.model_loader import load_model, load_model_config
 
     folder = tiny_model_factory(arch)
     cfg = load_model_config(folder)
-    m = load_model(folder, cfg, torch.float32, torch.device("cpu"))
-    weights = linear_weights(m)
-    linears = [mod.weight for mod in m.modules() if isinstance(mod, torch.nn.Linear)]
-    head = weights[-1]
-    # the LM head is always the last matmul, exactly once, whether tied or not
-    assert head.shape == (cfg.vocab_size, cfg.hidden_size)
-    assert sum(w is head for w in weights) == 1
-    embeddings = [mod.weight for mod in m.modules() if isinstance(mod, torch.nn.Embedding)]
-    assert any(head is e for e in embeddings) == tied
-    assert len(weights) == len(linears) + tied
+    m = load_model(folder, cfg, torch.float32, torch.device("cpu"), prepack=prepack)
+    layers = linear_layers(m)
+    # every matmul once, the LM head last, packed exactly when the engine packs
+    assert layers[-1] is m.lm_head and (m.lm_head.in_features, m.lm_head.out_features) == (cfg.hidden_size,
+                                                                                           cfg.vocab_size)
+    packed = prepack and torch.backends.mkldnn.is_available()
+    assert all((layer.packed is not None) == packed for layer in layers)
+    calls: list[Linear] = []
+    real_forward = Linear.forward
+    monkeypatch.setattr(Linear, "forward", lambda self, x: calls.append(self) or real_forward(self, x))
+    matmul_floor(m, 2, steps=1, warmup=0)
+    assert calls == layers
+    monkeypatch.undo()
     torch.set_num_threads(1)
     for bs in (1, 3):
         tok_s = matmul_floor(m, bs, steps=3, warmup=1)

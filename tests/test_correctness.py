@@ -18,6 +18,7 @@ MODES = {
     "pack": {"prefill_admission_policy": "pack", "prefill_max_batch_size": 2},
     "one_seq": {"max_num_seqs": 1},
     "no_prefix_cache_no_chunking": {"enable_prefix_caching": False, "enable_chunked_prefill": False},
+    "f_linear": {"prepack_weights": False},  # MKL through F.linear instead of prepacked oneDNN
 }
 
 

@@ -60,3 +60,20 @@ def test_rms_norm_equals_llama_rms_norm(dtype: torch.dtype) -> None:
     for tokens in (1, 7, 300):
         x = (torch.randn(tokens, 96) * 3).to(dtype)
         assert torch.equal(ours(x), ref(x))
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs a torch built with oneDNN")
+@pytest.mark.parametrize("bias", [False, True])
+def test_prepacked_linear_matches_f_linear(bias: bool) -> None:
+    from roseinfer.layers.linear import Linear
+
+    torch.manual_seed(0)
+    layer = Linear(48, 80, bias=bias)
+    weight = layer.weight.detach().clone()
+    with torch.inference_mode():
+        inputs = [torch.randn(1, 48), torch.randn(37, 48), torch.randn(5, 100)[:, 10:58]]  # last: strided rows
+        expected = [torch.nn.functional.linear(x, weight, layer.bias) for x in inputs]
+        layer.prepack()
+        assert layer.weight is None and layer.packed is not None
+        for x, ref in zip(inputs, expected):
+            torch.testing.assert_close(layer(x), ref, rtol=1e-5, atol=1e-5)

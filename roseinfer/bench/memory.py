@@ -10,6 +10,8 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING
 
+from roseinfer.layers.linear import linear_layers
+
 if TYPE_CHECKING:
     from roseinfer.engine.llm_engine import LLMEngine
 
@@ -40,7 +42,12 @@ def peak_rss_bytes() -> int:
 def engine_memory(engine: LLMEngine, peak: int) -> dict[str, float]:
     """The engine's weights, KV pool, budget and the measured peak, in MB (10^6 bytes)."""
     runner = engine.runner
-    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    # The checkpoint's weights: dense parameters plus the prepacked copies that replaced linear
+    # weights. A tied LM head's packed copy duplicates the embedding, so it counts as overhead.
+    model = runner.model
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights += sum(layer.weight_bytes() for layer in linear_layers(model) if layer.packed is not None
+                   and not (layer is model.lm_head and model.cfg.tie_word_embeddings))
     kv_pool = sum(t.numel() * t.element_size() for pair in runner.kv_caches for t in pair)
     mb = 10**6
     return {"weights_mb": weights / mb, "kv_pool_mb": kv_pool / mb, "peak_rss_mb": peak / mb,

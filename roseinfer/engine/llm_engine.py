@@ -40,7 +40,7 @@ class LLMEngine:
         self.model_folder = resolve_model_folder(config.model)
         self.model_config = load_model_config(self.model_folder)
         self.tokenizer = Tokenizer(self.model_folder)
-        model = load_model(self.model_folder, self.model_config, self.dtype, self.device)
+        model = load_model(self.model_folder, self.model_config, self.dtype, self.device, config.prepack_weights)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         self.num_kv_blocks = config.num_kv_blocks or self._auto_num_blocks()

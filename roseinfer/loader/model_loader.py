@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from roseinfer.loader.default_model import default_model_path
+from roseinfer.layers.linear import can_prepack, prepack_linears
 from roseinfer.loader.gguf import convert_gguf
 from roseinfer.models.config import ModelConfig
 from roseinfer.models.registry import build_model
@@ -72,9 +73,12 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield key, f.get_tensor(key)
 
 
-def load_model(folder: Path, model_config: ModelConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def load_model(folder: Path, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
+               prepack: bool = True) -> nn.Module:
     with torch.device(device):
         model = build_model(model_config)
     model.to(dtype)
     model.load_weights(iter_safetensors(folder))
+    if prepack and can_prepack(dtype, device):
+        prepack_linears(model)
     return model.eval()

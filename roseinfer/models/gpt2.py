@@ -9,6 +9,7 @@ from torch import nn
 
 from roseinfer.layers.activation import get_activation
 from roseinfer.layers.attention import AttentionMetadata, PagedAttention
+from roseinfer.layers.linear import Linear
 from roseinfer.models.config import ModelConfig
 from roseinfer.models.weights import WeightLoader
 
@@ -22,11 +23,11 @@ class GPT2Block(nn.Module):
         hidden = cfg.hidden_size
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
         self.ln_1 = nn.LayerNorm(hidden, eps=cfg.norm_eps)
-        self.c_attn = nn.Linear(hidden, 3 * hidden)
-        self.c_proj = nn.Linear(hidden, hidden)
+        self.c_attn = Linear(hidden, 3 * hidden)
+        self.c_proj = Linear(hidden, hidden)
         self.ln_2 = nn.LayerNorm(hidden, eps=cfg.norm_eps)
-        self.c_fc = nn.Linear(hidden, cfg.intermediate_size)
-        self.mlp_proj = nn.Linear(cfg.intermediate_size, hidden)
+        self.c_fc = Linear(hidden, cfg.intermediate_size)
+        self.mlp_proj = Linear(cfg.intermediate_size, hidden)
         self.act = get_activation(cfg.hidden_act)
         self.attn = PagedAttention(cfg.num_heads, cfg.num_heads, cfg.head_dim, cfg.head_dim ** -0.5)
 
@@ -46,6 +47,8 @@ class GPT2LMHeadModel(nn.Module):
         self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
         self.h = nn.ModuleList(GPT2Block(cfg) for _ in range(cfg.num_layers))
         self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device="meta")
+        self.lm_head.weight = self.wte.weight  # tied: the head reads the embedding's weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -55,7 +58,7 @@ class GPT2LMHeadModel(nn.Module):
         return self.ln_f(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(hidden, self.wte.weight).float()
+        return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         loader = WeightLoader(self, {})
