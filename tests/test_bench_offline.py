@@ -211,3 +211,15 @@ def test_matmul_floor_runs_the_models_own_linear_layers(tiny_model_factory, arch
         assert tok_s > 0 and math.isfinite(tok_s)
     with pytest.raises(ValueError):
         matmul_floor(m, 0)
+
+
+def test_no_prepack_weights_flag_reaches_the_engine() -> None:
+    import argparse
+
+    from roseinfer.bench.engine_flags import add_engine_flags, add_sampling_flags, engine_config_from_flags
+
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    add_sampling_flags(parser)
+    assert engine_config_from_flags(parser.parse_args([])).prepack_weights
+    assert not engine_config_from_flags(parser.parse_args(["--no-prepack-weights"])).prepack_weights

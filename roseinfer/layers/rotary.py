@@ -48,9 +48,9 @@ class RotaryEmbedding(nn.Module):
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](AutoConfig.for_model(config["model_type"], **fields))
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq.float())
-        # the same float32 cos/sin as transformers, packed as one complex number per pair
-        # A plain attribute, not a buffer: `model.to(dtype)` would cast a complex buffer to real. The
-        # model is built on its device, so the table is created there and never moves.
+        # The same float32 cos/sin as transformers, one complex number per pair. A plain attribute,
+        # not a buffer: `model.to(dtype)` would cast a complex buffer to real. The model is built on
+        # its device, so the table is created there and never moves.
         self.rotations = torch.complex(freqs.cos() * scaling, freqs.sin() * scaling)
 
     def lookup(self, positions: torch.Tensor) -> torch.Tensor:

@@ -8,8 +8,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from roseinfer.loader.default_model import default_model_path
 from roseinfer.layers.linear import can_prepack, prepack_linears
+from roseinfer.loader.default_model import default_model_path
 from roseinfer.loader.gguf import convert_gguf
 from roseinfer.models.config import ModelConfig
 from roseinfer.models.registry import build_model
