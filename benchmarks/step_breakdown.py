@@ -1,7 +1,9 @@
 """Where one decode step's time goes: scheduling, batch building, forward, logits + sampling,
 bookkeeping -- and the forward with attention stubbed out -- beside the matmul floor.
 
-Usage: python benchmarks/step_breakdown.py [--model M] [--batch-size 64] [--steps 20] [--num-threads N]
+Usage: python benchmarks/step_breakdown.py [--model M] [--batch-size 64] [--steps 20] [--warm-steps 0]
+       [--num-threads N]
+--warm-steps decodes that many tokens first, so attention is measured at a longer context.
 """
 from __future__ import annotations
 
@@ -22,16 +24,18 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warm-steps", type=int, default=0, help="decode steps before measuring (longer context)")
     parser.add_argument("--num-threads", type=int, default=None)
     args = parser.parse_args()
     llm = LLM(model=args.model, num_threads=args.num_threads, num_kv_blocks=max(64, args.batch_size * 8))
     engine, runner, scheduler = llm.engine, llm.engine.runner, llm.engine.scheduler
-    params = SamplingParams(temperature=0.0, max_tokens=args.steps * 2 + 4, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=args.warm_steps + args.steps * 2 + 4, ignore_eos=True)
     for i in range(args.batch_size):
         engine.add_request([(i * 7 + j) % 1000 + 100 for j in range(args.prompt_len)], params)
     while any(r.in_prefill for r in scheduler.running) or scheduler.waiting:
         engine.step()
-    engine.step()
+    for _ in range(1 + args.warm_steps):
+        engine.step()
     parts: dict[str, list[float]] = {k: [] for k in ("schedule", "prepare", "forward", "logits+sample", "update")}
     stubbed: list[float] = []
     real_attention = attention.PagedAttention.__call__
@@ -62,7 +66,9 @@ def main() -> None:
     floor = statistics.median(matmul_floor(runner.model, args.batch_size) for _ in range(3))
     med = {k: statistics.median(v) * 1000 for k, v in parts.items()}
     step = sum(med.values())
-    print(f"batch {args.batch_size}, {torch.get_num_threads()} threads, median over {args.steps} decode steps (ms):")
+    context = args.prompt_len + 1 + args.warm_steps
+    print(f"batch {args.batch_size}, {torch.get_num_threads()} threads, context ~{context} tokens, "
+          f"median over {args.steps} decode steps (ms):")
     for key, value in med.items():
         print(f"  {key:<14} {value:8.2f}  ({value / step:6.1%})")
     print(f"  {'step':<14} {step:8.2f}")
