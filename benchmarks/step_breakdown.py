@@ -14,6 +14,7 @@ import time
 import torch
 
 from roseinfer import LLM, SamplingParams
+from roseinfer.config import EngineConfig
 from roseinfer.bench.floor import matmul_floor
 from roseinfer.layers import attention
 
@@ -27,9 +28,11 @@ def main() -> None:
     parser.add_argument("--warm-steps", type=int, default=0, help="decode steps before measuring (longer context)")
     parser.add_argument("--num-threads", type=int, default=None)
     args = parser.parse_args()
-    llm = LLM(model=args.model, num_threads=args.num_threads, num_kv_blocks=max(64, args.batch_size * 8))
-    engine, runner, scheduler = llm.engine, llm.engine.runner, llm.engine.scheduler
     params = SamplingParams(temperature=0.0, max_tokens=args.warm_steps + args.steps * 2 + 4, ignore_eos=True)
+    # room for every sequence at full length: a preemption would distort the measured steps
+    blocks_per_seq = -(-(args.prompt_len + params.max_tokens) // EngineConfig.block_size)
+    llm = LLM(model=args.model, num_threads=args.num_threads, num_kv_blocks=args.batch_size * blocks_per_seq)
+    engine, runner, scheduler = llm.engine, llm.engine.runner, llm.engine.scheduler
     for i in range(args.batch_size):
         engine.add_request([(i * 7 + j) % 1000 + 100 for j in range(args.prompt_len)], params)
     while any(r.in_prefill for r in scheduler.running) or scheduler.waiting:

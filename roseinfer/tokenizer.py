@@ -41,7 +41,8 @@ class Tokenizer:
                 or bool(cfg.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output")))
             self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
             # every named special token is in the vocabulary by now (see _load_backend)
-            eos_id = None if self.eos_token is None else self._tok.token_to_id(self.eos_token)
+            eos_token = self.special_tokens.get("eos_token")
+            eos_id = None if eos_token is None else self._tok.token_to_id(eos_token)
         else:
             from transformers import AutoTokenizer
 
@@ -51,23 +52,6 @@ class Tokenizer:
             self.vocab_size = len(self._hf)
             eos_id = self._hf.eos_token_id
         self.eos_token_ids: set[int] = _eos_ids(folder, eos_id)
-
-    # ---- special tokens ----
-    @property
-    def bos_token(self) -> str | None:
-        return self.special_tokens.get("bos_token")
-
-    @property
-    def eos_token(self) -> str | None:
-        return self.special_tokens.get("eos_token")
-
-    @property
-    def pad_token(self) -> str | None:
-        return self.special_tokens.get("pad_token")
-
-    @property
-    def unk_token(self) -> str | None:
-        return self.special_tokens.get("unk_token")
 
     def token_to_id(self, token: str) -> int | None:
         """The id of one vocabulary entry (added tokens included), None if it has none."""

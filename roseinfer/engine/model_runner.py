@@ -29,8 +29,7 @@ class ModelRunner:
 
     @staticmethod
     def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        element = torch.empty((), dtype=dtype).element_size()
-        return 2 * model_config.num_layers * block_size * model_config.num_kv_heads * model_config.head_dim * element
+        return 2 * model_config.num_layers * block_size * model_config.num_kv_heads * model_config.head_dim * dtype.itemsize
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[list[int | None], list[TokenLogprobs | None]]:
@@ -110,5 +109,5 @@ def _zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     numel = math.prod(shape)
-    buffer = mmap.mmap(-1, numel * torch.empty((), dtype=dtype).element_size())
+    buffer = mmap.mmap(-1, numel * dtype.itemsize)
     return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)  # the tensor keeps the mapping alive
