@@ -27,11 +27,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warm-steps", type=int, default=0, help="decode steps before measuring (longer context)")
     parser.add_argument("--num-threads", type=int, default=None)
+    parser.add_argument("--no-native-kernels", action="store_true", help="torch ops only (no C kernels)")
     args = parser.parse_args()
     params = SamplingParams(temperature=0.0, max_tokens=args.warm_steps + args.steps * 2 + 4, ignore_eos=True)
     # room for every sequence at full length: a preemption would distort the measured steps
     blocks_per_seq = -(-(args.prompt_len + params.max_tokens) // EngineConfig.block_size)
-    llm = LLM(model=args.model, num_threads=args.num_threads, num_kv_blocks=args.batch_size * blocks_per_seq)
+    llm = LLM(model=args.model, num_threads=args.num_threads, num_kv_blocks=args.batch_size * blocks_per_seq,
+              native_kernels=not args.no_native_kernels)
     engine, runner, scheduler = llm.engine, llm.engine.runner, llm.engine.scheduler
     for i in range(args.batch_size):
         engine.add_request([(i * 7 + j) % 1000 + 100 for j in range(args.prompt_len)], params)

@@ -213,7 +213,7 @@ def test_matmul_floor_runs_the_models_own_linear_layers(tiny_model_factory, arch
         matmul_floor(m, 0)
 
 
-def test_no_prepack_weights_flag_reaches_the_engine() -> None:
+def test_no_prepack_weights_and_no_native_kernels_flags_reach_the_engine() -> None:
     import argparse
 
     from roseinfer.bench.engine_flags import add_engine_flags, add_sampling_flags, engine_config_from_flags
@@ -223,3 +223,5 @@ def test_no_prepack_weights_flag_reaches_the_engine() -> None:
     add_sampling_flags(parser)
     assert engine_config_from_flags(parser.parse_args([])).prepack_weights
     assert not engine_config_from_flags(parser.parse_args(["--no-prepack-weights"])).prepack_weights
+    assert engine_config_from_flags(parser.parse_args([])).native_kernels
+    assert not engine_config_from_flags(parser.parse_args(["--no-native-kernels"])).native_kernels

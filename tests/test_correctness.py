@@ -3,10 +3,14 @@ from __future__ import annotations
 
 import pytest
 
+import torch
+
 from roseinfer import LLM, SamplingParams
+from roseinfer.layers.native import native_kernels_available
 from tiny_models import hf_greedy, sample_prompts
 
 MAX_TOKENS = 16
+NATIVE = native_kernels_available(torch.float32, torch.device("cpu"))
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 # name -> engine options; each mode must leave outputs unchanged
@@ -19,6 +23,7 @@ MODES = {
     "one_seq": {"max_num_seqs": 1},
     "no_prefix_cache_no_chunking": {"enable_prefix_caching": False, "enable_chunked_prefill": False},
     "f_linear": {"prepack_weights": False},  # MKL through F.linear instead of prepacked oneDNN
+    "torch_ops": {"native_kernels": False},  # torch ops instead of the C kernels (decode attention, norms)
 }
 
 
@@ -41,6 +46,8 @@ def references(tiny_model_dir):
 def test_greedy_matches_hf(tiny_model_dir, references, mode):
     prompts, refs = references
     llm = LLM(model=str(tiny_model_dir), **{"num_kv_blocks": 128, **MODES[mode]})
+    # the C kernels run in every mode but torch_ops wherever they can be built
+    assert llm.engine.native_kernels == (mode != "torch_ops" and NATIVE)
     # strings and id lists mixed in one call; a string is used only where it encodes back to the same ids
     texts = [llm.tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
     mixed = [t if i % 2 and llm.tokenizer.encode(t) == p else p for i, (t, p) in enumerate(zip(texts, prompts))]

@@ -37,6 +37,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
     g.add_argument("--no-prepack-weights", action="store_true",
                    help="run the linear layers through F.linear (MKL) instead of prepacked oneDNN weights")
+    g.add_argument("--no-native-kernels", action="store_true",
+                   help="torch ops only, instead of the C kernels for decode attention, KV writes and norms")
     g.add_argument("--prefill-max-batch-size", type=int, default=None, help="most new requests admitted per step")
     g.add_argument("--prefill-max-tokens", type=int, default=None, help="most prompt tokens computed per step")
     g.add_argument("--prefill-admission-policy", choices=ADMISSION_POLICIES, default="fifo",
@@ -73,6 +75,7 @@ def engine_config_from_flags(args: argparse.Namespace, **overrides: object) -> E
         max_model_len=args.max_model_len, num_threads=args.num_threads,
         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
         enable_prefix_caching=not args.no_prefix_cache, prepack_weights=not args.no_prepack_weights,
+        native_kernels=not args.no_native_kernels,
         max_num_seqs=args.max_batch_size, max_num_batched_tokens=args.max_num_batched_tokens,
         prefill_max_batch_size=args.prefill_max_batch_size, prefill_max_tokens=args.prefill_max_tokens,
         prefill_admission_policy=args.prefill_admission_policy,

@@ -18,6 +18,7 @@ from roseinfer.engine.model_runner import ModelRunner
 from roseinfer.engine.request import Request, RequestOutput
 from roseinfer.engine.sampler import Sampler
 from roseinfer.engine.scheduler import Scheduler
+from roseinfer.layers.native import native_kernels_available
 from roseinfer.loader.model_loader import load_model, load_model_config, resolve_model_folder
 from roseinfer.sampling_params import SamplingParams
 from roseinfer.tokenizer import Tokenizer
@@ -40,7 +41,9 @@ class LLMEngine:
         self.model_folder = resolve_model_folder(config.model)
         self.model_config = load_model_config(self.model_folder)
         self.tokenizer = Tokenizer(self.model_folder)
-        model = load_model(self.model_folder, self.model_config, self.dtype, self.device, config.prepack_weights)
+        self.native_kernels = config.native_kernels and native_kernels_available(self.dtype, self.device)
+        model = load_model(self.model_folder, self.model_config, self.dtype, self.device, config.prepack_weights,
+                           self.native_kernels)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         self.num_kv_blocks = config.num_kv_blocks or self._auto_num_blocks()
@@ -48,7 +51,8 @@ class LLMEngine:
         eos = self.tokenizer.eos_token_ids
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, eos)
         self.runner = ModelRunner(model, self.model_config, self.num_kv_blocks, config.block_size,
-                                  self.dtype, self.device, Sampler(eos, self.device, config.seed))
+                                  self.dtype, self.device, Sampler(eos, self.device, config.seed),
+                                  self.native_kernels)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.load_seconds = time.perf_counter() - start

@@ -16,8 +16,9 @@ from roseinfer.models.config import ModelConfig
 
 class ModelRunner:
     def __init__(self, model: nn.Module, model_config: ModelConfig, num_kv_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, sampler: Sampler) -> None:
+                 dtype: torch.dtype, device: torch.device, sampler: Sampler, native: bool = False) -> None:
         self.model = model
+        self.native = native  # C kernels for the KV writes and decode attention (layers/native.py)
         self.block_size = block_size
         self.dtype = dtype
         self.device = device
@@ -69,7 +70,7 @@ class ModelRunner:
         groups = [self._group(items, offsets, idx) for idx in (decode, prefill) if idx]
         if len(groups) == 1 and groups[0].is_decode:
             groups[0].whole_batch = True  # every row decodes, in order: no query gather or scatter
-        meta = AttentionMetadata(slot_mapping=self._tensor(slots), groups=groups)
+        meta = AttentionMetadata(slot_mapping=self._tensor(slots), groups=groups, native=self.native)
         return self._tensor(input_ids), self._tensor(positions), meta, self._tensor(sample_rows)
 
     def _group(self, items: list[ScheduledRequest], offsets: list[int], idx: list[int]) -> AttentionGroup:
@@ -88,6 +89,9 @@ class ModelRunner:
         max_blocks = -(-int(ctx_lens.max()) // self.block_size)
         tables = [items[i].request.block_table[:max_blocks] for i in idx]
         group.block_tables = self._tensor([t + [0] * (max_blocks - len(t)) for t in tables])
+        if max_q == 1 and self.native:
+            group.kv_lens = ctx_lens  # the kernel stops at each length: no mask
+            return group
         # absolute position of each query; key j is visible when j <= that position (and j < ctx)
         abs_pos = (ctx_lens - q_lens).unsqueeze(1) + q_pos  # [B, Lq]
         keys = torch.arange(max_blocks * self.block_size, device=self.device)

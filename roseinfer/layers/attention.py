@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from roseinfer.layers import native
+
 
 @dataclass
 class AttentionGroup:
@@ -26,6 +28,7 @@ class AttentionGroup:
     mask: torch.Tensor | None = None  # [B, 1, Lq, max_blocks * block_size] additive: 0 = attend, -inf = not
     whole_batch: bool = False  # the group is every row of the batch, in order (no gather/scatter)
     fresh: bool = False  # prefill with nothing cached before it: attend to this step's K/V directly
+    kv_lens: torch.Tensor | None = None  # [B] tokens each sequence attends to (native decode, instead of mask)
 
     @property
     def is_decode(self) -> bool:
@@ -36,10 +39,11 @@ class AttentionGroup:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot of each token of the flat batch
     groups: list[AttentionGroup]
+    native: bool = False  # CPU fp32 C kernels for the cache writes and decode (layers/native.py)
 
 
 class PagedAttention:
-    """Pure-torch backend: runs wherever torch runs (CPU and CUDA)."""
+    """Runs wherever torch runs (CPU and CUDA); the native kernels only where meta.native says."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         self.num_heads = num_heads
@@ -51,8 +55,11 @@ class PagedAttention:
                  kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D]; returns [T, H, D]."""
         k_cache, v_cache = kv_cache
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        if meta.native:
+            native.store_kv(k, v, meta.slot_mapping, k_cache, v_cache)
+        else:
+            k_cache.index_copy_(0, meta.slot_mapping, k)
+            v_cache.index_copy_(0, meta.slot_mapping, v)
         if len(meta.groups) == 1 and meta.groups[0].whole_batch:
             return self._group(q, k_cache, v_cache, meta.groups[0], k, v)
         out = torch.empty_like(q)
@@ -77,6 +84,10 @@ class PagedAttention:
             out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=self.scale,
                                                  enable_gqa=self.num_heads != self.num_kv_heads)
             return out.transpose(1, 2)[group.valid]
+        if group.kv_lens is not None:  # native decode: the runner set lengths instead of a mask
+            queries = q if group.whole_batch else q[group.output_rows]
+            return native.paged_decode_attention(queries, k_cache, v_cache, group.block_tables, group.kv_lens,
+                                                 group.block_size, self.scale)
         keys, values = self._gather(k_cache, group), self._gather(v_cache, group)
         if group.is_decode:
             # One query per sequence: the query heads sharing a KV head become that head's

@@ -8,7 +8,9 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from roseinfer.layers.activation import ActivationAndMul
 from roseinfer.layers.linear import can_prepack, prepack_linears
+from roseinfer.layers.norm import RMSNorm
 from roseinfer.loader.default_model import default_model_path
 from roseinfer.loader.gguf import convert_gguf
 from roseinfer.models.config import ModelConfig
@@ -74,11 +76,17 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(folder: Path, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
-               prepack: bool = True) -> nn.Module:
+               prepack: bool = True, native: bool = False) -> nn.Module:
+    """`native`: switch the layers that have a C kernel (RMSNorm, SiLU-and-mul) onto it; the caller
+    has checked `native_kernels_available`."""
     with torch.device(device):
         model = build_model(model_config)
     model.to(dtype)
     model.load_weights(iter_safetensors(folder))
     if prepack and can_prepack(dtype, device):
         prepack_linears(model)
+    if native:
+        for module in model.modules():
+            if isinstance(module, (RMSNorm, ActivationAndMul)):
+                module.use_native()
     return model.eval()

@@ -1,0 +1,53 @@
+/* Helpers shared by roseinfer's C kernels: 16-float vectors and a vectorizable exp. */
+#ifndef ROSEINFER_SIMD_H
+#define ROSEINFER_SIMD_H
+
+#include <stdint.h>
+#include <string.h>
+
+/* 16 floats: GCC and clang lower it to whatever SIMD the target has (-march=native) */
+typedef float vec16 __attribute__((vector_size(64)));
+
+static inline vec16 load16(const float *p) {
+    vec16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store16(float *p, vec16 v) { memcpy(p, &v, sizeof v); }
+
+static inline float hsum16(vec16 v) {
+    float sum = 0.0f;
+    for (int i = 0; i < 16; i++) sum += v[i];
+    return sum;
+}
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+    int64_t d = 0;
+    vec16 acc = {0};
+    for (; d + 16 <= n; d += 16) acc += load16(a + d) * load16(b + d);
+    float sum = hsum16(acc);
+    for (; d < n; d++) sum += a[d] * b[d];
+    return sum;
+}
+
+/* e^x in a form the compiler vectorizes (glibc's expf is a scalar call, and took a third of the
+ * attention kernel): x = n ln2 + r with |r| <= ln2/2, e^r by its degree-6 Taylor polynomial
+ * (relative error < 2e-7), 2^n written into the exponent bits. x is clamped to [-87, 88], where
+ * 2^n stays a normal float: e^-87 ~ 1.6e-38 is as good as 0 next to the terms it is summed with. */
+static inline float exp_f32(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float n = __builtin_rintf(x * 1.44269504088896341f);
+    const float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    union { int32_t i; float f; } two_n = {.i = ((int32_t)n + 127) << 23};
+    return p * two_n.f;
+}
+
+#endif

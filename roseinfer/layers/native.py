@@ -1,0 +1,174 @@
+"""roseinfer's C kernels (layers/csrc): compiled once per machine, called through ctypes.
+
+Stock PyTorch has no CPU kernel that reads a paged KV cache in place, and on small decode batches
+its chains of elementwise ops cost more in dispatch than in arithmetic. The few hot spots that
+need it are a page of plain C with OpenMP each, not a torch extension: they compile in about a
+second with the system C compiler (no torch headers, no pybind), and ctypes drops the GIL for the
+call. `-fopenmp` links libgomp by its soname, which resolves to the copy torch has already loaded,
+so the kernels share torch's OpenMP threads instead of starting a second pool.
+
+Only CPU fp32 tensors go through here (`native_kernels_available` says whether they can); the
+layers keep their torch path for everything else.
+
+The shared library is cached under $ROSEINFER_CACHE_DIR (default ~/.cache/roseinfer), keyed by
+the sources, the compiler and this CPU's feature flags, because it is built with -march=native.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import tempfile
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CSRC = pathlib.Path(__file__).with_name("csrc")
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+
+
+class NativeKernelsUnavailable(RuntimeError):
+    """The C kernels could not be built or loaded here; the message says why."""
+
+
+def _compiler() -> str:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    raise NativeKernelsUnavailable("no C compiler found (set CC, or install gcc)")
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return platform.processor()
+
+
+def _cache_dir() -> pathlib.Path:
+    root = os.environ.get("ROSEINFER_CACHE_DIR") or pathlib.Path(
+        os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache") / "roseinfer"
+    return pathlib.Path(root) / "kernels"
+
+
+def _build(compiler: str, sources: list[pathlib.Path], target: pathlib.Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # build beside the target and rename: concurrent processes never load a half-written file
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        result = subprocess.run([compiler, *CFLAGS, "-o", tmp, *map(str, sources), "-lm"],
+                                capture_output=True, text=True)
+        if result.returncode != 0:
+            raise NativeKernelsUnavailable(f"compiling {', '.join(s.name for s in sources)} failed:\n"
+                                           f"{result.stderr.strip()}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.cache
+def native_library() -> ctypes.CDLL:
+    """The compiled kernels, built on first use; raises NativeKernelsUnavailable with the reason."""
+    sources = sorted(CSRC.glob("*.c"))
+    headers = sorted(CSRC.glob("*.h"))
+    compiler = _compiler()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256()
+    for part in (*(s.read_bytes() for s in sources + headers), compiler.encode(), version.encode(),
+                 " ".join(CFLAGS).encode(), platform.machine().encode(), _cpu_flags().encode()):
+        key.update(part)
+    target = _cache_dir() / f"roseinfer_kernels_{key.hexdigest()[:16]}.so"
+    if not target.exists():
+        _build(compiler, sources, target)
+    try:
+        library = ctypes.CDLL(str(target))
+    except OSError as exc:
+        raise NativeKernelsUnavailable(f"loading {target} failed: {exc}") from exc
+    _declare(library)
+    return library
+
+
+def _declare(library: ctypes.CDLL) -> None:
+    ptr, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+    signatures = {
+        "paged_decode_attention_f32": [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, f32, i32],
+        "store_kv_f32": [ptr, i64, ptr, i64, ptr, i64, i64, ptr, ptr],
+        "rms_norm_f32": [ptr, i64, ptr, ptr, ptr, i64, i64, f32, i32],
+        "silu_mul_f32": [ptr, ptr, i64, i64, i32],
+    }
+    for name, argtypes in signatures.items():
+        function = getattr(library, name)
+        function.argtypes = argtypes
+        function.restype = ctypes.c_int if name == "paged_decode_attention_f32" else None
+
+
+def native_kernels_available(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether tensors of this dtype/device can use the kernels: CPU fp32, and the library builds
+    here. A failed build is logged (with the compiler's message) and the torch paths are used."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return False
+    try:
+        native_library()
+    except NativeKernelsUnavailable as exc:
+        logger.warning("native CPU kernels unavailable, using torch for every op: %s", exc)
+        return False
+    return True
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t with contiguous rows (last dims dense), whatever the stride between rows."""
+    inner = t[0] if t.shape[0] else t
+    return t if inner.is_contiguous() else t.contiguous()
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                           kv_lens: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
+    """q: [n, H, D], one query per sequence; caches: [slots, Hkv, D]; block_tables: [n, max_blocks];
+    kv_lens: [n] tokens each query attends to. Returns [n, H, D]."""
+    q = _rows(q)
+    n, num_heads, head_dim = q.shape
+    out = torch.empty(n, num_heads, head_dim, dtype=q.dtype)
+    failed = native_library().paged_decode_attention_f32(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), block_tables.data_ptr(),
+        kv_lens.data_ptr(), n, num_heads, k_cache.shape[1], head_dim, block_size, block_tables.shape[1], scale,
+        torch.get_num_threads())
+    if failed:
+        raise MemoryError("paged attention could not allocate its scratch buffers")
+    return out
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """k_cache[slots] = k and v_cache[slots] = v; k, v: [n, Hkv, D]."""
+    k, v = _rows(k), _rows(v)
+    native_library().store_kv_f32(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(),
+                                  k.shape[0], k[0].numel() if k.shape[0] else 0, k_cache.data_ptr(), v_cache.data_ptr())
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm over the last dim of x [n, dim]; with `residual` (contiguous [n, dim]), residual += x
+    first, in place, and the sum is what gets normalised."""
+    x = _rows(x)
+    out = torch.empty(x.shape, dtype=x.dtype)
+    native_library().rms_norm_f32(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
+                                  weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps,
+                                  torch.get_num_threads())
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [gate | up]: [n, 2 * width] (contiguous) -> [n, width]."""
+    n, width = gate_up.shape[0], gate_up.shape[1] // 2
+    gate_up = gate_up.contiguous()  # kept in a name: a temporary would be freed before the call reads it
+    out = torch.empty(n, width, dtype=gate_up.dtype)
+    native_library().silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), n, width, torch.get_num_threads())
+    return out

@@ -1,0 +1,137 @@
+"""The C kernels (layers/csrc) against the torch ops they replace, and the fallback without them."""
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from roseinfer import LLM, SamplingParams
+from roseinfer.layers import native
+from roseinfer.layers.attention import AttentionGroup, AttentionMetadata, PagedAttention
+
+CPU = torch.device("cpu")
+HAS_COMPILER = any(shutil.which(c) for c in ("cc", "gcc", "clang"))
+needs_kernels = pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler: the native kernels cannot be built")
+
+
+def test_kernels_build_wherever_a_compiler_is_found() -> None:
+    if not HAS_COMPILER:
+        pytest.skip("no C compiler on this machine")
+    assert native.native_kernels_available(torch.float32, CPU)
+    assert not native.native_kernels_available(torch.bfloat16, CPU)
+
+
+def _paged_case(seed: int, heads: int, kv_heads: int, head_dim: int, lens: list[int], block_size: int = 4):
+    """A pool with each sequence's blocks scattered at random, and one query row per sequence
+    taken as a strided view (as the model's q is a slice of the qkv projection)."""
+    g = torch.Generator().manual_seed(seed)
+    max_blocks = -(-max(lens) // block_size)
+    num_blocks = len(lens) * max_blocks + 5
+    k_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=g)
+    tables = torch.randperm(num_blocks, generator=g)[:len(lens) * max_blocks].view(len(lens), max_blocks)
+    qkv = torch.randn(len(lens), heads + 2 * kv_heads, head_dim, generator=g) * 3
+    return qkv[:, :heads], k_cache, v_cache, tables.contiguous(), torch.tensor(lens)
+
+
+@needs_kernels
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(6, 2, 64), (4, 4, 40), (9, 3, 16)])
+def test_paged_decode_attention_matches_gather_and_sdpa(heads: int, kv_heads: int, head_dim: int) -> None:
+    lens = [1, 5, 17, 33, 8]
+    q, k_cache, v_cache, tables, kv_lens = _paged_case(0, heads, kv_heads, head_dim, lens)
+    scale = head_dim ** -0.5
+    got = native.paged_decode_attention(q, k_cache, v_cache, tables, kv_lens, 4, scale)
+    for i, length in enumerate(lens):  # reference: each sequence's tokens in order, plain SDPA with GQA
+        slots = torch.tensor([int(tables[i, t // 4]) * 4 + t % 4 for t in range(length)])
+        keys, values = k_cache[slots].transpose(0, 1), v_cache[slots].transpose(0, 1)  # [Hkv, L, D]
+        ref = F.scaled_dot_product_attention(q[i].unsqueeze(1), keys, values, scale=scale,
+                                             enable_gqa=heads != kv_heads).squeeze(1)
+        torch.testing.assert_close(got[i], ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_native_and_torch_attention_agree_through_the_layer() -> None:
+    """PagedAttention with meta.native (store_kv + kernel) against its torch path (index_copy_ +
+    gather + SDPA under a mask), on one decode step of five sequences."""
+    heads, kv_heads, head_dim, block_size = 6, 2, 32, 4
+    lens = [3, 9, 16, 21, 2]
+    q, k_cache, v_cache, tables, kv_lens = _paged_case(1, heads, kv_heads, head_dim, lens, block_size)
+    k, v = torch.randn(len(lens), kv_heads, head_dim), torch.randn(len(lens), kv_heads, head_dim)
+    slots = torch.tensor([int(tables[i, (n - 1) // block_size]) * block_size + (n - 1) % block_size
+                          for i, n in enumerate(lens)])
+    rows = torch.arange(len(lens)).unsqueeze(1)
+    keys = torch.arange(tables.shape[1] * block_size)
+    mask = torch.zeros(len(lens), 1, 1, keys.numel()).masked_fill_(keys >= kv_lens.view(-1, 1, 1, 1), float("-inf"))
+    attention = PagedAttention(heads, kv_heads, head_dim, head_dim ** -0.5)
+    outs, caches = [], []
+    for use_native in (False, True):
+        cache = (k_cache.clone(), v_cache.clone())
+        group = AttentionGroup(query_rows=rows, valid=torch.ones_like(rows, dtype=torch.bool), output_rows=rows[:, 0],
+                               block_size=block_size, block_tables=tables, whole_batch=True,
+                               mask=None if use_native else mask, kv_lens=kv_lens if use_native else None)
+        outs.append(attention(q, k, v, cache, AttentionMetadata(slot_mapping=slots, groups=[group], native=use_native)))
+        caches.append(cache)
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(caches[1][0], caches[0][0]) and torch.equal(caches[1][1], caches[0][1])
+    assert torch.equal(caches[1][0][slots], k)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dim", [64, 576, 37])
+def test_rms_norm_matches_torch_with_and_without_residual(dim: int) -> None:
+    torch.manual_seed(2)
+    wide = torch.randn(9, dim + 8) * 4
+    x = wide[:, :dim]  # rows with a stride, as slices of a wider tensor are
+    weight, residual = torch.randn(dim), torch.randn(9, dim)
+    torch.testing.assert_close(native.rms_norm(x, weight, 1e-5), F.rms_norm(x, (dim,), weight, 1e-5))
+    stream = residual.clone()
+    normed = native.rms_norm(x, weight, 1e-6, stream)
+    torch.testing.assert_close(stream, residual + x)
+    torch.testing.assert_close(normed, F.rms_norm(residual + x, (dim,), weight, 1e-6))
+
+
+@needs_kernels
+@pytest.mark.parametrize("width", [1536, 19])
+def test_silu_mul_matches_torch_including_extremes(width: int) -> None:
+    torch.manual_seed(3)
+    gate_up = torch.randn(5, 2 * width) * 6
+    gate_up[0, :4] = torch.tensor([-200.0, -88.5, 88.5, 200.0])  # where exp over- or underflows
+    gate, up = gate_up.chunk(2, dim=-1)
+    got = native.silu_mul(gate_up)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, F.silu(gate) * up, rtol=2e-6, atol=1e-6)
+
+
+@needs_kernels
+def test_store_kv_matches_index_copy() -> None:
+    torch.manual_seed(4)
+    cache_a, cache_b = torch.zeros(40, 2, 8), torch.zeros(40, 2, 8)
+    kv = torch.randn(6, 5, 8)  # k and v as strided slices of one tensor, like the qkv projection's
+    k, v = kv[:, :2], kv[:, 2:4]
+    slots = torch.tensor([3, 17, 0, 39, 8, 9])
+    native.store_kv(k, v, slots, cache_a, cache_b)
+    torch.testing.assert_close(cache_a, torch.zeros(40, 2, 8).index_copy_(0, slots, k), rtol=0, atol=0)
+    torch.testing.assert_close(cache_b, torch.zeros(40, 2, 8).index_copy_(0, slots, v), rtol=0, atol=0)
+
+
+def test_without_a_working_compiler_the_engine_runs_on_torch_ops(tiny_model_factory, monkeypatch, tmp_path,
+                                                                   caplog) -> None:
+    """A compiler that fails: the default engine logs why and runs torch ops only, with the same output."""
+    folder = tiny_model_factory("llama")
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    reference = LLM(model=str(folder), native_kernels=False).generate([[5, 6, 7, 8]], greedy)[0].token_ids
+    monkeypatch.setenv("CC", "false")
+    monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(tmp_path))
+    native.native_library.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="roseinfer.layers.native"):
+            llm = LLM(model=str(folder))
+        assert not llm.engine.native_kernels
+        assert "native CPU kernels unavailable" in caplog.text and "failed" in caplog.text
+        assert llm.generate([[5, 6, 7, 8]], greedy)[0].token_ids == reference
+        assert not list(tmp_path.rglob("*.so"))
+    finally:
+        native.native_library.cache_clear()
