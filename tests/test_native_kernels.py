@@ -69,7 +69,7 @@ def test_native_and_torch_attention_agree_through_the_layer() -> None:
     outs, caches = [], []
     for use_native in (False, True):
         cache = (k_cache.clone(), v_cache.clone())
-        group = AttentionGroup(query_rows=rows, valid=torch.ones_like(rows, dtype=torch.bool), output_rows=rows[:, 0],
+        group = AttentionGroup(query_rows=rows, valid_slots=torch.arange(len(lens)), output_rows=rows[:, 0],
                                block_size=block_size, block_tables=tables, whole_batch=True,
                                mask=None if use_native else mask, kv_lens=kv_lens if use_native else None)
         outs.append(attention(q, k, v, cache, AttentionMetadata(slot_mapping=slots, groups=[group], native=use_native)))

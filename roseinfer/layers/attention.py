@@ -21,7 +21,7 @@ from roseinfer.layers import native
 @dataclass
 class AttentionGroup:
     query_rows: torch.Tensor  # [B, Lq] rows of the flat batch (padding repeats a valid row)
-    valid: torch.Tensor  # [B, Lq] bool: which query slots are real tokens
+    valid_slots: torch.Tensor  # [n_valid] real tokens' positions in the flattened [B * Lq] padded layout
     output_rows: torch.Tensor  # [n_valid] flat-batch rows, in the order valid selects them
     block_size: int
     block_tables: torch.Tensor | None = None  # [B, max_blocks] (padding: block 0, masked out)
@@ -64,7 +64,7 @@ class PagedAttention:
             return self._group(q, k_cache, v_cache, meta.groups[0], k, v)
         out = torch.empty_like(q)
         for group in meta.groups:
-            out[group.output_rows] = self._group(q, k_cache, v_cache, group, k, v)
+            out.index_copy_(0, group.output_rows, self._group(q, k_cache, v_cache, group, k, v))
         return out
 
     def _gather(self, cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
@@ -80,10 +80,10 @@ class PagedAttention:
         if group.fresh:
             # Whole prompts from position 0: this step's K/V are all there is, and right padding
             # is invisible to real queries under a causal mask -- no cache gather, no explicit mask.
-            queries, keys, values = (t[group.query_rows].transpose(1, 2) for t in (q, k, v))
+            queries, keys, values = (self._padded(t, group).transpose(1, 2) for t in (q, k, v))
             out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=self.scale,
                                                  enable_gqa=self.num_heads != self.num_kv_heads)
-            return out.transpose(1, 2)[group.valid]
+            return self._unpadded(out, group)
         if group.kv_lens is not None:  # native decode: the runner set lengths instead of a mask
             queries = q if group.whole_batch else q[group.output_rows]
             return native.paged_decode_attention(queries, k_cache, v_cache, group.block_tables, group.kv_lens,
@@ -98,7 +98,19 @@ class PagedAttention:
             queries = queries.view(batch, self.num_kv_heads, groups, self.head_dim)
             out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask, scale=self.scale)
             return out.reshape(batch, self.num_heads, self.head_dim)
-        queries = q[group.query_rows].transpose(1, 2)  # [B, H, Lq, D]
+        queries = self._padded(q, group).transpose(1, 2)  # [B, H, Lq, D]
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask, scale=self.scale,
                                              enable_gqa=self.num_heads != self.num_kv_heads)
-        return out.transpose(1, 2)[group.valid]
+        return self._unpadded(out, group)
+
+    @staticmethod
+    def _padded(t: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+        """[T, heads, D] flat-batch rows -> [B, Lq, heads, D]. index_select, because advanced indexing
+        with the 2-D row table took 0.7-0.8 ms against 0.11-0.15 ms for a 2048-token prefill's q."""
+        return t.index_select(0, group.query_rows.flatten()).view(*group.query_rows.shape, *t.shape[1:])
+
+    @staticmethod
+    def _unpadded(out: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+        """SDPA's [B, H, Lq, D] -> [n_valid, H, D], the real tokens in output_rows order (a boolean
+        mask index took 0.84 ms against 0.23 ms here, same prefill)."""
+        return out.transpose(1, 2).flatten(0, 1).index_select(0, group.valid_slots)
