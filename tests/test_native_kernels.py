@@ -91,6 +91,8 @@ def test_rms_norm_matches_torch_with_and_without_residual(dim: int) -> None:
     normed = native.rms_norm(x, weight, 1e-6, stream)
     torch.testing.assert_close(stream, residual + x)
     torch.testing.assert_close(normed, F.rms_norm(residual + x, (dim,), weight, 1e-6))
+    with pytest.raises(ValueError, match="contiguous"):  # it is written in place, row by row
+        native.rms_norm(x, weight, 1e-6, torch.randn(dim, 9).t())
 
 
 @needs_kernels
@@ -133,5 +135,20 @@ def test_without_a_working_compiler_the_engine_runs_on_torch_ops(tiny_model_fact
         assert "native CPU kernels unavailable" in caplog.text and "failed" in caplog.text
         assert llm.generate([[5, 6, 7, 8]], greedy)[0].token_ids == reference
         assert not list(tmp_path.rglob("*.so"))
+    finally:
+        native.native_library.cache_clear()
+
+
+def test_an_unwritable_cache_folder_is_reported_not_raised(monkeypatch, tmp_path) -> None:
+    if not HAS_COMPILER:
+        pytest.skip("no C compiler on this machine")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")  # the cache folder would have to be created inside a file
+    monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(blocker / "cache"))
+    native.native_library.cache_clear()
+    try:
+        with pytest.raises(native.NativeKernelsUnavailable, match="building or loading"):
+            native.native_library()
+        assert not native.native_kernels_available(torch.float32, CPU)
     finally:
         native.native_library.cache_clear()

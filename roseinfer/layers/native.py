@@ -82,18 +82,18 @@ def native_library() -> ctypes.CDLL:
     sources = sorted(CSRC.glob("*.c"))
     headers = sorted(CSRC.glob("*.h"))
     compiler = _compiler()
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256()
-    for part in (*(s.read_bytes() for s in sources + headers), compiler.encode(), version.encode(),
-                 " ".join(CFLAGS).encode(), platform.machine().encode(), _cpu_flags().encode()):
-        key.update(part)
-    target = _cache_dir() / f"roseinfer_kernels_{key.hexdigest()[:16]}.so"
-    if not target.exists():
-        _build(compiler, sources, target)
     try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+        key = hashlib.sha256()
+        for part in (*(s.read_bytes() for s in sources + headers), compiler.encode(), version.encode(),
+                     " ".join(CFLAGS).encode(), platform.machine().encode(), _cpu_flags().encode()):
+            key.update(part)
+        target = _cache_dir() / f"roseinfer_kernels_{key.hexdigest()[:16]}.so"
+        if not target.exists():
+            _build(compiler, sources, target)
         library = ctypes.CDLL(str(target))
-    except OSError as exc:
-        raise NativeKernelsUnavailable(f"loading {target} failed: {exc}") from exc
+    except OSError as exc:  # an unwritable cache folder, a compiler that cannot run, a bad library
+        raise NativeKernelsUnavailable(f"building or loading the kernels failed: {exc}") from exc
     _declare(library)
     return library
 
@@ -157,6 +157,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache: tor
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
     """RMSNorm over the last dim of x [n, dim]; with `residual` (contiguous [n, dim]), residual += x
     first, in place, and the sum is what gets normalised."""
+    if residual is not None and not residual.is_contiguous():
+        raise ValueError("rms_norm's residual is updated in place and must be contiguous")
     x = _rows(x)
     out = torch.empty(x.shape, dtype=x.dtype)
     native_library().rms_norm_f32(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
