@@ -22,7 +22,7 @@ from roseinfer.layers import native
 class AttentionGroup:
     query_rows: torch.Tensor  # [B, Lq] rows of the flat batch (padding repeats a valid row)
     valid_slots: torch.Tensor  # [n_valid] real tokens' positions in the flattened [B * Lq] padded layout
-    output_rows: torch.Tensor  # [n_valid] flat-batch rows, in the order valid selects them
+    output_rows: torch.Tensor  # [n_valid] flat-batch rows, in valid_slots order
     block_size: int
     block_tables: torch.Tensor | None = None  # [B, max_blocks] (padding: block 0, masked out)
     mask: torch.Tensor | None = None  # [B, 1, Lq, max_blocks * block_size] additive: 0 = attend, -inf = not
