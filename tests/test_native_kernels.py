@@ -152,3 +152,19 @@ def test_an_unwritable_cache_folder_is_reported_not_raised(monkeypatch, tmp_path
         assert not native.native_kernels_available(torch.float32, CPU)
     finally:
         native.native_library.cache_clear()
+
+
+def test_kernels_are_cached_in_the_temp_dir_when_the_home_cache_cannot_be_written(monkeypatch, tmp_path) -> None:
+    if not HAS_COMPILER:
+        pytest.skip("no C compiler on this machine")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")  # a cache folder "inside" a file cannot be created, not even by root
+    monkeypatch.delenv("ROSEINFER_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
+    monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    native.native_library.cache_clear()
+    try:
+        native.native_library()
+        assert list((tmp_path / "tmp").rglob("roseinfer_kernels_*.so"))
+    finally:
+        native.native_library.cache_clear()

@@ -54,9 +54,19 @@ def _cpu_flags() -> str:
 
 
 def _cache_dir() -> pathlib.Path:
-    root = os.environ.get("ROSEINFER_CACHE_DIR") or pathlib.Path(
-        os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache") / "roseinfer"
-    return pathlib.Path(root) / "kernels"
+    """$ROSEINFER_CACHE_DIR/kernels as given; otherwise ~/.cache (or $XDG_CACHE_HOME)/roseinfer/kernels,
+    or a per-user folder in the temp dir where the home folder cannot be written (read-only CI homes)."""
+    if os.environ.get("ROSEINFER_CACHE_DIR"):
+        return pathlib.Path(os.environ["ROSEINFER_CACHE_DIR"]) / "kernels"
+    home_cache = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache")
+    folder = home_cache / "roseinfer" / "kernels"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if os.access(folder, os.W_OK):
+            return folder
+    except OSError:
+        pass
+    return pathlib.Path(tempfile.gettempdir()) / f"roseinfer-{os.getuid()}" / "kernels"
 
 
 def _build(compiler: str, sources: list[pathlib.Path], target: pathlib.Path) -> None:
@@ -90,6 +100,7 @@ def native_library() -> ctypes.CDLL:
             key.update(part)
         target = _cache_dir() / f"roseinfer_kernels_{key.hexdigest()[:16]}.so"
         if not target.exists():
+            logger.info("compiling the native CPU kernels into %s (once per machine and compiler)", target)
             _build(compiler, sources, target)
         library = ctypes.CDLL(str(target))
     except OSError as exc:  # an unwritable cache folder, a compiler that cannot run, a bad library
