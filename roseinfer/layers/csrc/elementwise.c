@@ -1,7 +1,7 @@
 /* Row-wise kernels of the decoder layer (fp32, CPU), each one pass over memory where torch runs
  * several ops: RMSNorm (torch: pow, mean, add, rsqrt, two muls, ~10 us of dispatch each) with
- * the residual add folded in, and SiLU(gate) * up. Called through ctypes by layers/norm.py and
- * layers/activation.py. Rows are split over threads only when there is enough work to pay for
+ * the residual add folded in, and SiLU(gate) * up. Bound with ctypes in layers/native.py; called by
+ * layers/norm.py and layers/activation.py. Rows are split over threads only when there is enough work to pay for
  * waking them. */
 #include <math.h>
 #include <stdint.h>

@@ -4,7 +4,7 @@
  * and re-reads the whole context (46 KB per token for the default model) on every step. Here one
  * task per sequence walks its block table and reads each cached token's K and V rows once, in
  * place: a token's rows for all KV heads are adjacent, so a block is one contiguous stretch.
- * Called through ctypes by layers/attention.py.
+ * Bound with ctypes in layers/native.py; called by layers/attention.py.
  *
  * q:                 [n, num_heads, head_dim], rows q_row_stride floats apart (heads contiguous)
  * out:               [n, num_heads, head_dim], contiguous
@@ -28,8 +28,9 @@ static inline void axpy(float *y, float a, const float *x, int64_t n) {
 }
 
 /* Rows this many tokens ahead are prefetched: blocks lie anywhere in the pool, so the hardware
- * prefetcher loses the stream at every block edge. 4 measured best of 2/4/8 (a batch-64 decode
- * step's attention with the pool out of cache: 0.63 against 0.87 ms per layer without). */
+ * prefetcher loses the stream at every block edge. 4 measured best of 2/4/8, and 3 or 6 were no
+ * better (a batch-64 decode step's attention with the pool out of cache: 0.63 against 0.87 ms
+ * per layer without prefetching). */
 #define PREFETCH_TOKENS 4
 
 static inline const float *token_row(const float *cache, const int64_t *table, int64_t t, int64_t block_size,
