@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -17,9 +18,17 @@ HAS_COMPILER = any(shutil.which(c) for c in ("cc", "gcc", "clang"))
 needs_kernels = pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler: the native kernels cannot be built")
 
 
+@pytest.fixture
+def rebuilt_library() -> Iterator[None]:
+    """The test's environment (CC, cache folders) decides the next build; later tests rebuild
+    (or reload from the real cache) with the real one."""
+    native.native_library.cache_clear()
+    yield
+    native.native_library.cache_clear()
+
+
+@needs_kernels
 def test_kernels_build_wherever_a_compiler_is_found() -> None:
-    if not HAS_COMPILER:
-        pytest.skip("no C compiler on this machine")
     assert native.native_kernels_available(torch.float32, CPU)
     assert not native.native_kernels_available(torch.bfloat16, CPU)
 
@@ -120,51 +129,38 @@ def test_store_kv_matches_index_copy() -> None:
 
 
 def test_without_a_working_compiler_the_engine_runs_on_torch_ops(tiny_model_factory, monkeypatch, tmp_path,
-                                                                   caplog) -> None:
+                                                                   caplog, rebuilt_library) -> None:
     """A compiler that fails: the default engine logs why and runs torch ops only, with the same output."""
     folder = tiny_model_factory("llama")
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     reference = LLM(model=str(folder), native_kernels=False).generate([[5, 6, 7, 8]], greedy)[0].token_ids
     monkeypatch.setenv("CC", "false")
     monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(tmp_path))
-    native.native_library.cache_clear()
-    try:
-        with caplog.at_level(logging.WARNING, logger="roseinfer.layers.native"):
-            llm = LLM(model=str(folder))
-        assert not llm.engine.native_kernels
-        assert "native CPU kernels unavailable" in caplog.text and "failed" in caplog.text
-        assert llm.generate([[5, 6, 7, 8]], greedy)[0].token_ids == reference
-        assert not list(tmp_path.rglob("*.so"))
-    finally:
-        native.native_library.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="roseinfer.layers.native"):
+        llm = LLM(model=str(folder))
+    assert not llm.engine.native_kernels
+    assert "native CPU kernels unavailable" in caplog.text and "failed" in caplog.text
+    assert llm.generate([[5, 6, 7, 8]], greedy)[0].token_ids == reference
+    assert not list(tmp_path.rglob("*.so"))
 
 
-def test_an_unwritable_cache_folder_is_reported_not_raised(monkeypatch, tmp_path) -> None:
-    if not HAS_COMPILER:
-        pytest.skip("no C compiler on this machine")
+@needs_kernels
+def test_an_unwritable_cache_folder_is_reported_not_raised(monkeypatch, tmp_path, rebuilt_library) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("")  # the cache folder would have to be created inside a file
     monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(blocker / "cache"))
-    native.native_library.cache_clear()
-    try:
-        with pytest.raises(native.NativeKernelsUnavailable, match="building or loading"):
-            native.native_library()
-        assert not native.native_kernels_available(torch.float32, CPU)
-    finally:
-        native.native_library.cache_clear()
+    with pytest.raises(native.NativeKernelsUnavailable, match="building or loading"):
+        native.native_library()
+    assert not native.native_kernels_available(torch.float32, CPU)
 
 
-def test_kernels_are_cached_in_the_temp_dir_when_the_home_cache_cannot_be_written(monkeypatch, tmp_path) -> None:
-    if not HAS_COMPILER:
-        pytest.skip("no C compiler on this machine")
+@needs_kernels
+def test_kernels_are_cached_in_the_temp_dir_when_the_home_cache_cannot_be_written(monkeypatch, tmp_path,
+                                                                                  rebuilt_library) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("")  # a cache folder "inside" a file cannot be created, not even by root
     monkeypatch.delenv("ROSEINFER_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
     monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
-    native.native_library.cache_clear()
-    try:
-        native.native_library()
-        assert list((tmp_path / "tmp").rglob("roseinfer_kernels_*.so"))
-    finally:
-        native.native_library.cache_clear()
+    native.native_library()
+    assert list((tmp_path / "tmp").rglob("roseinfer_kernels_*.so"))
