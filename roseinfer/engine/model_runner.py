@@ -80,9 +80,9 @@ class ModelRunner:
         q_pos = torch.arange(max_q, device=self.device).unsqueeze(0)  # [1, Lq]
         valid = q_pos < q_lens.unsqueeze(1)
         query_rows = starts.unsqueeze(1) + torch.minimum(q_pos, q_lens.unsqueeze(1) - 1)
-        group = AttentionGroup(query_rows=query_rows, valid_slots=valid.flatten().nonzero().squeeze(1),
-                               output_rows=query_rows[valid],
-                               block_size=self.block_size)
+        valid_slots = valid.flatten().nonzero().squeeze(1)
+        group = AttentionGroup(query_rows=query_rows, valid_slots=valid_slots,
+                               output_rows=query_rows.flatten().index_select(0, valid_slots), block_size=self.block_size)
         if max_q > 1 and all(items[i].request.num_computed_tokens == 0 for i in idx):
             group.fresh = True  # whole prompts: attention needs neither the cache nor a mask
             return group

@@ -45,9 +45,8 @@ def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
 
 @torch.inference_mode()
 def prepack_linears(model: nn.Module) -> None:
-    for module in model.modules():
-        if isinstance(module, Linear):
-            module.prepack()
+    for layer in linear_layers(model):
+        layer.prepack()
 
 
 def linear_layers(model: nn.Module) -> list[Linear]:
