@@ -33,3 +33,21 @@ def test_cpu_pool_is_zeroed_and_committed_lazily(tiny_model_factory) -> None:
     k_cache = caches[0][0]
     assert k_cache[:8].abs().sum() > 0
     assert torch.count_nonzero(k_cache[llm.engine.config.block_size * 4:]) == 0
+
+
+def test_reading_a_checkpoint_keeps_one_tensor_mapped_at_a_time(tmp_path) -> None:
+    """safetensors maps the file; pages read stay resident while the mapping is open. The loader
+    holds it open per tensor, so reading 8 x 32 MB never holds more than a tensor or two."""
+    from safetensors.torch import save_file
+
+    from roseinfer.loader.model_loader import iter_safetensors
+
+    tensor_bytes = 32 * 2**20
+    save_file({f"w{i}": torch.full((tensor_bytes // 4,), float(i)) for i in range(8)}, str(tmp_path / "model.safetensors"))
+    before = _rss_bytes()
+    peak = 0
+    for name, tensor in iter_safetensors(tmp_path):
+        assert float(tensor.sum()) == float(name[1:]) * tensor.numel()  # every page of it read
+        peak = max(peak, _rss_bytes() - before)
+        del tensor
+    assert peak < 3 * tensor_bytes

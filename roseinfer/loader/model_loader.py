@@ -72,7 +72,13 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
         raise ModelLoadError(f"{folder}: no *.safetensors weights found")
     for name in files:
         with safe_open(str(folder / name), framework="pt") as f:
-            for key in f.keys():
+            keys = list(f.keys())
+        for key in keys:
+            # Opened again per tensor: the file is memory-mapped, and every page read stays in this
+            # process's resident set until the mapping closes. Kept open for the whole file, the
+            # checkpoint's pages and the model's own copy were resident together (1293 MiB peak
+            # loading the default model, against 877 MiB once loaded).
+            with safe_open(str(folder / name), framework="pt") as f:
                 yield key, f.get_tensor(key)
 
 
