@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from roseinfer import LLM, SamplingParams
 from roseinfer.layers import native
 from roseinfer.layers.attention import AttentionGroup, AttentionMetadata, PagedAttention
+from roseinfer.layers.rotary import apply_rotary
 
 CPU = torch.device("cpu")
 HAS_COMPILER = any(shutil.which(c) for c in ("cc", "gcc", "clang"))
@@ -114,6 +115,37 @@ def test_silu_mul_matches_torch_including_extremes(width: int) -> None:
     got = native.silu_mul(gate_up)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, F.silu(gate) * up, rtol=2e-6, atol=1e-6)
+
+
+@needs_kernels
+@pytest.mark.parametrize("tokens,head_dim", [(3, 64), (70, 16), (5, 40)])
+def test_rotary_in_place_matches_the_torch_rotary(tokens: int, head_dim: int) -> None:
+    """q and k rotated where they lie in a qkv row (strided rows); v, beside them, is left alone."""
+    torch.manual_seed(5)
+    heads, kv_heads = 6, 2
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim) * 5
+    before = qkv.clone()
+    qk = qkv[:, :(heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim)
+    angles = torch.randn(tokens, 1, head_dim // 2) * 100
+    rotations = torch.polar(torch.ones_like(angles), angles)
+    expected = apply_rotary(qk, rotations)  # the torch path returns a new tensor
+    assert torch.equal(qkv, before)
+    assert apply_rotary(qk, rotations, native_inplace=True).data_ptr() == qkv.data_ptr()
+    torch.testing.assert_close(qk, expected, rtol=1e-6, atol=1e-5)
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], before[:, (heads + kv_heads) * head_dim:])
+
+
+@needs_kernels
+def test_argmax_rows_decides_ties_nans_and_infinities_as_torch_does() -> None:
+    torch.manual_seed(6)
+    logits = torch.randn(7, 49157)
+    logits[1, 10] = logits[1, 4000] = 50.0  # a tie: the first index wins
+    logits[2, 30] = logits[2, 20] = float("nan")  # a NaN counts as the largest value
+    logits[3] = float("-inf")
+    logits[4, -1] = float("inf")
+    logits[5, 0] = 100.0
+    assert torch.equal(native.argmax_rows(logits), logits.argmax(dim=-1))
+    assert torch.equal(native.argmax_rows(logits[:, :5]), logits[:, :5].argmax(dim=-1))  # a narrow strided view
 
 
 @needs_kernels

@@ -51,7 +51,7 @@ class LLMEngine:
         eos = self.tokenizer.eos_token_ids
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, eos)
         self.runner = ModelRunner(model, self.model_config, self.num_kv_blocks, config.block_size,
-                                  self.dtype, self.device, Sampler(eos, self.device, config.seed),
+                                  self.dtype, self.device, Sampler(eos, self.device, config.seed, self.native_kernels),
                                   self.native_kernels)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()

@@ -9,13 +9,16 @@ from __future__ import annotations
 import torch
 
 from roseinfer.engine.request import Request, TokenLogprobs
+from roseinfer.layers import native
 
 NEG_INF = float("-inf")
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: set[int], device: torch.device, seed: int) -> None:
+    def __init__(self, eos_token_ids: set[int], device: torch.device, seed: int, native_argmax: bool = False) -> None:
         self.eos_token_ids = sorted(eos_token_ids)
+        # CPU fp32 logits: the C argmax, ~10x faster than torch's on [64, 49152] (2.6 ms a step there)
+        self.native_argmax = native_argmax
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
@@ -25,7 +28,7 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
         if all(p.greedy and not p.needs_penalties and not p.logit_bias for p in params) and \
                 not any(self._masks_stops(r) for r in requests):
-            tokens = logits.argmax(dim=-1)
+            tokens = native.argmax_rows(logits) if self.native_argmax else logits.argmax(dim=-1)
         else:
             tokens = self._sample(logits.clone(), requests)
         token_list = tokens.tolist()

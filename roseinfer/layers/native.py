@@ -116,6 +116,8 @@ def _declare(library: ctypes.CDLL) -> None:
         "store_kv_f32": [ptr, i64, ptr, i64, ptr, i64, i64, ptr, ptr],
         "rms_norm_f32": [ptr, i64, ptr, ptr, ptr, i64, i64, f32, i32],
         "silu_mul_f32": [ptr, ptr, i64, i64, i32],
+        "rotary_f32": [ptr, i64, ptr, i64, i64, i64, i32],
+        "argmax_rows_f32": [ptr, i64, i64, ptr, i32],
     }
     for name, argtypes in signatures.items():
         function = getattr(library, name)
@@ -184,4 +186,23 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate_up = gate_up.contiguous()  # kept in a name: a temporary would be freed before the call reads it
     out = torch.empty(n, width, dtype=gate_up.dtype)
     native_library().silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), n, width, torch.get_num_threads())
+    return out
+
+
+def rotary_(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
+    """Rotates x [n, heads, head_dim] (heads contiguous; rows may be strided) in place by
+    rotations [n, 1, head_dim / 2] complex64 (layers/rotary.py); returns x."""
+    if x.shape[0] and not x[0].is_contiguous():
+        raise ValueError("rotary_ needs each row's heads contiguous")
+    angles = torch.view_as_real(rotations).contiguous()
+    native_library().rotary_f32(x.data_ptr(), x.stride(0), angles.data_ptr(), x.shape[0], x.shape[1], x.shape[2],
+                                torch.get_num_threads())
+    return x
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, dim=-1) for contiguous fp32 x [n, width]: ties and NaNs resolved the same way."""
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.long)
+    native_library().argmax_rows_f32(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
     return out

@@ -42,12 +42,12 @@ class LlamaAttention(nn.Module):
         if self.q_norm is None:
             # q and k side by side as one [T, H + Hkv, D] view: one rotary pass instead of two
             qk = qkv[:, :self.q_size + self.kv_size].view(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-            qk = apply_rotary(qk, rope)
+            qk = apply_rotary(qk, rope, meta.native)
             q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         else:
             q = self.q_norm(qkv[:, :self.q_size].view(tokens, self.num_heads, self.head_dim))
             k = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size].view(tokens, self.num_kv_heads, self.head_dim))
-            q, k = apply_rotary(q, rope), apply_rotary(k, rope)
+            q, k = apply_rotary(q, rope, meta.native), apply_rotary(k, rope, meta.native)
         out = self.attn(q, k, v, kv_cache, meta)
         return self.o_proj(out.reshape(tokens, self.q_size))
 

@@ -1,8 +1,8 @@
-/* Row-wise kernels of the decoder layer (fp32, CPU), each one pass over memory where torch runs
- * several ops: RMSNorm (torch: pow, mean, add, rsqrt, two muls, ~10 us of dispatch each) with
- * the residual add folded in, and SiLU(gate) * up. Bound with ctypes in layers/native.py; called by
- * layers/norm.py and layers/activation.py. Rows are split over threads only when there is enough work to pay for
- * waking them. */
+/* Row-wise kernels (fp32, CPU), each one pass over memory where torch runs several ops (~10 us
+ * of dispatch each): RMSNorm with the residual add folded in, SiLU(gate) * up, the rotary
+ * embedding in place, and the greedy argmax over logits. Bound with ctypes in layers/native.py;
+ * called by layers/norm.py, layers/activation.py, layers/rotary.py and engine/sampler.py. Rows
+ * are split over threads only when there is enough work to pay for waking them. */
 #include <math.h>
 #include <stdint.h>
 
@@ -36,5 +36,49 @@ void silu_mul_f32(const float *gate_up, float *out, int64_t n, int64_t width, in
         float *o = out + i * width;
 #pragma omp simd
         for (int64_t d = 0; d < width; d++) o[d] = gate[d] / (1.0f + exp_f32(-gate[d])) * up[d];
+    }
+}
+
+/* Rotates each head of x in place by its token's angles: pairs (x[2i], x[2i+1]) times
+ * rope[t][i] = (cos, sin), a complex multiply. x: [n, heads, head_dim] with rows x_row_stride
+ * floats apart (q and k may sit side by side in one qkv row); rope: [n, head_dim / 2, 2]. The
+ * compiler fuses a product and a sum into an FMA here, so results differ from transformers'
+ * rotary by one rounding (< 1e-6 relative). */
+void rotary_f32(float *x, int64_t x_row_stride, const float *rope, int64_t n, int64_t heads, int64_t head_dim,
+                int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (n * heads * head_dim >= PARALLEL_MIN_FLOATS)
+    for (int64_t t = 0; t < n; t++) {
+        const float *angle = rope + t * head_dim;
+        for (int64_t h = 0; h < heads; h++) {
+            float *pair = x + t * x_row_stride + h * head_dim;
+#pragma omp simd
+            for (int64_t i = 0; i < head_dim / 2; i++) {
+                const float re = pair[2 * i], im = pair[2 * i + 1], c = angle[2 * i], s = angle[2 * i + 1];
+                pair[2 * i] = re * c - im * s;
+                pair[2 * i + 1] = im * c + re * s;
+            }
+        }
+    }
+}
+
+/* out[i] = the index of row i's largest value: the first one on ties and the first NaN where
+ * there is one, as torch.argmax decides. One vectorised pass for the peak, one scan to find it. */
+void argmax_rows_f32(const float *x, int64_t n, int64_t width, int64_t *out, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (n * width >= PARALLEL_MIN_FLOATS)
+    for (int64_t i = 0; i < n; i++) {
+        const float *row = x + i * width;
+        float peak = -INFINITY;
+        int has_nan = 0;
+#pragma omp simd reduction(max : peak) reduction(| : has_nan)
+        for (int64_t d = 0; d < width; d++) {
+            peak = row[d] > peak ? row[d] : peak;
+            has_nan |= row[d] != row[d];
+        }
+        int64_t best = 0;
+        if (has_nan)
+            while (row[best] == row[best]) best++;
+        else
+            while (best < width - 1 && row[best] != peak) best++;
+        out[i] = best;
     }
 }
