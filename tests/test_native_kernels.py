@@ -133,6 +133,8 @@ def test_rotary_in_place_matches_the_torch_rotary(tokens: int, head_dim: int) ->
     assert apply_rotary(qk, rotations, native_inplace=True).data_ptr() == qkv.data_ptr()
     torch.testing.assert_close(qk, expected, rtol=1e-6, atol=1e-5)
     assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], before[:, (heads + kv_heads) * head_dim:])
+    with pytest.raises(ValueError, match="contiguous"):  # heads apart in memory: it cannot work in place
+        native.rotary_(qk.transpose(0, 1), rotations)
 
 
 @needs_kernels

@@ -197,7 +197,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def rotary_(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
     """Rotates x [n, heads, head_dim] (heads contiguous; rows may be strided) in place by
     rotations [n, 1, head_dim / 2] complex64 (layers/rotary.py); returns x."""
-    if x.shape[0] and not x[0].is_contiguous():
+    if _rows(x) is not x:  # rotated where it lies, so it cannot be copied into shape
         raise ValueError("rotary_ needs each row's heads contiguous")
     angles = torch.view_as_real(rotations).contiguous()
     native_library().rotary_f32(x.data_ptr(), x.stride(0), angles.data_ptr(), x.shape[0], x.shape[1], x.shape[2],
