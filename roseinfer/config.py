@@ -16,7 +16,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the model's context length
     num_threads: int | None = None  # CPU intra-op threads; None = torch's default
     prepack_weights: bool = True  # CPU fp32: linear weights reordered once for oneDNN (layers/linear.py)
-    native_kernels: bool = True  # CPU fp32: C kernels for decode attention, KV writes, norms (layers/native.py)
+    native_kernels: bool = True  # CPU fp32: C kernels for attention, KV writes, norms, rotary... (layers/native.py)
     # KV cache
     block_size: int = 16
     num_kv_blocks: int | None = None  # None = sized from kv_cache_memory_gb / gpu_memory_utilization

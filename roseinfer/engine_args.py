@@ -16,7 +16,8 @@ HELP = {
     "prepack_weights": "CPU fp32: run the linear layers on oneDNN with weights prepacked once (faster than "
                        "F.linear/MKL; --no-prepack-weights uses F.linear)",
     "native_kernels": "CPU fp32: C kernels (built once with the system C compiler) for decode attention over the "
-                      "paged KV cache, KV writes, RMSNorm and SiLU; --no-native-kernels runs torch ops only",
+                      "paged KV cache, KV writes, RMSNorm, SiLU, rotary and the greedy argmax; --no-native-kernels "
+                      "runs torch ops only",
     "block_size": "tokens per KV block",
     "num_kv_blocks": "KV pool size in blocks (default: sized from memory)",
     "kv_cache_memory_gb": "CPU memory for the KV pool when --num-kv-blocks is not given",

@@ -1,4 +1,4 @@
-"""The model runner's KV pool."""
+"""The model runner's KV pool, and the resident memory of reading a checkpoint."""
 from __future__ import annotations
 
 import pathlib

@@ -38,7 +38,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prepack-weights", action="store_true",
                    help="run the linear layers through F.linear (MKL) instead of prepacked oneDNN weights")
     g.add_argument("--no-native-kernels", action="store_true",
-                   help="torch ops only, instead of the C kernels for decode attention, KV writes and norms")
+                   help="torch ops only, instead of the C kernels for decode attention, KV writes, "
+                        "norms, SiLU, rotary and the greedy argmax")
     g.add_argument("--prefill-max-batch-size", type=int, default=None, help="most new requests admitted per step")
     g.add_argument("--prefill-max-tokens", type=int, default=None, help="most prompt tokens computed per step")
     g.add_argument("--prefill-admission-policy", choices=ADMISSION_POLICIES, default="fifo",
