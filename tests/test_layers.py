@@ -77,3 +77,42 @@ def test_prepacked_linear_matches_f_linear(bias: bool) -> None:
         assert layer.weight is None and layer.packed is not None
         for x, ref in zip(inputs, expected):
             torch.testing.assert_close(layer(x), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_padded_rows_rounds_up_to_four_sizes_per_octave() -> None:
+    from roseinfer.layers.linear import padded_rows
+
+    sizes = [padded_rows(rows) for rows in range(1, 8193)]
+    assert sizes[:8] == list(range(1, 9))  # small batches are never padded
+    assert all(rows <= size <= 1.25 * rows for rows, size in enumerate(sizes, start=1))
+    assert sizes == sorted(sizes)
+    assert len(set(sizes)) == 48
+    assert {padded_rows(n) for n in (16, 64, 256, 2048)} == {16, 64, 256, 2048}
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs a torch built with oneDNN")
+def test_prepacked_linear_runs_oneDNN_on_padded_row_counts_only(monkeypatch) -> None:
+    """oneDNN caches one primitive per row count for the life of the process (layers/linear.py):
+    1..300 rows must reach it as 29 padded sizes, and every output row stays exact."""
+    from roseinfer.layers.linear import Linear, padded_rows
+
+    torch.manual_seed(0)
+    layer = Linear(48, 80, bias=True)
+    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+    seen: set[int] = set()
+    real = torch.ops.mkldnn._linear_pointwise
+
+    def spy(x, *args):
+        seen.add(x.shape[0])
+        return real(x, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    with torch.inference_mode():
+        layer.prepack()
+        for rows in range(1, 301):
+            x = torch.randn(rows, 48)
+            out = layer(x)
+            assert out.shape == (rows, 80) and out.is_contiguous()
+            torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    assert seen == {padded_rows(rows) for rows in range(1, 301)}
+    assert len(seen) == 29

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pathlib
 
+import pytest
 import torch
 
 from roseinfer import LLM, SamplingParams
@@ -51,3 +52,46 @@ def test_reading_a_checkpoint_keeps_one_tensor_mapped_at_a_time(tmp_path) -> Non
         peak = max(peak, _rss_bytes() - before)
         del tensor
     assert peak < 3 * tensor_bytes
+
+
+def _file_rss_bytes(path: pathlib.Path) -> int:
+    """Resident bytes of this process's mappings of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in pathlib.Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and not fields[0].endswith(":"):
+            inside = len(fields) >= 6 and fields[-1] == str(path)
+        elif inside and fields[0] == "Rss:":
+            total += int(fields[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="the head reads a prepacked copy only with oneDNN")
+def test_tied_embedding_is_read_from_the_checkpoint_file(tmp_path) -> None:
+    """The embedding is the checkpoint's memory map, not a copy: after loading (which prepacks the
+    tied head from it) none of its 32 MB stays resident, and a lookup pages in only its rows."""
+    import transformers
+
+    from roseinfer.loader.model_loader import load_model, load_model_config
+
+    config = transformers.LlamaConfig(vocab_size=16384, hidden_size=512, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    checkpoint = tmp_path / "model.safetensors"
+    model = load_model(tmp_path, load_model_config(tmp_path), torch.float32, torch.device("cpu"), prepack=True)
+    embedding = model.model.embed_tokens.weight
+    assert embedding.checkpoint_mapped
+    assert _file_rss_bytes(checkpoint) < 2**20
+    ids = torch.tensor([0, 5, 16383])
+    hidden = torch.randn(2, 512)
+    with torch.inference_mode():
+        rows, logits = model.model.embed_tokens(ids), model.compute_logits(hidden)
+    # three rows paged in (each fault maps the page-cache folio around it, up to 2 MB on this
+    # machine's kernel), not the 32 MB table: the head reads its own prepacked copy
+    assert _file_rss_bytes(checkpoint) < 8 * 2**20
+    from safetensors.torch import load_file
+
+    expected = load_file(str(checkpoint))["model.embed_tokens.weight"]
+    assert torch.equal(rows, expected[ids])
+    torch.testing.assert_close(logits, hidden @ expected.T, rtol=1e-4, atol=1e-4)

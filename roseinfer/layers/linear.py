@@ -10,6 +10,14 @@ summation order (~1e-4 absolute on outputs of magnitude ~10).
 `prepack_linears` runs once after the weights are loaded; layers it cannot pack (CUDA, half
 precision, a torch built without oneDNN) keep F.linear. The floor (bench/floor.py) calls these same
 layers, so it always measures the matmuls the engine runs.
+
+oneDNN builds (and JIT-compiles) one primitive per input shape and caches it, in its own cache and in
+ideep's, for the life of the process: ~0.6 MB per (layer shape, row count). A server sees every row
+count from 1 to max_num_batched_tokens, so resident memory grew by ~2.6 MB per new row count over
+four of the model's five matmul shapes (256 row counts: +676 MiB); capping the caches instead
+churned the allocator and grew further. So the rows are padded up to one of four sizes per octave
+(`padded_rows`): at most ~40 shapes per layer up to 8192 rows, at most 25 % padded rows, and none
+for row counts that are already a size (1-8, 16, 64, 256, 2048, ...).
 """
 from __future__ import annotations
 
@@ -24,9 +32,13 @@ class Linear(nn.Linear):
     packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        rows = x.shape[0]
+        padded = padded_rows(rows)
+        if padded != rows:  # x is [rows, in_features] in every model here
+            x = F.pad(x, (0, 0, 0, padded - rows))
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")[:rows]
 
     def prepack(self) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
@@ -37,6 +49,14 @@ class Linear(nn.Linear):
     def weight_bytes(self) -> int:
         tensor = self.packed if self.packed is not None else self.weight
         return tensor.numel() * tensor.element_size()
+
+
+def padded_rows(rows: int) -> int:
+    """rows rounded up to the next of four sizes per octave above 8: 8, 10, 12, 14, 16, 20, 24, ..."""
+    if rows <= 8:
+        return rows
+    step = 1 << (rows.bit_length() - 3)  # a quarter of the largest power of two <= rows
+    return -(-rows // step) * step
 
 
 def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:

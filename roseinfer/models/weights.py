@@ -1,4 +1,12 @@
-"""Copies checkpoint tensors into a model's parameters, slicing fused (packed) projections."""
+"""Copies checkpoint tensors into a model's parameters, slicing fused (packed) projections.
+
+Embedding tables are the exception on CPU: when the checkpoint's tensor already has the
+parameter's dtype, the parameter becomes that tensor, which safetensors memory-maps from the file.
+A lookup reads only the rows of the tokens it embeds, so the table (113 MB of the default model)
+does not have to be resident; a tied LM head reads its own prepacked copy (layers/linear.py).
+Such parameters carry `checkpoint_mapped = True` so the loader can hand their pages back once
+prepacking has read them (loader/model_loader.py).
+"""
 from __future__ import annotations
 
 import torch
@@ -12,6 +20,7 @@ class WeightLoader:
         self.params = dict(model.named_parameters())
         self.loaded: set[str] = set()
         self.loaded_shards: dict[str, int] = {}
+        self.mappable = {f"{name}.weight" for name, module in model.named_modules() if isinstance(module, nn.Embedding)}
 
     def load(self, name: str, tensor: torch.Tensor) -> None:
         for source, (packed, shard) in self.packed_modules.items():
@@ -29,7 +38,11 @@ class WeightLoader:
         if param.shape != tensor.shape:
             raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
                              f"the model expects {tuple(param.shape)}")
-        param.data.copy_(tensor)
+        if name in self.mappable and _can_map(param, tensor):
+            param.data = tensor
+            param.checkpoint_mapped = True
+        else:
+            param.data.copy_(tensor)
         self.loaded.add(name)
 
     def _param(self, target: str, source: str) -> nn.Parameter:
@@ -41,3 +54,9 @@ class WeightLoader:
         missing = sorted(set(self.params) - self.loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:3]}")
+
+
+def _can_map(param: torch.Tensor, tensor: torch.Tensor) -> bool:
+    """The checkpoint tensor can stand in for the parameter as it is: no conversion, no copy."""
+    return (param.device.type == "cpu" and tensor.device.type == "cpu" and tensor.dtype == param.dtype
+            and tensor.is_contiguous())
