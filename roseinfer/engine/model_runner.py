@@ -110,9 +110,17 @@ def _zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     """The KV pool, allocated once. Zeroed, not empty: padded and masked key slots still enter the
     attention matmuls, and a NaN bit pattern there would survive a zero weight. On CPU it comes
     from an anonymous mmap, whose pages the OS zero-fills on first touch: the pool then costs
-    resident memory only for the blocks in use (torch.zeros would write every page up front)."""
+    resident memory only for the blocks in use (torch.zeros would write every page up front).
+
+    Private and in 2 MB pages where the kernel allows (transparent huge pages, "madvise" mode):
+    decode attention reads K/V blocks scattered over the whole pool, and with 4 KB pages their
+    address translations miss the TLB and push out the matmuls' own. A paired run (two engines in
+    one process, steps alternated) took 146 against 152 ms a step at batch 64 and 51.2 against 53.0
+    at 16. The price: memory is committed 2 MB at a time in each (layer, K or V) region."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     numel = math.prod(shape)
-    buffer = mmap.mmap(-1, numel * dtype.itemsize)
+    buffer = mmap.mmap(-1, numel * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux only
+        buffer.madvise(mmap.MADV_HUGEPAGE)
     return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)  # the tensor keeps the mapping alive

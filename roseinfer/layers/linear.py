@@ -34,10 +34,11 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
-        rows = x.shape[0]
+        rows = x.shape[0]  # x is [rows, in_features] in every model here
         padded = padded_rows(rows)
-        if padded != rows:  # x is [rows, in_features] in every model here
-            x = F.pad(x, (0, 0, 0, padded - rows))
+        if padded == rows:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        x = F.pad(x, (0, 0, 0, padded - rows))
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")[:rows]
 
     def prepack(self) -> None:
