@@ -17,6 +17,7 @@ class EngineConfig:
     num_threads: int | None = None  # CPU intra-op threads; None = torch's default
     prepack_weights: bool = True  # CPU fp32: linear weights reordered once for oneDNN (layers/linear.py)
     native_kernels: bool = True  # CPU fp32: C kernels for attention, KV writes, norms, rotary... (layers/native.py)
+    mmap_embeddings: bool = True  # CPU: embedding tables stay in the checkpoint's memory map (models/weights.py)
     # KV cache
     block_size: int = 16
     num_kv_blocks: int | None = None  # None = sized from kv_cache_memory_gb / gpu_memory_utilization

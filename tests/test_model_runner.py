@@ -66,19 +66,24 @@ def _file_rss_bytes(path: pathlib.Path) -> int:
     return total
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="the head reads a prepacked copy only with oneDNN")
-def test_tied_embedding_is_read_from_the_checkpoint_file(tmp_path) -> None:
-    """The embedding is the checkpoint's memory map, not a copy: after loading (which prepacks the
-    tied head from it) none of its 32 MB stays resident, and a lookup pages in only its rows."""
+def _save_tied_llama(folder: pathlib.Path) -> pathlib.Path:
+    """A one-layer Llama whose tied embedding is 32 MB of the checkpoint's 36; returns the file."""
     import transformers
-
-    from roseinfer.loader.model_loader import load_model, load_model_config
 
     config = transformers.LlamaConfig(vocab_size=16384, hidden_size=512, intermediate_size=64, num_hidden_layers=1,
                                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
-    checkpoint = tmp_path / "model.safetensors"
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    return folder / "model.safetensors"
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="the head reads a prepacked copy only with oneDNN")
+def test_tied_embedding_is_read_from_the_checkpoint_file(tmp_path) -> None:
+    """The embedding is the checkpoint's memory map, not a copy: after loading (which prepacks the
+    tied head from it) none of its 32 MB stays resident, and a lookup pages in only its rows."""
+    from roseinfer.loader.model_loader import load_model, load_model_config
+
+    checkpoint = _save_tied_llama(tmp_path)
     model = load_model(tmp_path, load_model_config(tmp_path), torch.float32, torch.device("cpu"), prepack=True)
     embedding = model.model.embed_tokens.weight
     assert embedding.checkpoint_mapped
@@ -95,3 +100,16 @@ def test_tied_embedding_is_read_from_the_checkpoint_file(tmp_path) -> None:
     expected = load_file(str(checkpoint))["model.embed_tokens.weight"]
     assert torch.equal(rows, expected[ids])
     torch.testing.assert_close(logits, hidden @ expected.T, rtol=1e-4, atol=1e-4)
+
+
+def test_no_mmap_embeddings_copies_the_table_and_lets_go_of_the_file(tmp_path) -> None:
+    from safetensors.torch import load_file
+
+    from roseinfer.loader.model_loader import load_model, load_model_config
+
+    checkpoint = _save_tied_llama(tmp_path)
+    model = load_model(tmp_path, load_model_config(tmp_path), torch.float32, torch.device("cpu"), mmap_embeddings=False)
+    assert not getattr(model.model.embed_tokens.weight, "checkpoint_mapped", False)
+    assert str(checkpoint) not in pathlib.Path("/proc/self/maps").read_text()  # no mapping of the file is left
+    expected = load_file(str(checkpoint))["model.embed_tokens.weight"]
+    assert torch.equal(model.model.embed_tokens.weight, expected)

@@ -43,7 +43,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer(self.model_folder)
         self.native_kernels = config.native_kernels and native_kernels_available(self.dtype, self.device)
         model = load_model(self.model_folder, self.model_config, self.dtype, self.device, config.prepack_weights,
-                           self.native_kernels)
+                           self.native_kernels, config.mmap_embeddings)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         self.num_kv_blocks = config.num_kv_blocks or self._auto_num_blocks()

@@ -84,9 +84,10 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(folder: Path, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
-               prepack: bool = True, native: bool = False) -> nn.Module:
+               prepack: bool = True, native: bool = False, mmap_embeddings: bool = True) -> nn.Module:
     """`native`: switch the layers that have a C kernel (RMSNorm, SiLU-and-mul) onto it; the caller
-    has checked `native_kernels_available`."""
+    has checked `native_kernels_available`. `mmap_embeddings=False` copies embedding tables out of
+    the checkpoint's memory map (models/weights.py), so nothing reads the file after loading."""
     with torch.device(device):
         model = build_model(model_config)
     model.to(dtype)
@@ -97,6 +98,8 @@ def load_model(folder: Path, model_config: ModelConfig, dtype: torch.dtype, devi
         for module in model.modules():
             if isinstance(module, (RMSNorm, ActivationAndMul)):
                 module.use_native()
+    if not mmap_embeddings:
+        _copy_mapped_params(model)
     if device.type == "cpu":
         _return_freed_memory()
         _drop_mapped_pages(model)
@@ -111,6 +114,13 @@ def _return_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to trim this way
         pass
+
+
+def _copy_mapped_params(model: nn.Module) -> None:
+    for param in model.parameters():
+        if getattr(param, "checkpoint_mapped", False):
+            param.data = param.data.clone()
+            param.checkpoint_mapped = False
 
 
 def _drop_mapped_pages(model: nn.Module) -> None:
