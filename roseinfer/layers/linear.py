@@ -16,7 +16,7 @@ ideep's, for the life of the process: ~0.6 MB per (layer shape, row count). A se
 count from 1 to max_num_batched_tokens, so resident memory grew by ~2.6 MB per new row count over
 four of the model's five matmul shapes (256 row counts: +676 MiB); capping the caches instead
 churned the allocator and grew further. So the rows are padded up to one of four sizes per octave
-(`padded_rows`): at most ~40 shapes per layer up to 8192 rows, at most 25 % padded rows, and none
+(`padded_rows`): 48 sizes up to 8192 rows, at most 25 % padded rows, and none
 for row counts that are already a size (1-8, 16, 64, 256, 2048, ...).
 """
 from __future__ import annotations
