@@ -14,6 +14,7 @@ import sys
 from collections.abc import Iterator
 
 from roseinfer.config import ADMISSION_POLICIES, EngineConfig
+from roseinfer.engine_args import HELP
 from roseinfer.sampling_params import SamplingParams
 
 
@@ -35,11 +36,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None, help="context length cap (default: the model's)")
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     g.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
-    g.add_argument("--no-prepack-weights", action="store_true",
-                   help="run the linear layers through F.linear (MKL) instead of prepacked oneDNN weights")
-    g.add_argument("--no-native-kernels", action="store_true",
-                   help="torch ops only, instead of the C kernels for decode attention, KV writes, "
-                        "norms, SiLU, rotary and the greedy argmax")
+    g.add_argument("--no-prepack-weights", action="store_true", help=HELP["prepack_weights"])
+    g.add_argument("--no-native-kernels", action="store_true", help=HELP["native_kernels"])
     g.add_argument("--prefill-max-batch-size", type=int, default=None, help="most new requests admitted per step")
     g.add_argument("--prefill-max-tokens", type=int, default=None, help="most prompt tokens computed per step")
     g.add_argument("--prefill-admission-policy", choices=ADMISSION_POLICIES, default="fifo",

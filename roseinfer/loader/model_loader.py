@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import mmap
 from pathlib import Path
@@ -110,43 +111,49 @@ def _return_freed_memory() -> None:
     """Loading frees the checkpoint's tensors and, with prepacking, the dense weights; glibc keeps
     much of that in its heap. Handing it back cut resident memory after loading the default model
     from 948 to 877 MiB (the engine's peak RSS counts against weights + KV pool + 300 MB)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim this way
-        pass
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):  # not glibc: nothing to trim this way
+        libc.malloc_trim(0)
+
+
+def _mapped_params(model: nn.Module) -> Iterator[nn.Parameter]:
+    """Parameters that are the checkpoint's memory map (models/weights.py)."""
+    return (param for param in model.parameters() if getattr(param, "checkpoint_mapped", False))
 
 
 def _copy_mapped_params(model: nn.Module) -> None:
-    for param in model.parameters():
-        if getattr(param, "checkpoint_mapped", False):
-            param.data = param.data.clone()
-            param.checkpoint_mapped = False
+    for param in _mapped_params(model):
+        param.data = param.data.clone()
+        param.checkpoint_mapped = False
 
 
 def _drop_mapped_pages(model: nn.Module) -> None:
-    """Parameters that are the checkpoint's memory map (models/weights.py) were read whole while
-    loading -- a tied LM head is prepacked from the embedding -- and those pages would stay in
-    this process's resident set. Dropping them is safe because the mapping is read-only in use
-    and backed by the file: a later lookup pages its rows back in. 113 MB of the default model."""
-    for param in model.parameters():
-        if getattr(param, "checkpoint_mapped", False):
-            _drop_file_pages(param.data_ptr(), param.numel() * param.element_size())
-
-
-def _drop_file_pages(address: int, size: int) -> None:
-    page = mmap.PAGESIZE
-    start, end = -(-address // page) * page, (address + size) // page * page
-    # MADV_DONTNEED on anonymous memory would zero it: only ever on a range the file maps
-    if end <= start or not _file_backed(start, end):
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    except OSError:
+    """Mapped parameters were read whole while loading -- a tied LM head is prepacked from the
+    embedding -- and those pages would stay in this process's resident set. Dropping them is safe
+    because the mapping is read-only in use and backed by the file: a later lookup pages its rows
+    back in. 113 MB of the default model."""
+    libc = _libc()
+    if libc is None:
         return
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    libc.madvise(start, end - start, mmap.MADV_DONTNEED)
-    # lookups read scattered rows: without this, each one faults in the kernel's read-around too
-    libc.madvise(start, end - start, mmap.MADV_RANDOM)
+    page = mmap.PAGESIZE
+    for param in _mapped_params(model):
+        address, size = param.data_ptr(), param.numel() * param.element_size()
+        start, end = -(-address // page) * page, (address + size) // page * page
+        # MADV_DONTNEED on anonymous memory would zero it: only ever on a range the file maps
+        if end <= start or not _file_backed(start, end):
+            continue
+        libc.madvise(start, end - start, mmap.MADV_DONTNEED)
+        # lookups read scattered rows: without this, each one faults in the kernel's read-around too
+        libc.madvise(start, end - start, mmap.MADV_RANDOM)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:  # not a glibc system
+        return None
 
 
 def _file_backed(start: int, end: int) -> bool:
