@@ -132,11 +132,15 @@ def test_floor_table(model: str, tmp_path, capsys) -> None:
     samples = re.findall(r"^Matmul floor \(batch_size=(\d), sample (\d)\): ([0-9.]+) tokens/s$", text, flags=re.M)
     assert [(b, s) for b, s, _ in samples] == [("1", "1"), ("1", "2"), ("1", "3"), ("2", "1"), ("2", "2"), ("2", "3")]
     assert all(float(v) > 0 for *_, v in samples)
+    prefill_samples = re.findall(r"^Prefill matmul floor \(batch_size=(\d), sample (\d)\): ([0-9.]+) prompt tokens/s$",
+                                 text, flags=re.M)
+    assert [(b, s) for b, s, _ in prefill_samples] == [(b, s) for b, s, _ in samples]
+    assert all(float(v) > 0 for *_, v in prefill_samples)
     # the table comes after the usual summary, in Markdown
     assert text.index("=== summary (mean over repeat runs) ===") < text.index("=== matmul floor (mode=offline, threads=1")
     header, rows = _markdown_rows(text)
     # prompts of 8 tokens: B=1,2 prefill in one step, so the prefill column is there too
-    assert header == FLOOR_COLUMNS + ["prefill tok/s"]
+    assert header == FLOOR_COLUMNS + ["prefill tok/s", "prefill floor tok/s", "prefill/floor"]
     assert [r[0] for r in rows] == ["1", "2"]
     for row in rows:
         values = [float(c) for c in row[1:]]
@@ -144,6 +148,8 @@ def test_floor_table(model: str, tmp_path, capsys) -> None:
         decode, floor, decode_ratio, e2e, e2e_ratio = values[:5]
         assert decode_ratio == pytest.approx(decode / floor, rel=0.02, abs=0.01)
         assert e2e_ratio == pytest.approx(e2e / floor, rel=0.02, abs=0.01)
+        prefill, prefill_floor, prefill_ratio = values[-3:]
+        assert prefill_ratio == pytest.approx(prefill / prefill_floor, rel=0.02, abs=0.01)
 
     report = json.loads(out_json.read_text())
     assert report["floor"]["mode"] == "offline" and report["floor"]["threads"] == 1
@@ -153,6 +159,9 @@ def test_floor_table(model: str, tmp_path, capsys) -> None:
         assert len(r["floor_samples_tok_s"]) == 3 and r["floor_tok_s"] == statistics.median(r["floor_samples_tok_s"])
         assert r["decode_over_floor"] == pytest.approx(r["engine_decode_tok_s"] / r["floor_tok_s"])
         assert r["e2e_over_floor"] == pytest.approx(r["e2e_tok_s"] / r["floor_tok_s"])
+        assert len(r["prefill_floor_samples_tok_s"]) == 3
+        assert r["prefill_floor_tok_s"] == statistics.median(r["prefill_floor_samples_tok_s"])
+        assert r["prefill_over_floor"] == pytest.approx(r["prefill_tok_s"] / r["prefill_floor_tok_s"])
         assert r["hf_tok_s"] > 0 and r["prefill_tok_s"] > 0
     for run in report["runs"]:
         # decode tokens: everything after each request's first token
@@ -174,6 +183,21 @@ def test_floor_table_reports_peak_rss_without_hf(model: str, tmp_path, capsys) -
     # transformers and more, so no upper bound is asserted here)
     assert row["peak_rss_mb"] > row["weights_mb"]
     assert [float(c) for c in rows[0][-2:]] == pytest.approx([row["peak_rss_mb"], row["rss_budget_mb"]], abs=0.5)
+
+
+@pytest.mark.parametrize("new_tokens,shown", [(1, True), (3, False)])
+def test_prefill_over_several_steps_is_reported_only_without_decode_work(model: str, capsys, new_tokens: int,
+                                                                          shown: bool) -> None:
+    """Two 8-token prompts under an 8-token step budget take two prefill steps: their time to
+    the last first token is prefill only when no request decodes (one token each)."""
+    rc = main(["bench", "offline", "--hf-model-id", model, "--mode", "offline", "--floor", "--batch-sizes", "2",
+               "--backend", "roseinfer", "--prompt-len", "8", "--max-num-batched-tokens", "8",
+               "--max-new-tokens", str(new_tokens), "--no-stop-on-eos", "--warmup-runs", "0", "--repeat-runs", "1",
+               "--floor-steps", "2", *ONE_THREAD])
+    header, rows = _markdown_rows(capsys.readouterr().out)
+    assert rc == 0 and ("prefill/floor" in header) == shown
+    if shown:
+        assert float(rows[0][header.index("prefill tok/s")]) > 0
 
 
 def test_floor_flag_errors(model: str, capsys) -> None:
@@ -211,6 +235,27 @@ def test_matmul_floor_runs_the_models_own_linear_layers(tiny_model_factory, arch
         assert tok_s > 0 and math.isfinite(tok_s)
     with pytest.raises(ValueError):
         matmul_floor(m, 0)
+
+
+def test_prefill_floor_runs_every_layer_on_each_steps_rows_and_the_head_once_per_prompt(tiny_model_factory,
+                                                                                        monkeypatch) -> None:
+    from roseinfer.bench.floor import prefill_matmul_floor
+    from roseinfer.layers.linear import Linear, linear_layers
+    from roseinfer.loader.model_loader import load_model, load_model_config
+
+    folder = tiny_model_factory("llama")
+    m = load_model(folder, load_model_config(folder), torch.float32, torch.device("cpu"))
+    layers = linear_layers(m)
+    calls: list[tuple[Linear, int]] = []
+    real_forward = Linear.forward
+    monkeypatch.setattr(Linear, "forward", lambda self, x: calls.append((self, x.shape[0])) or real_forward(self, x))
+    # 3 prompts x 5 tokens in steps of 6 rows: an untimed 6-row step, then 6 + 6 + 3 rows, then the head on 3
+    tok_s = prefill_matmul_floor(m, num_prompts=3, prompt_len=5, step_tokens=6)
+    assert tok_s > 0 and math.isfinite(tok_s)
+    body = layers[:-1]
+    assert calls == [(layer, rows) for rows in (6, 6, 6, 3) for layer in body] + [(m.lm_head, 3)]
+    with pytest.raises(ValueError):
+        prefill_matmul_floor(m, 0, 5, 6)
 
 
 def test_no_prepack_weights_and_no_native_kernels_flags_reach_the_engine() -> None:

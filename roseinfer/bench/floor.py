@@ -1,15 +1,34 @@
-"""The matmul floor: a decode step that does only the model's matmuls (no attention, norms,
-engine or sampling), through the model's own linear layers (so with the same prepacked oneDNN
-weights the engine uses, layers/linear.py), same shapes, same threads. Its tokens/s is the ceiling
-an engine can approach on this machine; the engine's ratio to it is the efficiency claim."""
+"""The matmul floors: a decode step, or a prefill, doing only the model's matmuls (no attention,
+norms, engine or sampling), through the model's own linear layers (so with the same prepacked
+oneDNN weights the engine uses, layers/linear.py), same shapes, same threads. Their tokens/s are
+the ceiling an engine can approach on this machine; the engine's ratio to them is the efficiency
+claim."""
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import torch
 from torch import nn
 
-from roseinfer.layers.linear import linear_layers
+from roseinfer.layers.linear import Linear, linear_layers
+
+
+def _timed(run: Callable[[], None], cuda: bool) -> float:
+    """Seconds `run` took, with the GPU's queued work included."""
+    if cuda:
+        torch.cuda.synchronize()  # earlier queued kernels stay out of the timing
+    start = time.perf_counter()
+    run()
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def _inputs(layers: list[Linear], rows: int, reference: torch.Tensor) -> dict[int, torch.Tensor]:
+    """One random activation per input width of `layers` (dtype and device of the weights)."""
+    return {n: torch.randn(rows, n, dtype=reference.dtype, device=reference.device)
+            for n in {layer.in_features for layer in layers}}
 
 
 @torch.inference_mode()
@@ -18,17 +37,40 @@ def matmul_floor(model: nn.Module, batch_size: int, steps: int = 20, warmup: int
     if batch_size < 1 or steps < 1 or warmup < 0:
         raise ValueError("matmul_floor needs batch_size >= 1, steps >= 1, warmup >= 0")
     layers = linear_layers(model)
-    reference = next(model.parameters())  # dtype and device of the activations
-    inputs = {n: torch.randn(batch_size, n, dtype=reference.dtype, device=reference.device)
-              for n in {layer.in_features for layer in layers}}
-    cuda = reference.device.type == "cuda"
-    for step in range(warmup + steps):
-        if step == warmup:
-            if cuda:
-                torch.cuda.synchronize()  # the warmup's queued kernels stay out of the timing
-            start = time.perf_counter()
-        for layer in layers:
-            layer(inputs[layer.in_features])
-    if cuda:
-        torch.cuda.synchronize()
-    return batch_size * steps / (time.perf_counter() - start)
+    inputs = _inputs(layers, batch_size, next(model.parameters()))
+
+    def decode_steps(count: int) -> None:
+        for _ in range(count):
+            for layer in layers:
+                layer(inputs[layer.in_features])
+
+    cuda = next(model.parameters()).device.type == "cuda"
+    decode_steps(warmup)
+    return batch_size * steps / _timed(lambda: decode_steps(steps), cuda)
+
+
+@torch.inference_mode()
+def prefill_matmul_floor(model: nn.Module, num_prompts: int, prompt_len: int, step_tokens: int) -> float:
+    """Prompt tokens/s of only the matmuls of prefilling `num_prompts` prompts of `prompt_len`
+    tokens, `step_tokens` rows per step as the engine's token budget splits them: every layer but
+    the LM head on all the rows, the LM head on one row per prompt (the engine computes logits for
+    a prompt's last position only). One untimed step of the largest size comes first."""
+    if num_prompts < 1 or prompt_len < 1 or step_tokens < 1:
+        raise ValueError("prefill_matmul_floor needs num_prompts, prompt_len and step_tokens >= 1")
+    layers = linear_layers(model)
+    body, head = layers[:-1], layers[-1]
+    total = num_prompts * prompt_len
+    steps = [step_tokens] * (total // step_tokens) + [total % step_tokens] * (total % step_tokens > 0)
+    reference = next(model.parameters())
+    inputs = _inputs(body, max(steps), reference)
+    head_input = torch.randn(num_prompts, head.in_features, dtype=reference.dtype, device=reference.device)
+
+    def prefill(row_counts: list[int], with_head: bool) -> None:
+        for rows in row_counts:
+            for layer in body:
+                layer(inputs[layer.in_features][:rows])
+        if with_head:
+            head(head_input)
+
+    prefill(steps[:1], False)
+    return total / _timed(lambda: prefill(steps, True), reference.device.type == "cuda")

@@ -1,5 +1,5 @@
-"""The --floor report of `bench offline`: floor samples around the measured runs, and one
-Markdown row per batch size with the engine's and HF's throughput beside the floor."""
+"""The --floor report of `bench offline`: floor samples (decode and prefill) around the measured
+runs, and one Markdown row per batch size with the engine's and HF's throughput beside them."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +7,7 @@ import math
 import statistics
 from typing import TYPE_CHECKING, Any, Callable
 
-from roseinfer.bench.floor import matmul_floor
+from roseinfer.bench.floor import matmul_floor, prefill_matmul_floor
 
 if TYPE_CHECKING:
     from roseinfer.bench.offline import RoseinferRunner, RunResult
@@ -21,13 +21,18 @@ def floor_mode_for(modes: list[str]) -> str:
     raise ValueError("--floor compares batched runs: use --mode offline, online or all")
 
 
-def prefill_in_one_step(args: argparse.Namespace, result: RunResult) -> bool:
-    """True when every request of the run was admitted and prefilled in the first engine
-    step, so that the time to the last first token is prefill work only."""
+def prefill_only(args: argparse.Namespace, result: RunResult) -> bool:
+    """True when the time to the run's last first token is prefill work only: every request was
+    admitted and prefilled in the first engine step, or no request decoded at all (each got one
+    token, so a prefill spread over several steps had no decode rows mixed into them)."""
     n = len(result.timings)
+    if result.mode == "naive" or n > result.batch_size:
+        return False
+    if result.completion_tokens == n:
+        return True
     budget = min(args.max_num_batched_tokens, args.prefill_max_tokens or args.max_num_batched_tokens)
-    return (result.mode != "naive" and n <= result.batch_size and result.prompt_tokens <= budget
-            and n <= (args.prefill_max_batch_size or n) and n <= (args.max_active_requests or n))
+    return (result.prompt_tokens <= budget and n <= (args.prefill_max_batch_size or n)
+            and n <= (args.max_active_requests or n))
 
 
 def _median(values: list[float]) -> float | None:
@@ -39,7 +44,8 @@ def _ratio(num: float | None, den: float | None) -> float | None:
 
 
 def floor_rows(args: argparse.Namespace, results: list[RunResult], floors: dict[int, list[float]],
-               mode: str, memory: dict[int, dict[str, float]] | None = None) -> list[dict[str, Any]]:
+               prefill_floors: dict[int, list[float]], mode: str,
+               memory: dict[int, dict[str, float]] | None = None) -> list[dict[str, Any]]:
     """One row per batch size: medians over the repeat runs and over the floor samples, and the
     engine's peak RSS against its budget where it was measured (`bench/memory.py`)."""
     rows = []
@@ -49,16 +55,18 @@ def floor_rows(args: argparse.Namespace, results: list[RunResult], floors: dict[
         floor = _median(samples)
         decode = _median([r.decode_throughput for r in runs])
         e2e = _median([r.throughput(r.total_time) for r in runs])
-        clean = [r for r in runs if prefill_in_one_step(args, r)]
+        clean = [r for r in runs if prefill_only(args, r)]
+        prefill = _median([r.prefill_throughput for r in clean]) if clean and len(clean) == len(runs) else None
+        prefill_floor = _median(prefill_floors.get(bs, []))
         rows.append({
             "batch_size": bs, "mode": mode, "num_requests": len(runs[0].timings) if runs else 0,
             "runs": len(runs), "engine_decode_tok_s": decode, "floor_tok_s": floor,
             "decode_over_floor": _ratio(decode, floor), "e2e_tok_s": e2e, "e2e_over_floor": _ratio(e2e, floor),
-            "prefill_tok_s": _median([r.prefill_throughput for r in clean]) if clean and len(clean) == len(runs)
-            else None,
+            "prefill_tok_s": prefill, "prefill_floor_tok_s": prefill_floor,
+            "prefill_over_floor": _ratio(prefill, prefill_floor),
             "hf_tok_s": _median([r.throughput(r.total_time) for r in hf_runs]),
             "hf_decode_tok_s": _median([r.decode_throughput for r in hf_runs]),
-            "floor_samples_tok_s": list(samples),
+            "floor_samples_tok_s": list(samples), "prefill_floor_samples_tok_s": list(prefill_floors.get(bs, [])),
             "engine_decode_runs_tok_s": [r.decode_throughput for r in runs],
             "e2e_runs_tok_s": [r.throughput(r.total_time) for r in runs],
             **(memory or {}).get(bs, {}),
@@ -76,7 +84,8 @@ def format_floor_table(rows: list[dict[str, Any]], threads: int, steps: int) -> 
     with_prefill = any(r["prefill_tok_s"] is not None for r in rows)
     with_rss = any("peak_rss_mb" in r for r in rows)
     cols = ["batch", "engine decode tok/s", "floor tok/s", "decode/floor", "e2e tok/s", "e2e/floor"]
-    cols += ["hf tok/s"] * with_hf + ["prefill tok/s"] * with_prefill + ["peak RSS MB", "RSS budget MB"] * with_rss
+    cols += ["hf tok/s"] * with_hf + ["prefill tok/s", "prefill floor tok/s", "prefill/floor"] * with_prefill
+    cols += ["peak RSS MB", "RSS budget MB"] * with_rss
     mode = rows[0]["mode"] if rows else "offline"
     out = [f"=== matmul floor (mode={mode}, threads={threads}, median over runs and floor samples) ===", "",
            "| " + " | ".join(cols) + " |", "|" + "|".join("-" * (len(c) + 1) + ":" for c in cols) + "|"]
@@ -84,7 +93,10 @@ def format_floor_table(rows: list[dict[str, Any]], threads: int, steps: int) -> 
         cells = [str(r["batch_size"]), _cell(r["engine_decode_tok_s"], ".1f"), _cell(r["floor_tok_s"], ".1f"),
                  _cell(r["decode_over_floor"], ".2f"), _cell(r["e2e_tok_s"], ".1f"),
                  _cell(r["e2e_over_floor"], ".2f")]
-        cells += [_cell(r["hf_tok_s"], ".1f")] * with_hf + [_cell(r["prefill_tok_s"], ".1f")] * with_prefill
+        cells += [_cell(r["hf_tok_s"], ".1f")] * with_hf
+        if with_prefill:
+            cells += [_cell(r["prefill_tok_s"], ".1f"), _cell(r["prefill_floor_tok_s"], ".1f"),
+                      _cell(r["prefill_over_floor"], ".2f")]
         if with_rss:
             cells += [_cell(r.get("peak_rss_mb"), ".0f"), _cell(r.get("rss_budget_mb"), ".0f")]
         out.append("| " + " | ".join(cells) + " |")
@@ -99,18 +111,23 @@ def format_floor_table(rows: list[dict[str, Any]], threads: int, steps: int) -> 
                      "its runs; budget: weights + KV pool + 300 MB (shown only without --backend hf, whose "
                      "model would share the process)")
     if with_prefill:
-        notes.append("prefill: prompt tokens / time to the last first token, shown where the whole prefill "
-                     "fits in one step (raise --max-num-batched-tokens for the others)")
+        notes.append("prefill: prompt tokens / time to the last first token, shown where no decode work is "
+                     "mixed into that time (the whole prefill fits in one step, or --max-new-tokens 1); "
+                     "prefill floor: prompt "
+                     "tokens/s of only the matmuls of the same prefill (every layer but the LM head on all "
+                     "prompt tokens, in steps of the engine's token budget; the LM head on one row per prompt)")
     out += [""] + [f"{note}." for note in notes]
     return "\n".join(out)
 
 
-def floor_sampler(args: argparse.Namespace, runner: RoseinferRunner, batch_size: int, mode: str,
-                   samples: list[float]) -> Callable[[str], None]:
-    """The ``around_measured`` hook: one floor sample for ``batch_size`` on the engine's
-    loaded model (same weights, dtype, device and threads), around each measured run of
-    ``mode``."""
-    model = runner.engine.runner.model
+def floor_sampler(args: argparse.Namespace, runner: RoseinferRunner, batch_size: int, num_prompts: int, mode: str,
+                  samples: list[float], prefill_samples: list[float]) -> Callable[[str], None]:
+    """The ``around_measured`` hook: one decode and one prefill floor sample for ``batch_size``
+    on the engine's loaded model (same weights, dtype, device and threads), around each measured
+    run of ``mode``. The prefill floor prefills a run's ``num_prompts`` prompts of ``--prompt-len``
+    tokens in steps of the engine's prefill token budget."""
+    model, config = runner.engine.runner.model, runner.engine.config
+    step_tokens = min(config.max_num_batched_tokens, config.prefill_max_tokens or config.max_num_batched_tokens)
 
     def sample(run_mode: str) -> None:
         if run_mode != mode:
@@ -118,5 +135,9 @@ def floor_sampler(args: argparse.Namespace, runner: RoseinferRunner, batch_size:
         tok_s = matmul_floor(model, batch_size, args.floor_steps, args.floor_warmup)
         samples.append(tok_s)
         print(f"Matmul floor (batch_size={batch_size}, sample {len(samples)}): {tok_s:.2f} tokens/s", flush=True)
+        prefill_tok_s = prefill_matmul_floor(model, num_prompts, args.prompt_len, step_tokens)
+        prefill_samples.append(prefill_tok_s)
+        print(f"Prefill matmul floor (batch_size={batch_size}, sample {len(prefill_samples)}): "
+              f"{prefill_tok_s:.2f} prompt tokens/s", flush=True)
 
     return sample

@@ -29,8 +29,11 @@ table (``floor_rows``, Markdown) reports medians: the engine's decode throughput
 produced after every request has its first token, over the decode time), its end-to-end
 output throughput (all completion tokens over the total time, prefill included), the median
 floor, both ratios to it, HF's end-to-end figure when ``--backend`` includes hf, and the
-prefill throughput (prompt tokens over the time to the last first token) where the whole
-prefill fits in one engine step, so that no decode work is mixed into that time.
+prefill throughput (prompt tokens over the time to the last first token) where no decode
+work is mixed into that time (the whole prefill fits in one engine step, or every request
+stops at its first token, ``--max-new-tokens 1``), beside the
+prefill floor (only the matmuls of prefilling the same prompts, sampled with the decode floor)
+and its ratio to it.
 """
 
 from __future__ import annotations
@@ -366,6 +369,7 @@ def run_offline_bench(args: argparse.Namespace) -> dict[str, Any]:
     print(f"Model: {args.model or DEFAULT_MODEL_NAME}\nDevice: {args.device}", flush=True)
     results: list[RunResult] = []
     floors: dict[int, list[float]] = {}
+    prefill_floors: dict[int, list[float]] = {}
     memory: dict[int, dict[str, float]] = {}
     threads = torch.get_num_threads()
     for bs in batch_sizes:
@@ -377,7 +381,8 @@ def run_offline_bench(args: argparse.Namespace) -> dict[str, Any]:
                 reset_peak_rss()
                 runner: Runner = RoseinferRunner(args, bs)
                 if floor:
-                    around = floor_sampler(args, runner, bs, floor_mode, floors.setdefault(bs, []))
+                    around = floor_sampler(args, runner, bs, num_requests_for(args, bs), floor_mode, floors.setdefault(bs, []),
+                                           prefill_floors.setdefault(bs, []))
                     threads = torch.get_num_threads()  # the engine has set its own by now
             else:
                 hf.batch_size = bs
@@ -395,7 +400,7 @@ def run_offline_bench(args: argparse.Namespace) -> dict[str, Any]:
     report = {"args": {k: v for k, v in vars(args).items() if k != "func"},
               "runs": [r.to_dict() for r in results], "summary": rows}
     if floor:
-        table = floor_rows(args, results, floors, floor_mode, memory)
+        table = floor_rows(args, results, floors, prefill_floors, floor_mode, memory)
         print(format_floor_table(table, threads, args.floor_steps), flush=True)
         report["floor"] = {"mode": floor_mode, "threads": threads, "steps": args.floor_steps,
                            "warmup": args.floor_warmup, "rows": table}
