@@ -381,8 +381,8 @@ def run_offline_bench(args: argparse.Namespace) -> dict[str, Any]:
                 reset_peak_rss()
                 runner: Runner = RoseinferRunner(args, bs)
                 if floor:
-                    around = floor_sampler(args, runner, bs, num_requests_for(args, bs), floor_mode, floors.setdefault(bs, []),
-                                           prefill_floors.setdefault(bs, []))
+                    around = floor_sampler(args, runner, bs, num_requests_for(args, bs), floor_mode,
+                                           floors.setdefault(bs, []), prefill_floors.setdefault(bs, []))
                     threads = torch.get_num_threads()  # the engine has set its own by now
             else:
                 hf.batch_size = bs
