@@ -62,3 +62,9 @@ class EngineConfig:
         if unknown:
             raise TypeError(f"unknown engine option(s): {', '.join(unknown)}")
         return cls(**kwargs)
+
+
+def prefill_step_tokens(max_num_batched_tokens: int, prefill_max_tokens: int | None) -> int:
+    """The most prompt tokens one engine step computes: the step's token budget, or the prefill
+    cap where that is lower."""
+    return min(max_num_batched_tokens, prefill_max_tokens or max_num_batched_tokens)

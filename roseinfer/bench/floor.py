@@ -37,16 +37,16 @@ def matmul_floor(model: nn.Module, batch_size: int, steps: int = 20, warmup: int
     if batch_size < 1 or steps < 1 or warmup < 0:
         raise ValueError("matmul_floor needs batch_size >= 1, steps >= 1, warmup >= 0")
     layers = linear_layers(model)
-    inputs = _inputs(layers, batch_size, next(model.parameters()))
+    reference = next(model.parameters())
+    inputs = _inputs(layers, batch_size, reference)
 
     def decode_steps(count: int) -> None:
         for _ in range(count):
             for layer in layers:
                 layer(inputs[layer.in_features])
 
-    cuda = next(model.parameters()).device.type == "cuda"
     decode_steps(warmup)
-    return batch_size * steps / _timed(lambda: decode_steps(steps), cuda)
+    return batch_size * steps / _timed(lambda: decode_steps(steps), reference.device.type == "cuda")
 
 
 @torch.inference_mode()
@@ -63,7 +63,7 @@ def prefill_matmul_floor(model: nn.Module, num_prompts: int, prompt_len: int, st
     steps = [step_tokens] * (total // step_tokens) + [total % step_tokens] * (total % step_tokens > 0)
     reference = next(model.parameters())
     inputs = _inputs(body, max(steps), reference)
-    head_input = torch.randn(num_prompts, head.in_features, dtype=reference.dtype, device=reference.device)
+    head_input = _inputs([head], num_prompts, reference)[head.in_features]
 
     def prefill(row_counts: list[int], with_head: bool) -> None:
         for rows in row_counts:

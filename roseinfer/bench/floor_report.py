@@ -8,6 +8,7 @@ import statistics
 from typing import TYPE_CHECKING, Any, Callable
 
 from roseinfer.bench.floor import matmul_floor, prefill_matmul_floor
+from roseinfer.config import prefill_step_tokens
 
 if TYPE_CHECKING:
     from roseinfer.bench.offline import RoseinferRunner, RunResult
@@ -30,7 +31,7 @@ def prefill_only(args: argparse.Namespace, result: RunResult) -> bool:
         return False
     if result.completion_tokens == n:
         return True
-    budget = min(args.max_num_batched_tokens, args.prefill_max_tokens or args.max_num_batched_tokens)
+    budget = prefill_step_tokens(args.max_num_batched_tokens, args.prefill_max_tokens)
     return (result.prompt_tokens <= budget and n <= (args.prefill_max_batch_size or n)
             and n <= (args.max_active_requests or n))
 
@@ -57,7 +58,8 @@ def floor_rows(args: argparse.Namespace, results: list[RunResult], floors: dict[
         e2e = _median([r.throughput(r.total_time) for r in runs])
         clean = [r for r in runs if prefill_only(args, r)]
         prefill = _median([r.prefill_throughput for r in clean]) if clean and len(clean) == len(runs) else None
-        prefill_floor = _median(prefill_floors.get(bs, []))
+        prefill_samples = prefill_floors.get(bs, [])
+        prefill_floor = _median(prefill_samples)
         rows.append({
             "batch_size": bs, "mode": mode, "num_requests": len(runs[0].timings) if runs else 0,
             "runs": len(runs), "engine_decode_tok_s": decode, "floor_tok_s": floor,
@@ -66,7 +68,7 @@ def floor_rows(args: argparse.Namespace, results: list[RunResult], floors: dict[
             "prefill_over_floor": _ratio(prefill, prefill_floor),
             "hf_tok_s": _median([r.throughput(r.total_time) for r in hf_runs]),
             "hf_decode_tok_s": _median([r.decode_throughput for r in hf_runs]),
-            "floor_samples_tok_s": list(samples), "prefill_floor_samples_tok_s": list(prefill_floors.get(bs, [])),
+            "floor_samples_tok_s": list(samples), "prefill_floor_samples_tok_s": list(prefill_samples),
             "engine_decode_runs_tok_s": [r.decode_throughput for r in runs],
             "e2e_runs_tok_s": [r.throughput(r.total_time) for r in runs],
             **(memory or {}).get(bs, {}),
@@ -113,9 +115,9 @@ def format_floor_table(rows: list[dict[str, Any]], threads: int, steps: int) -> 
     if with_prefill:
         notes.append("prefill: prompt tokens / time to the last first token, shown where no decode work is "
                      "mixed into that time (the whole prefill fits in one step, or --max-new-tokens 1); "
-                     "prefill floor: prompt "
-                     "tokens/s of only the matmuls of the same prefill (every layer but the LM head on all "
-                     "prompt tokens, in steps of the engine's token budget; the LM head on one row per prompt)")
+                     "prefill floor: prompt tokens/s of only the matmuls of the same prefill (every layer but "
+                     "the LM head on all prompt tokens, in steps of the engine's token budget; the LM head on "
+                     "one row per prompt)")
     out += [""] + [f"{note}." for note in notes]
     return "\n".join(out)
 
@@ -127,7 +129,7 @@ def floor_sampler(args: argparse.Namespace, runner: RoseinferRunner, batch_size:
     run of ``mode``. The prefill floor prefills a run's ``num_prompts`` prompts of ``--prompt-len``
     tokens in steps of the engine's prefill token budget."""
     model, config = runner.engine.runner.model, runner.engine.config
-    step_tokens = min(config.max_num_batched_tokens, config.prefill_max_tokens or config.max_num_batched_tokens)
+    step_tokens = prefill_step_tokens(config.max_num_batched_tokens, config.prefill_max_tokens)
 
     def sample(run_mode: str) -> None:
         if run_mode != mode:
