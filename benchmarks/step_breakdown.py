@@ -36,8 +36,8 @@ def main() -> None:
               native_kernels=not args.no_native_kernels)
     engine, runner, scheduler = llm.engine, llm.engine.runner, llm.engine.scheduler
     prompts = [[(i * 7 + j) % 1000 + 100 for j in range(args.prompt_len)] for i in range(args.batch_size)]
-    # One whole untimed round first, as `bench offline` warms up: the pool's pages are touched (a
-    # server's steady state, its blocks reused) and the measured steps pay no first-touch faults.
+    # One whole untimed round first, as `bench offline` warms up: kernels, oneDNN primitives and the
+    # allocator reach the sizes the measured steps use.
     llm.generate(prompts, params)
     for prompt in prompts:
         engine.add_request(prompt, params)

@@ -39,8 +39,7 @@ class BlockManager:
 
     def __post_init__(self) -> None:
         self.blocks = [Block(i) for i in range(self.num_blocks)]
-        # A stack: the most recently freed block is handed out first, so the blocks ever touched --
-        # resident pages of the lazily committed pool, warm cache lines -- stay as few as the peak load.
+        # A stack: the most recently freed block is handed out first, while its rows may still be in cache.
         self.free_ids: list[int] = list(range(self.num_blocks - 1, -1, -1))
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks, least recent first
         self.index: dict[int, int] = {}  # key -> block id
