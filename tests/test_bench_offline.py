@@ -196,8 +196,11 @@ def test_prefill_over_several_steps_is_reported_only_without_decode_work(model: 
                "--floor-steps", "2", *ONE_THREAD])
     header, rows = _markdown_rows(capsys.readouterr().out)
     assert rc == 0 and ("prefill/floor" in header) == shown
-    if shown:
+    if shown:  # one token each: a prefill figure and no decode figure (not "0.0")
         assert float(rows[0][header.index("prefill tok/s")]) > 0
+        assert rows[0][header.index("engine decode tok/s")] == rows[0][header.index("decode/floor")] == "–"
+    else:
+        assert float(rows[0][header.index("engine decode tok/s")]) > 0
 
 
 def test_floor_flag_errors(model: str, capsys) -> None:

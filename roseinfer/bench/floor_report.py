@@ -54,7 +54,8 @@ def floor_rows(args: argparse.Namespace, results: list[RunResult], floors: dict[
         runs = [r for r in results if (r.backend, r.mode, r.batch_size) == ("roseinfer", mode, bs)]
         hf_runs = [r for r in results if (r.backend, r.mode, r.batch_size) == ("hf", mode, bs)]
         floor = _median(samples)
-        decode = _median([r.decode_throughput for r in runs])
+        # runs with no decode phase (--max-new-tokens 1) have no decode figure, not 0 tok/s
+        decode = _median([r.decode_throughput for r in runs if r.decode_tokens])
         e2e = _median([r.throughput(r.total_time) for r in runs])
         clean = [r for r in runs if prefill_only(args, r)]
         prefill = _median([r.prefill_throughput for r in clean]) if clean and len(clean) == len(runs) else None
