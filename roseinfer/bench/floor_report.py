@@ -55,7 +55,8 @@ def floor_rows(args: argparse.Namespace, results: list[RunResult], floors: dict[
         hf_runs = [r for r in results if (r.backend, r.mode, r.batch_size) == ("hf", mode, bs)]
         floor = _median(samples)
         # runs with no decode phase (--max-new-tokens 1) have no decode figure, not 0 tok/s
-        decode = _median([r.decode_throughput for r in runs if r.decode_tokens])
+        decode_runs = [r.decode_throughput for r in runs if r.decode_tokens]
+        decode = _median(decode_runs)
         e2e = _median([r.throughput(r.total_time) for r in runs])
         clean = [r for r in runs if prefill_only(args, r)]
         prefill = _median([r.prefill_throughput for r in clean]) if clean and len(clean) == len(runs) else None
@@ -70,7 +71,7 @@ def floor_rows(args: argparse.Namespace, results: list[RunResult], floors: dict[
             "hf_tok_s": _median([r.throughput(r.total_time) for r in hf_runs]),
             "hf_decode_tok_s": _median([r.decode_throughput for r in hf_runs]),
             "floor_samples_tok_s": list(samples), "prefill_floor_samples_tok_s": list(prefill_samples),
-            "engine_decode_runs_tok_s": [r.decode_throughput for r in runs],
+            "engine_decode_runs_tok_s": decode_runs,
             "e2e_runs_tok_s": [r.throughput(r.total_time) for r in runs],
             **(memory or {}).get(bs, {}),
         })

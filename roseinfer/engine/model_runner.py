@@ -121,8 +121,8 @@ def _zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     freed full block stays cached and the next request gets a never-touched one, so every request
     paid them until the whole pool had been used once (on a KVM guest ~4 ms per 2 MB page: ~30 ms
     more at each block boundary at batch 16, and a 64 x (32 in / 64 out) run took 10.0-10.1 against
-    11.2-11.5 s once written up front, measured on this machine). The memory is also committed when the pool is sized: a pool
-    too large for the machine shows at startup, not in the middle of serving."""
+    11.2-11.5 s once written up front, measured on this machine). The memory is also committed when
+    the pool is sized: a pool too large for the machine shows at startup, not in the middle of serving."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     numel = math.prod(shape)
