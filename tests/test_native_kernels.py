@@ -48,7 +48,7 @@ def _paged_case(seed: int, heads: int, kv_heads: int, head_dim: int, lens: list[
 
 
 @needs_kernels
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(6, 2, 64), (4, 4, 40), (9, 3, 16)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(6, 2, 64), (8, 2, 128), (4, 4, 40), (9, 3, 16)])
 def test_paged_decode_attention_matches_gather_and_sdpa(heads: int, kv_heads: int, head_dim: int) -> None:
     lens = [1, 5, 17, 33, 8]
     q, k_cache, v_cache, tables, kv_lens = _paged_case(0, heads, kv_heads, head_dim, lens)

@@ -33,11 +33,6 @@ static inline void axpy(float *y, float a, const float *x, int64_t n) {
  * per layer without prefetching). */
 #define PREFETCH_TOKENS 4
 
-static inline const float *token_row(const float *cache, const int64_t *table, int64_t t, int64_t block_size,
-                                     int64_t slot_stride) {
-    return cache + (table[t / block_size] * block_size + t % block_size) * slot_stride;
-}
-
 static inline void prefetch_floats(const float *p, int64_t n) {
     for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i, 0, 3); /* 16 floats: one 64-byte line */
 }
@@ -54,45 +49,86 @@ static void softmax_inplace(float *s, int64_t len) {
     for (int64_t t = 0; t < len; t++) s[t] *= inv;
 }
 
+/* Loads of q and K/V rows, 16 floats at a time: nv = head_dim / 16 when it is a compile-time
+ * constant (the common head sizes, where the loops unroll into registers), or 0 for any other
+ * head_dim (loops with tails, through dot and axpy). */
+static inline __attribute__((always_inline)) float dot_head(const float *q, const float *k, int64_t head_dim,
+                                                            const int nv) {
+    if (nv == 0) return dot(q, k, head_dim);
+    vec16 acc = load16(q) * load16(k);
+    for (int c = 1; c < nv; c++) acc += load16(q + 16 * c) * load16(k + 16 * c);
+    return hsum16(acc);
+}
+
+static inline __attribute__((always_inline)) void axpy_head(float *o, float w, const float *v, int64_t head_dim,
+                                                            const int nv) {
+    if (nv == 0) return axpy(o, w, v, head_dim);
+    for (int c = 0; c < nv; c++) store16(o + 16 * c, load16(o + 16 * c) + w * load16(v + 16 * c));
+}
+
+/* One sequence: scores for every head over its tokens, softmax, then the weighted sum of V. The
+ * loops go KV head by KV head and then over the query heads that share it: `h / group` per head
+ * and `t / block_size` per token were 64-bit divisions, a third of the kernel's time with the
+ * cache warm. slots: scratch for the tokens' row offsets, walked once from the block table. */
+static inline __attribute__((always_inline)) void attend_sequence(
+    const float *qs, const float *k_cache, const float *v_cache, float *o, float *scores, int64_t *slots,
+    const int64_t *table, int64_t len, int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size,
+    float scale, const int nv) {
+    const int64_t slot_stride = num_kv_heads * head_dim, num_heads = num_kv_heads * group;
+    for (int64_t t = 0, block = 0, offset = 0; t < len; t++) {
+        slots[t] = (table[block] * block_size + offset) * slot_stride;
+        if (++offset == block_size) offset = 0, block++;
+    }
+    for (int64_t t = 0; t < len; t++) {
+        const float *k = k_cache + slots[t];
+        if (t + PREFETCH_TOKENS < len) prefetch_floats(k_cache + slots[t + PREFETCH_TOKENS], slot_stride);
+        for (int64_t kv = 0, h = 0; kv < num_kv_heads; kv++)
+            for (int64_t j = 0; j < group; j++, h++)
+                scores[h * len + t] = dot_head(qs + h * head_dim, k + kv * head_dim, head_dim, nv) * scale;
+    }
+    for (int64_t h = 0; h < num_heads; h++) softmax_inplace(scores + h * len, len);
+    memset(o, 0, sizeof(float) * (size_t)(num_heads * head_dim));
+    for (int64_t t = 0; t < len; t++) {
+        const float *v = v_cache + slots[t];
+        if (t + PREFETCH_TOKENS < len) prefetch_floats(v_cache + slots[t + PREFETCH_TOKENS], slot_stride);
+        for (int64_t kv = 0, h = 0; kv < num_kv_heads; kv++)
+            for (int64_t j = 0; j < group; j++, h++)
+                axpy_head(o + h * head_dim, scores[h * len + t], v + kv * head_dim, head_dim, nv);
+    }
+}
+
 int paged_decode_attention_f32(const float *q, int64_t q_row_stride, const float *k_cache,
                                const float *v_cache, float *out, const int64_t *block_tables,
                                const int64_t *kv_lens, int64_t n, int64_t num_heads, int64_t num_kv_heads,
                                int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale,
                                int num_threads) {
     const int64_t group = num_heads / num_kv_heads;
-    const int64_t slot_stride = num_kv_heads * head_dim;
     const int64_t max_len = max_blocks * block_size;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
         float *scores = malloc(sizeof(float) * (size_t)(num_heads * max_len)); /* [head][token] */
-        failed = scores == NULL;
+        int64_t *slots = malloc(sizeof(int64_t) * (size_t)max_len);
+        failed = scores == NULL || slots == NULL;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t seq = 0; seq < n; seq++) {
             if (failed) continue;
-            const int64_t *table = block_tables + seq * max_blocks;
-            const int64_t len = kv_lens[seq];
             const float *qs = q + seq * q_row_stride;
             float *o = out + seq * num_heads * head_dim;
-
-            for (int64_t t = 0; t < len; t++) {
-                const float *k = token_row(k_cache, table, t, block_size, slot_stride);
-                if (t + PREFETCH_TOKENS < len)
-                    prefetch_floats(token_row(k_cache, table, t + PREFETCH_TOKENS, block_size, slot_stride), slot_stride);
-                for (int64_t h = 0; h < num_heads; h++)
-                    scores[h * len + t] = dot(qs + h * head_dim, k + (h / group) * head_dim, head_dim) * scale;
-            }
-            for (int64_t h = 0; h < num_heads; h++) softmax_inplace(scores + h * len, len);
-            memset(o, 0, sizeof(float) * (size_t)(num_heads * head_dim));
-            for (int64_t t = 0; t < len; t++) {
-                const float *v = token_row(v_cache, table, t, block_size, slot_stride);
-                if (t + PREFETCH_TOKENS < len)
-                    prefetch_floats(token_row(v_cache, table, t + PREFETCH_TOKENS, block_size, slot_stride), slot_stride);
-                for (int64_t h = 0; h < num_heads; h++)
-                    axpy(o + h * head_dim, scores[h * len + t], v + (h / group) * head_dim, head_dim);
-            }
+            const int64_t *table = block_tables + seq * max_blocks;
+#define ATTEND(nv) \
+    attend_sequence(qs, k_cache, v_cache, o, scores, slots, table, kv_lens[seq], num_kv_heads, group, head_dim, \
+                    block_size, scale, nv)
+            if (head_dim == 64)
+                ATTEND(4);
+            else if (head_dim == 128)
+                ATTEND(8);
+            else
+                ATTEND(0);
+#undef ATTEND
         }
         free(scores);
+        free(slots);
     }
     return failed;
 }

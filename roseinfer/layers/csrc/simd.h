@@ -16,10 +16,22 @@ static inline vec16 load16(const float *p) {
 
 static inline void store16(float *p, vec16 v) { memcpy(p, &v, sizeof v); }
 
+typedef float vec8 __attribute__((vector_size(32)));
+typedef float vec4 __attribute__((vector_size(16)));
+
+/* Halves added pairwise (the compiler turns the copies into lane extracts): summing the 16 lanes
+ * in order was a chain of 16 dependent adds, and with one sum per head and cached token it was the
+ * slowest part of decode attention. */
 static inline float hsum16(vec16 v) {
-    float sum = 0.0f;
-    for (int i = 0; i < 16; i++) sum += v[i];
-    return sum;
+    vec8 lo8, hi8;
+    memcpy(&lo8, &v, sizeof lo8);
+    memcpy(&hi8, (const char *)&v + sizeof lo8, sizeof hi8);
+    const vec8 s8 = lo8 + hi8;
+    vec4 lo4, hi4;
+    memcpy(&lo4, &s8, sizeof lo4);
+    memcpy(&hi4, (const char *)&s8 + sizeof lo4, sizeof hi4);
+    const vec4 s4 = lo4 + hi4;
+    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
 static inline float dot(const float *a, const float *b, int64_t n) {
