@@ -199,6 +199,7 @@ def test_prefill_over_several_steps_is_reported_only_without_decode_work(model: 
     if shown:  # one token each: a prefill figure and no decode figure (not "0.0")
         assert float(rows[0][header.index("prefill tok/s")]) > 0
         assert rows[0][header.index("engine decode tok/s")] == rows[0][header.index("decode/floor")] == "–"
+        assert rows[0][header.index("e2e/floor")] == "–" and float(rows[0][header.index("e2e tok/s")]) > 0
     else:
         assert float(rows[0][header.index("engine decode tok/s")]) > 0
 

@@ -54,7 +54,8 @@ def floor_rows(args: argparse.Namespace, results: list[RunResult], floors: dict[
         runs = [r for r in results if (r.backend, r.mode, r.batch_size) == ("roseinfer", mode, bs)]
         hf_runs = [r for r in results if (r.backend, r.mode, r.batch_size) == ("hf", mode, bs)]
         floor = _median(samples)
-        # runs with no decode phase (--max-new-tokens 1) have no decode figure, not 0 tok/s
+        # runs with no decode phase (--max-new-tokens 1) have no decode figure, not 0 tok/s, and
+        # their one token per request over a decode floor compares nothing: no e2e/floor either
         decode_runs = [r.decode_throughput for r in runs if r.decode_tokens]
         decode = _median(decode_runs)
         e2e = _median([r.throughput(r.total_time) for r in runs])
@@ -65,7 +66,8 @@ def floor_rows(args: argparse.Namespace, results: list[RunResult], floors: dict[
         rows.append({
             "batch_size": bs, "mode": mode, "num_requests": len(runs[0].timings) if runs else 0,
             "runs": len(runs), "engine_decode_tok_s": decode, "floor_tok_s": floor,
-            "decode_over_floor": _ratio(decode, floor), "e2e_tok_s": e2e, "e2e_over_floor": _ratio(e2e, floor),
+            "decode_over_floor": _ratio(decode, floor), "e2e_tok_s": e2e,
+            "e2e_over_floor": _ratio(e2e, floor) if decode is not None else None,
             "prefill_tok_s": prefill, "prefill_floor_tok_s": prefill_floor,
             "prefill_over_floor": _ratio(prefill, prefill_floor),
             "hf_tok_s": _median([r.throughput(r.total_time) for r in hf_runs]),
