@@ -51,35 +51,16 @@ static void softmax_inplace(float *s, int64_t len) {
     for (int64_t t = 0; t < len; t++) s[t] *= inv;
 }
 
-/* Loads of q and K/V rows, 16 floats at a time: nv = head_dim / 16 when it is a compile-time
- * constant (the common head sizes, where the loops unroll into registers), or 0 for any other
- * head_dim (loops with tails, through dot and axpy). */
-static inline __attribute__((always_inline)) float dot_head(const float *q, const float *k, int64_t head_dim,
-                                                            const int nv) {
-    if (nv == 0) return dot(q, k, head_dim);
-    vec16 acc = load16(q) * load16(k);
-    for (int c = 1; c < nv; c++) acc += load16(q + 16 * c) * load16(k + 16 * c);
-    return hsum16(acc);
-}
-
-static inline __attribute__((always_inline)) void axpy_head(float *o, float w, const float *v, int64_t head_dim,
-                                                            const int nv) {
-    if (nv == 0) {
-        axpy(o, w, v, head_dim);
-        return;
-    }
-    for (int c = 0; c < nv; c++) store16(o + 16 * c, load16(o + 16 * c) + w * load16(v + 16 * c));
-}
-
 /* One sequence: scores for every head over its tokens, softmax, then the weighted sum of V. The
  * loops go KV head by KV head and then over the query heads that share it, because `h / group`
  * per head and `t / block_size` per token were 64-bit divisions in the inner loops (~10 % of the
  * kernel with the cache warm). slots: scratch for the tokens' row offsets, walked once from the
- * block table. */
+ * block table. Always inlined, and called with head_dim a literal for the common head sizes: dot
+ * and axpy then unroll into registers, with no tail loop. */
 static inline __attribute__((always_inline)) void attend_sequence(
     const float *qs, const float *k_cache, const float *v_cache, float *o, float *scores, int64_t *slots,
-    const int64_t *table, int64_t len, int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size,
-    float scale, const int nv) {
+    const int64_t *table, int64_t len, int64_t num_kv_heads, int64_t group, const int64_t head_dim,
+    int64_t block_size, float scale) {
     const int64_t slot_stride = num_kv_heads * head_dim, num_heads = num_kv_heads * group;
     for (int64_t t = 0, block = 0, offset = 0; t < len; t++) {
         slots[t] = (table[block] * block_size + offset) * slot_stride;
@@ -91,7 +72,7 @@ static inline __attribute__((always_inline)) void attend_sequence(
         if (t + PREFETCH_TOKENS < len) prefetch_floats(k_cache + slots[t + PREFETCH_TOKENS], slot_stride);
         for (int64_t kv = 0, h = 0; kv < num_kv_heads; kv++)
             for (int64_t j = 0; j < group; j++, h++)
-                scores[h * len + t] = dot_head(qs + h * head_dim, k + kv * head_dim, head_dim, nv) * scale;
+                scores[h * len + t] = dot(qs + h * head_dim, k + kv * head_dim, head_dim) * scale;
     }
     for (int64_t t = 0; t < len && t < PREFETCH_TOKENS; t++) prefetch_floats(v_cache + slots[t], slot_stride);
     for (int64_t h = 0; h < num_heads; h++) softmax_inplace(scores + h * len, len);
@@ -101,7 +82,7 @@ static inline __attribute__((always_inline)) void attend_sequence(
         if (t + PREFETCH_TOKENS < len) prefetch_floats(v_cache + slots[t + PREFETCH_TOKENS], slot_stride);
         for (int64_t kv = 0, h = 0; kv < num_kv_heads; kv++)
             for (int64_t j = 0; j < group; j++, h++)
-                axpy_head(o + h * head_dim, scores[h * len + t], v + kv * head_dim, head_dim, nv);
+                axpy(o + h * head_dim, scores[h * len + t], v + kv * head_dim, head_dim);
     }
 }
 
@@ -124,15 +105,15 @@ int paged_decode_attention_f32(const float *q, int64_t q_row_stride, const float
             const float *qs = q + seq * q_row_stride;
             float *o = out + seq * num_heads * head_dim;
             const int64_t *table = block_tables + seq * max_blocks;
-#define ATTEND(nv) \
-    attend_sequence(qs, k_cache, v_cache, o, scores, slots, table, kv_lens[seq], num_kv_heads, group, head_dim, \
-                    block_size, scale, nv)
+#define ATTEND(dim) \
+    attend_sequence(qs, k_cache, v_cache, o, scores, slots, table, kv_lens[seq], num_kv_heads, group, dim, \
+                    block_size, scale)
             if (head_dim == 64)
-                ATTEND(4);
+                ATTEND(64);
             else if (head_dim == 128)
-                ATTEND(8);
+                ATTEND(128);
             else
-                ATTEND(0);
+                ATTEND(head_dim);
 #undef ATTEND
         }
         free(scores);
