@@ -19,18 +19,15 @@ static inline void store16(float *p, vec16 v) { memcpy(p, &v, sizeof v); }
 typedef float vec8 __attribute__((vector_size(32)));
 typedef float vec4 __attribute__((vector_size(16)));
 
-/* Halves added pairwise (the compiler turns the copies into lane extracts): summing the 16 lanes
- * in order was a chain of 16 dependent adds, and with one sum per head and cached token it was the
- * slowest part of decode attention. */
+/* Halves added pairwise: summing the 16 lanes in order was a chain of 16 dependent adds, and with
+ * one sum per head and cached token it was the slowest part of decode attention. The halves are
+ * built from lanes, not copied out with memcpy: a copy out of `v` made GCC keep a loop's
+ * accumulator on the stack, a store and a reload every iteration (RMSNorm over 64 rows of 576 took
+ * 13 us, now 5-6). */
 static inline float hsum16(vec16 v) {
-    vec8 lo8, hi8;
-    memcpy(&lo8, &v, sizeof lo8);
-    memcpy(&hi8, (const char *)&v + sizeof lo8, sizeof hi8);
-    const vec8 s8 = lo8 + hi8;
-    vec4 lo4, hi4;
-    memcpy(&lo4, &s8, sizeof lo4);
-    memcpy(&hi4, (const char *)&s8 + sizeof lo4, sizeof hi4);
-    const vec4 s4 = lo4 + hi4;
+    const vec8 s8 = (vec8){v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]}
+                    + (vec8){v[8], v[9], v[10], v[11], v[12], v[13], v[14], v[15]};
+    const vec4 s4 = (vec4){s8[0], s8[1], s8[2], s8[3]} + (vec4){s8[4], s8[5], s8[6], s8[7]};
     return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
