@@ -90,6 +90,34 @@ def test_native_and_torch_attention_agree_through_the_layer() -> None:
 
 
 @needs_kernels
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(6, 2, 64), (4, 4, 40)])
+def test_fused_decode_equals_rotary_store_and_attention_one_after_another(heads: int, kv_heads: int,
+                                                                         head_dim: int) -> None:
+    """decode_attention_qkv against the three calls it replaces: the same output, cache and rotated
+    qkv bit for bit, with each new token written to its slot and attended to in the same call."""
+    block_size, lens = 4, [3, 9, 16, 21, 2]
+    _, k_cache, v_cache, tables, kv_lens = _paged_case(7, heads, kv_heads, head_dim, lens, block_size)
+    n, q_width, kv_width = len(lens), heads * head_dim, kv_heads * head_dim
+    qkv = torch.randn(n, q_width + 2 * kv_width) * 3
+    rotations = torch.polar(torch.ones(n, 1, head_dim // 2), torch.randn(n, 1, head_dim // 2) * 50)
+    slots = torch.tensor([int(tables[i, (m - 1) // block_size]) * block_size + (m - 1) % block_size
+                          for i, m in enumerate(lens)])
+    separate_qkv, separate_cache = qkv.clone(), (k_cache.clone(), v_cache.clone())
+    qk = separate_qkv[:, :q_width + kv_width].view(n, heads + kv_heads, head_dim)
+    native.rotary_(qk, rotations)
+    native.store_kv(qk[:, heads:], separate_qkv[:, q_width + kv_width:].view(n, kv_heads, head_dim), slots,
+                    *separate_cache)
+    expected = native.paged_decode_attention(qk[:, :heads], *separate_cache, tables, kv_lens, block_size,
+                                             head_dim ** -0.5)
+    got = native.decode_attention_qkv(qkv, rotations, slots, k_cache, v_cache, tables, kv_lens, block_size,
+                                      heads, kv_heads, head_dim ** -0.5)
+    assert torch.equal(got, expected.view(n, q_width))
+    assert torch.equal(qkv, separate_qkv)
+    assert torch.equal(k_cache, separate_cache[0]) and torch.equal(v_cache, separate_cache[1])
+    assert torch.equal(k_cache[slots].flatten(1), qkv[:, q_width:q_width + kv_width])
+
+
+@needs_kernels
 @pytest.mark.parametrize("dim", [64, 576, 37])
 def test_rms_norm_matches_torch_with_and_without_residual(dim: int) -> None:
     torch.manual_seed(2)

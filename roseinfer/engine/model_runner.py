@@ -70,7 +70,8 @@ class ModelRunner:
         groups = [self._group(items, offsets, idx) for idx in (decode, prefill) if idx]
         if len(groups) == 1 and groups[0].is_decode:
             groups[0].whole_batch = True  # every row decodes, in order: no query gather or scatter
-        meta = AttentionMetadata(slot_mapping=self._tensor(slots), groups=groups, native=self.native)
+        meta = AttentionMetadata(slot_mapping=self._tensor(slots), groups=groups, native=self.native,
+                                 fused_decode=groups[0].whole_batch and groups[0].kv_lens is not None)
         return self._tensor(input_ids), self._tensor(positions), meta, self._tensor(sample_rows)
 
     def _group(self, items: list[ScheduledRequest], offsets: list[int], idx: list[int]) -> AttentionGroup:

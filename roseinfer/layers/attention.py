@@ -40,6 +40,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot of each token of the flat batch
     groups: list[AttentionGroup]
     native: bool = False  # CPU fp32 C kernels for the cache writes and decode (layers/native.py)
+    # every row decodes, with the C kernels: a model may hand PagedAttention.decode_qkv its
+    # projection output, for rotary + KV write + attention in one call
+    fused_decode: bool = False
 
 
 class PagedAttention:
@@ -66,6 +69,15 @@ class PagedAttention:
         for group in meta.groups:
             out.index_copy_(0, group.output_rows, self._group(q, k_cache, v_cache, group, k, v))
         return out
+
+    def decode_qkv(self, qkv: torch.Tensor, rope: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                   meta: AttentionMetadata) -> torch.Tensor:
+        """Where meta.fused_decode: qkv [T, (H + 2 * Hkv) * D] as the projection left it (rotated in
+        place) and rope [T, 1, D/2] complex; returns [T, H * D]. The same numbers as rotating,
+        calling this object and flattening, with two C calls and six tensor views a layer fewer."""
+        group = meta.groups[0]
+        return native.decode_attention_qkv(qkv, rope, meta.slot_mapping, *kv_cache, group.block_tables, group.kv_lens,
+                                           group.block_size, self.num_heads, self.num_kv_heads, self.scale)
 
     def _gather(self, cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
         """[B, Hkv, max_blocks * block_size, D] through the block tables. index_select on whole

@@ -38,6 +38,8 @@ class LlamaAttention(nn.Module):
     def forward(self, rope: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         tokens = x.shape[0]
         qkv = self.qkv_proj(x)
+        if meta.fused_decode and self.q_norm is None:
+            return self.o_proj(self.attn.decode_qkv(qkv, rope, kv_cache, meta))
         v = qkv[:, self.q_size + self.kv_size:].view(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is None:
             # q and k side by side as one [T, H + Hkv, D] view: one rotary pass instead of two

@@ -39,26 +39,13 @@ void silu_mul_f32(const float *gate_up, float *out, int64_t n, int64_t width, in
     }
 }
 
-/* Rotates each head of x in place by its token's angles: pairs (x[2i], x[2i+1]) times
- * rope[t][i] = (cos, sin), a complex multiply. x: [n, heads, head_dim] with rows x_row_stride
- * floats apart (q and k may sit side by side in one qkv row); rope: [n, head_dim / 2, 2]. The
- * compiler fuses a product and a sum into an FMA here, so results differ from transformers'
- * rotary by one rounding (< 1e-6 relative). */
+/* Rotates each head of x in place by its token's angles (rotate_heads in simd.h). x: [n, heads,
+ * head_dim] with rows x_row_stride floats apart (q and k may sit side by side in one qkv row);
+ * rope: [n, head_dim / 2, 2]. */
 void rotary_f32(float *x, int64_t x_row_stride, const float *rope, int64_t n, int64_t heads, int64_t head_dim,
                 int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (n * heads * head_dim >= PARALLEL_MIN_FLOATS)
-    for (int64_t t = 0; t < n; t++) {
-        const float *angle = rope + t * head_dim;
-        for (int64_t h = 0; h < heads; h++) {
-            float *pair = x + t * x_row_stride + h * head_dim;
-#pragma omp simd
-            for (int64_t i = 0; i < head_dim / 2; i++) {
-                const float re = pair[2 * i], im = pair[2 * i + 1], c = angle[2 * i], s = angle[2 * i + 1];
-                pair[2 * i] = re * c - im * s;
-                pair[2 * i + 1] = im * c + re * s;
-            }
-        }
-    }
+    for (int64_t t = 0; t < n; t++) rotate_heads(x + t * x_row_stride, rope + t * head_dim, heads, head_dim);
 }
 
 /* out[i] = the index of row i's largest value: the first one on ties and the first NaN where
