@@ -47,7 +47,7 @@ def main() -> None:
         engine.step()
     parts: dict[str, list[float]] = {k: [] for k in ("schedule", "prepare", "forward", "logits+sample", "update")}
     stubbed: list[float] = []
-    real_attention = attention.PagedAttention.__call__
+    real_attention = attention.PagedAttention.__call__, attention.PagedAttention.decode_qkv
     for _ in range(args.steps):
         t0 = time.perf_counter()
         out = scheduler.schedule()
@@ -61,11 +61,14 @@ def main() -> None:
                                               [s.request for s in out.scheduled])
             t4 = time.perf_counter()
             # the same forward with attention replaced by the identity: what attention costs
+            # (and the fused decode call, which also rotates q/k and writes the cache, with it)
             attention.PagedAttention.__call__ = lambda self, q, k, v, cache, m: q
+            attention.PagedAttention.decode_qkv = lambda self, qkv, rope, cache, m: qkv[
+                :, :self.num_heads * self.head_dim]
             t5 = time.perf_counter()
             runner.model(ids, positions, runner.kv_caches, meta)
             stubbed.append(time.perf_counter() - t5)
-            attention.PagedAttention.__call__ = real_attention
+            attention.PagedAttention.__call__, attention.PagedAttention.decode_qkv = real_attention
         t6 = time.perf_counter()
         scheduler.update(out, tokens, logprobs)
         t7 = time.perf_counter()
