@@ -171,7 +171,8 @@ def decode_attention_qkv(qkv: torch.Tensor, rotations: torch.Tensor, slots: torc
                          v_cache: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor, block_size: int,
                          num_heads: int, num_kv_heads: int, scale: float) -> torch.Tensor:
     """Rotary on q and k, the KV write and decode attention in one call, for a batch where every row
-    decodes. qkv: the projection's output [n, (H + 2 * Hkv) * D], rotated in place; rotations:
+    decodes. qkv: the projection's output [n, (H + 2 * Hkv) * D], rotated in place (where its rows
+    are dense; otherwise a dense copy is); rotations:
     [n, 1, D / 2] complex64 (layers/rotary.py); slots: [n] cache slot of each new token. Returns
     [n, H * D]: exactly what rotary_, store_kv and paged_decode_attention give one after another."""
     qkv = _rows(qkv)

@@ -90,8 +90,9 @@ static inline __attribute__((always_inline)) void attend_sequence(
 /* One call for a decode batch where q/k/v have just left the qkv projection: when `rope` is set,
  * each sequence's task first rotates its q and k heads in place (rotate_heads), then writes its
  * new K and V rows to `new_slots[seq]`, then attends -- its own row is in the cache by then. That
- * is three ctypes calls and their tensor views a layer in one, and no token's rows are read twice
- * from memory. Tasks only ever write their own slot, so they need no ordering between them.
+ * is three ctypes calls and their tensor views a layer in one, and a token's new rows are still in
+ * the core's cache when its attention reads them. Tasks only ever write their own slot, so they
+ * need no ordering between them.
  * qkv: [n, (num_heads + 2 * num_kv_heads) * head_dim] rows qkv_row_stride floats apart (q, then k,
  * then v); rope: [n, head_dim / 2, 2] (cos, sin) or NULL: q is then used as it is and nothing
  * is written (paged_decode_attention_f32 below, for a cache the caller has already written). */
