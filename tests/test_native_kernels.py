@@ -110,7 +110,7 @@ def test_fused_decode_equals_rotary_store_and_attention_one_after_another(heads:
     expected = native.paged_decode_attention(qk[:, :heads], *separate_cache, tables, kv_lens, block_size,
                                              head_dim ** -0.5)
     got = native.decode_attention_qkv(qkv, rotations, slots, k_cache, v_cache, tables, kv_lens, block_size,
-                                      heads, kv_heads, head_dim ** -0.5)
+                                      heads, head_dim ** -0.5)
     assert torch.equal(got, expected.view(n, q_width))
     assert torch.equal(qkv, separate_qkv)
     assert torch.equal(k_cache, separate_cache[0]) and torch.equal(v_cache, separate_cache[1])

@@ -77,7 +77,7 @@ class PagedAttention:
         calling this object and flattening, with two C calls and six tensor views a layer fewer."""
         group = meta.groups[0]
         return native.decode_attention_qkv(qkv, rope, meta.slot_mapping, *kv_cache, group.block_tables, group.kv_lens,
-                                           group.block_size, self.num_heads, self.num_kv_heads, self.scale)
+                                           group.block_size, self.num_heads, self.scale)
 
     def _gather(self, cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
         """[B, Hkv, max_blocks * block_size, D] through the block tables. index_select on whole

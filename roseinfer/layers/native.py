@@ -112,9 +112,8 @@ def native_library() -> ctypes.CDLL:
 def _declare(library: ctypes.CDLL) -> None:
     ptr, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
     signatures = {
-        "paged_decode_attention_f32": [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, f32, i32],
-        "decode_attention_qkv_f32": [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
-                                     f32, i32],
+        "paged_decode_attention_f32": [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
+                                       f32, i32],
         "store_kv_f32": [ptr, i64, ptr, i64, ptr, i64, i64, ptr, ptr],
         "rms_norm_f32": [ptr, i64, ptr, ptr, ptr, i64, i64, f32, i32],
         "silu_mul_f32": [ptr, ptr, i64, i64, i32],
@@ -124,7 +123,7 @@ def _declare(library: ctypes.CDLL) -> None:
     for name, argtypes in signatures.items():
         function = getattr(library, name)
         function.argtypes = argtypes
-        function.restype = ctypes.c_int if "attention" in name else None
+        function.restype = ctypes.c_int if name == "paged_decode_attention_f32" else None
 
 
 def native_kernels_available(dtype: torch.dtype, device: torch.device) -> bool:
@@ -157,32 +156,36 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     kv_lens: [n] tokens each query attends to. Returns [n, H, D]."""
     q = _rows(q)
     n, num_heads, head_dim = q.shape
-    out = torch.empty(n, num_heads, head_dim, dtype=q.dtype)
-    failed = native_library().paged_decode_attention_f32(
-        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), block_tables.data_ptr(),
-        kv_lens.data_ptr(), n, num_heads, k_cache.shape[1], head_dim, block_size, block_tables.shape[1], scale,
-        min(torch.get_num_threads(), n))  # one task per sequence: waking idle threads only costs time
-    if failed:
-        raise MemoryError("paged attention could not allocate its scratch buffers")
-    return out
+    out = _decode_attention(q, None, None, k_cache, v_cache, block_tables, kv_lens, block_size, num_heads, scale)
+    return out.view(n, num_heads, head_dim)
 
 
 def decode_attention_qkv(qkv: torch.Tensor, rotations: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
                          v_cache: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor, block_size: int,
-                         num_heads: int, num_kv_heads: int, scale: float) -> torch.Tensor:
+                         num_heads: int, scale: float) -> torch.Tensor:
     """Rotary on q and k, the KV write and decode attention in one call, for a batch where every row
     decodes. qkv: the projection's output [n, (H + 2 * Hkv) * D], rotated in place (where its rows
-    are dense; otherwise a dense copy is); rotations:
-    [n, 1, D / 2] complex64 (layers/rotary.py); slots: [n] cache slot of each new token. Returns
-    [n, H * D]: exactly what rotary_, store_kv and paged_decode_attention give one after another."""
-    qkv = _rows(qkv)
-    n, head_dim = qkv.shape[0], k_cache.shape[2]
-    out = torch.empty(n, num_heads * head_dim, dtype=qkv.dtype)
+    are dense; otherwise a dense copy is); rotations: [n, 1, D / 2] complex64 (layers/rotary.py);
+    slots: [n] cache slot of each new token. Returns [n, H * D]: exactly what rotary_, store_kv and
+    paged_decode_attention give one after another."""
     angles = torch.view_as_real(rotations).contiguous()
-    failed = native_library().decode_attention_qkv_f32(
-        qkv.data_ptr(), qkv.stride(0), angles.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-        out.data_ptr(), block_tables.data_ptr(), kv_lens.data_ptr(), n, num_heads, num_kv_heads, head_dim,
-        block_size, block_tables.shape[1], scale, min(torch.get_num_threads(), n))
+    return _decode_attention(_rows(qkv), angles, slots, k_cache, v_cache, block_tables, kv_lens, block_size,
+                             num_heads, scale)
+
+
+def _decode_attention(q_rows: torch.Tensor, angles: torch.Tensor | None, slots: torch.Tensor | None,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor,
+                      block_size: int, num_heads: int, scale: float) -> torch.Tensor:
+    """The kernel over q_rows [n, ...] whose first H * D floats per row are the query; with angles
+    and slots, the row is a whole qkv row, rotated and stored first. Returns [n, H * D]."""
+    n, num_kv_heads, head_dim = q_rows.shape[0], k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty(n, num_heads * head_dim, dtype=q_rows.dtype)
+    failed = native_library().paged_decode_attention_f32(
+        q_rows.data_ptr(), q_rows.stride(0), None if angles is None else angles.data_ptr(),
+        None if slots is None else slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+        block_tables.data_ptr(), kv_lens.data_ptr(), n, num_heads, num_kv_heads, head_dim, block_size,
+        block_tables.shape[1], scale,
+        min(torch.get_num_threads(), n))  # one task per sequence: waking idle threads only costs time
     if failed:
         raise MemoryError("paged attention could not allocate its scratch buffers")
     return out

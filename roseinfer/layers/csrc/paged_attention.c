@@ -6,8 +6,8 @@
  * place: a token's rows for all KV heads are adjacent, so a block is one contiguous stretch.
  * Bound with ctypes in layers/native.py; called by layers/attention.py.
  *
- * Shapes (decode_attention_qkv_f32 takes q inside a qkv row instead, see there):
- * q:                 [n, num_heads, head_dim], rows q_row_stride floats apart (heads contiguous)
+ * q:                 [n, num_heads, head_dim], rows q_row_stride floats apart (heads contiguous); with
+ *                    rope set, each row is a whole qkv row: q, then the new token's K, then its V
  * out:               [n, num_heads, head_dim], contiguous
  * k_cache, v_cache:  [slots, num_kv_heads, head_dim]; token t of sequence i lies in slot
  *                    block_tables[i][t / block_size] * block_size + t % block_size
@@ -87,20 +87,18 @@ static inline __attribute__((always_inline)) void attend_sequence(
     }
 }
 
-/* One call for a decode batch where q/k/v have just left the qkv projection: when `rope` is set,
- * each sequence's task first rotates its q and k heads in place (rotate_heads), then writes its
- * new K and V rows to `new_slots[seq]`, then attends -- its own row is in the cache by then. That
- * is three ctypes calls and their tensor views a layer in one, and a token's new rows are still in
- * the core's cache when its attention reads them. Tasks only ever write their own slot, so they
- * need no ordering between them.
- * qkv: [n, (num_heads + 2 * num_kv_heads) * head_dim] rows qkv_row_stride floats apart (q, then k,
- * then v); rope: [n, head_dim / 2, 2] (cos, sin) or NULL: q is then used as it is and nothing
- * is written (paged_decode_attention_f32 below, for a cache the caller has already written). */
-int decode_attention_qkv_f32(float *qkv, int64_t qkv_row_stride, const float *rope, const int64_t *new_slots,
-                             float *k_cache, float *v_cache, float *out, const int64_t *block_tables,
-                             const int64_t *kv_lens, int64_t n, int64_t num_heads, int64_t num_kv_heads,
-                             int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale,
-                             int num_threads) {
+/* With `rope` set, q/k/v have just left the qkv projection, and each sequence's task first rotates
+ * its q and k heads in place (rotate_heads), then writes its new K and V rows to `new_slots[seq]`,
+ * then attends -- its own row is in the cache by then. That is three ctypes calls and their tensor
+ * views a layer in one, and a token's new rows are still in the core's cache when its attention
+ * reads them. Tasks only ever write their own slot, so they need no ordering between them.
+ * rope: [n, head_dim / 2, 2] (cos, sin), or NULL for attention alone over a cache the caller has
+ * already written (q is then only read). */
+int paged_decode_attention_f32(float *q, int64_t q_row_stride, const float *rope, const int64_t *new_slots,
+                               float *k_cache, float *v_cache, float *out, const int64_t *block_tables,
+                               const int64_t *kv_lens, int64_t n, int64_t num_heads, int64_t num_kv_heads,
+                               int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale,
+                               int num_threads) {
     const int64_t group = num_heads / num_kv_heads, kv_floats = num_kv_heads * head_dim;
     const int64_t max_len = max_blocks * block_size;
     int failed = 0;
@@ -112,7 +110,7 @@ int decode_attention_qkv_f32(float *qkv, int64_t qkv_row_stride, const float *ro
 #pragma omp for schedule(dynamic, 1)
         for (int64_t seq = 0; seq < n; seq++) {
             if (failed) continue;
-            float *qs = qkv + seq * qkv_row_stride;
+            float *qs = q + seq * q_row_stride;
             if (rope != NULL) {
                 const float *k = qs + num_heads * head_dim;
                 rotate_heads(qs, rope + seq * head_dim, num_heads + num_kv_heads, head_dim);
@@ -136,19 +134,6 @@ int decode_attention_qkv_f32(float *qkv, int64_t qkv_row_stride, const float *ro
         free(slots);
     }
     return failed;
-}
-
-/* Decode attention alone, over a cache the caller has already written: q is [n, num_heads,
- * head_dim] with rows q_row_stride floats apart (heads contiguous). */
-int paged_decode_attention_f32(const float *q, int64_t q_row_stride, const float *k_cache,
-                               const float *v_cache, float *out, const int64_t *block_tables,
-                               const int64_t *kv_lens, int64_t n, int64_t num_heads, int64_t num_kv_heads,
-                               int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale,
-                               int num_threads) {
-    /* with rope NULL nothing is written through qkv or the caches */
-    return decode_attention_qkv_f32((float *)q, q_row_stride, NULL, NULL, (float *)k_cache, (float *)v_cache, out,
-                                    block_tables, kv_lens, n, num_heads, num_kv_heads, head_dim, block_size,
-                                    max_blocks, scale, num_threads);
 }
 
 /* Write each token's new K and V rows into its cache slot (index_copy_ cost ~90 us a layer for
