@@ -62,6 +62,55 @@ def test_paged_decode_attention_matches_gather_and_sdpa(heads: int, kv_heads: in
         torch.testing.assert_close(got[i], ref, rtol=1e-5, atol=1e-5)
 
 
+def _causal_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, start: int,
+                      q_len: int, kv_len: int, block_size: int, scale: float) -> torch.Tensor:
+    """One chunk's rows through plain SDPA: its queries sit at the last q_len of kv_len positions."""
+    slots = torch.tensor([int(table[t // block_size]) * block_size + t % block_size for t in range(kv_len)])
+    keys, values = k_cache[slots].transpose(0, 1), v_cache[slots].transpose(0, 1)  # [Hkv, L, D]
+    positions = torch.arange(kv_len - q_len, kv_len).unsqueeze(1)
+    mask = torch.zeros(q_len, kv_len).masked_fill_(torch.arange(kv_len) > positions, float("-inf"))
+    out = F.scaled_dot_product_attention(q[start:start + q_len].transpose(0, 1), keys, values, attn_mask=mask,
+                                         scale=scale, enable_gqa=q.shape[1] != k_cache.shape[1])
+    return out.transpose(0, 1)
+
+
+@needs_kernels
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (4, 4, 16), (8, 1, 32), (6, 2, 96)])
+def test_paged_prefill_attention_matches_sdpa_under_a_causal_mask(heads: int, kv_heads: int, head_dim: int) -> None:
+    """Whole prompts and later chunks (context already cached) of assorted lengths, several longer
+    than one task's tile of rows, in one call; q is a strided view and the rows between chunks (a
+    decode row's, say) are left as they were."""
+    block_size = 4
+    q_lens, contexts = [32, 5, 70, 2, 23], [0, 0, 13, 40, 9]
+    kv_lens = [c + n for c, n in zip(contexts, q_lens)]
+    _, k_cache, v_cache, tables, _ = _paged_case(3, heads, kv_heads, head_dim, kv_lens, block_size)
+    starts = [1 + sum(q_lens[:i]) + i for i in range(len(q_lens))]  # one foreign row before each chunk
+    rows = starts[-1] + q_lens[-1]
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim) * 3
+    q = qkv[:, :heads * head_dim].view(rows, heads, head_dim)
+    out = torch.full((rows, heads, head_dim), 7.0)
+    scale = head_dim ** -0.5
+    native.paged_prefill_attention(q, k_cache, v_cache, tables, torch.tensor(starts), torch.tensor(q_lens),
+                                   torch.tensor(kv_lens), block_size, scale, out)
+    written = torch.zeros(rows, dtype=torch.bool)
+    for i, (start, q_len) in enumerate(zip(starts, q_lens)):
+        expected = _causal_reference(q, k_cache, v_cache, tables[i], start, q_len, kv_lens[i], block_size, scale)
+        torch.testing.assert_close(out[start:start + q_len], expected, rtol=1e-5, atol=1e-5)
+        written[start:start + q_len] = True
+    assert (out[~written] == 7.0).all()
+
+
+@needs_kernels
+def test_paged_prefill_attention_refuses_head_dims_its_vector_loops_do_not_cover() -> None:
+    assert not native.prefill_attention_supported(40) and not native.prefill_attention_supported(256)
+    q = torch.randn(3, 2, 40)
+    cache = torch.zeros(8, 2, 40)
+    one = torch.tensor([0])
+    with pytest.raises(ValueError, match="multiple of 16"):
+        native.paged_prefill_attention(q, cache, cache, torch.tensor([[0, 1]]), one, torch.tensor([3]),
+                                       torch.tensor([3]), 4, 0.1, torch.empty(3, 2, 40))
+
+
 @needs_kernels
 def test_native_and_torch_attention_agree_through_the_layer() -> None:
     """PagedAttention with meta.native (store_kv + kernel) against its torch path (index_copy_ +

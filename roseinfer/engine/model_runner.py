@@ -11,6 +11,7 @@ from roseinfer.engine.request import TokenLogprobs
 from roseinfer.engine.sampler import Sampler
 from roseinfer.engine.scheduler import ScheduledRequest, SchedulerOutput
 from roseinfer.layers.attention import AttentionGroup, AttentionMetadata
+from roseinfer.layers.native import prefill_attention_supported
 from roseinfer.models.config import ModelConfig
 
 
@@ -18,7 +19,8 @@ class ModelRunner:
     def __init__(self, model: nn.Module, model_config: ModelConfig, num_kv_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, sampler: Sampler, native: bool = False) -> None:
         self.model = model
-        self.native = native  # C kernels for the KV writes and decode attention (layers/native.py)
+        self.native = native  # C kernels for the KV writes and attention (layers/native.py)
+        self.native_prefill = native and prefill_attention_supported(model_config.head_dim)
         self.block_size = block_size
         self.dtype = dtype
         self.device = device
@@ -78,6 +80,11 @@ class ModelRunner:
         q_lens = self._tensor([items[i].num_tokens for i in idx])
         starts = self._tensor([offsets[i] for i in idx])
         max_q = int(q_lens.max())
+        if max_q > 1 and self.native_prefill:
+            # the C kernel reads each chunk's rows in place: no padding, gather or mask to build
+            group = AttentionGroup(block_size=self.block_size, q_starts=starts, q_lens=q_lens)
+            group.kv_lens, _ = self._set_block_tables(group, items, idx)
+            return group
         q_pos = torch.arange(max_q, device=self.device).unsqueeze(0)  # [1, Lq]
         valid = q_pos < q_lens.unsqueeze(1)
         query_rows = starts.unsqueeze(1) + torch.minimum(q_pos, q_lens.unsqueeze(1) - 1)
@@ -87,10 +94,7 @@ class ModelRunner:
         if max_q > 1 and all(items[i].request.num_computed_tokens == 0 for i in idx):
             group.fresh = True  # whole prompts: attention needs neither the cache nor a mask
             return group
-        ctx_lens = self._tensor([items[i].request.num_computed_tokens + items[i].num_tokens for i in idx])
-        max_blocks = -(-int(ctx_lens.max()) // self.block_size)
-        tables = [items[i].request.block_table[:max_blocks] for i in idx]
-        group.block_tables = self._tensor([t + [0] * (max_blocks - len(t)) for t in tables])
+        ctx_lens, max_blocks = self._set_block_tables(group, items, idx)
         if max_q == 1 and self.native:
             group.kv_lens = ctx_lens  # the kernel stops at each length: no mask
             return group
@@ -102,6 +106,16 @@ class ModelRunner:
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))
         group.mask = mask.unsqueeze(1)
         return group
+
+    def _set_block_tables(self, group: AttentionGroup, items: list[ScheduledRequest],
+                          idx: list[int]) -> tuple[torch.Tensor, int]:
+        """Sets the group's block tables (padded with block 0); returns each sequence's context
+        length (this step's tokens included) and the table width."""
+        ctx_lens = self._tensor([items[i].request.num_computed_tokens + items[i].num_tokens for i in idx])
+        max_blocks = -(-int(ctx_lens.max()) // self.block_size)
+        tables = [items[i].request.block_table[:max_blocks] for i in idx]
+        group.block_tables = self._tensor([t + [0] * (max_blocks - len(t)) for t in tables])
+        return ctx_lens, max_blocks
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -3,10 +3,12 @@
 The cache of one layer is a pair of tensors `[num_blocks * block_size, num_kv_heads, head_dim]`;
 token t of a sequence lives in slot `block_table[t // block_size] * block_size + t % block_size`.
 The batch is one flat list of tokens. Sequences that decode (one query each) and sequences
-that prefill a chunk (several queries) form two groups, each run as one padded batched
-attention call; the masks and gather indices are built once per step by the model runner and
-shared by every layer, so there is no Python loop over sequences here. A prefill group of whole
-prompts needs no cache at all: its own K/V under a causal mask are the whole context.
+that prefill a chunk (several queries) form two groups, each run as one batched call; the masks,
+gather indices or lengths are built once per step by the model runner and shared by every layer,
+so there is no Python loop over sequences here. With the C kernels (CPU fp32) both groups read
+the cache in place (csrc/paged_attention.c, csrc/prefill_attention.c). On the torch path each
+group is padded for SDPA, and a prefill group of whole prompts needs no cache at all: its own
+K/V under a causal mask are the whole context.
 """
 from __future__ import annotations
 
@@ -20,19 +22,23 @@ from roseinfer.layers import native
 
 @dataclass
 class AttentionGroup:
-    query_rows: torch.Tensor  # [B, Lq] rows of the flat batch (padding repeats a valid row)
-    valid_slots: torch.Tensor  # [n_valid] real tokens' positions in the flattened [B * Lq] padded layout
-    output_rows: torch.Tensor  # [n_valid] flat-batch rows, in valid_slots order
     block_size: int
+    # the padded layout of the torch path and of native decode (None for native prefill)
+    query_rows: torch.Tensor | None = None  # [B, Lq] rows of the flat batch (padding repeats a valid row)
+    valid_slots: torch.Tensor | None = None  # [n_valid] real tokens' positions in the flattened [B * Lq] layout
+    output_rows: torch.Tensor | None = None  # [n_valid] flat-batch rows, in valid_slots order
     block_tables: torch.Tensor | None = None  # [B, max_blocks] (padding: block 0, masked out)
     mask: torch.Tensor | None = None  # [B, 1, Lq, max_blocks * block_size] additive: 0 = attend, -inf = not
     whole_batch: bool = False  # the group is every row of the batch, in order (no gather/scatter)
     fresh: bool = False  # prefill with nothing cached before it: attend to this step's K/V directly
-    kv_lens: torch.Tensor | None = None  # [B] tokens each sequence attends to (native decode, instead of mask)
+    kv_lens: torch.Tensor | None = None  # [B] tokens each sequence attends to (native kernels, instead of mask)
+    # native prefill: sequence i's chunk is rows q_starts[i] .. q_starts[i] + q_lens[i] - 1 of the batch
+    q_starts: torch.Tensor | None = None
+    q_lens: torch.Tensor | None = None
 
     @property
     def is_decode(self) -> bool:
-        return self.query_rows.shape[1] == 1
+        return self.q_lens is None and self.query_rows.shape[1] == 1
 
 
 @dataclass
@@ -65,9 +71,13 @@ class PagedAttention:
             v_cache.index_copy_(0, meta.slot_mapping, v)
         if len(meta.groups) == 1 and meta.groups[0].whole_batch:
             return self._group(q, k_cache, v_cache, meta.groups[0], k, v)
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         for group in meta.groups:
-            out.index_copy_(0, group.output_rows, self._group(q, k_cache, v_cache, group, k, v))
+            if group.q_lens is not None:  # native prefill writes its chunks' rows of out in place
+                native.paged_prefill_attention(q, k_cache, v_cache, group.block_tables, group.q_starts, group.q_lens,
+                                               group.kv_lens, group.block_size, self.scale, out)
+            else:
+                out.index_copy_(0, group.output_rows, self._group(q, k_cache, v_cache, group, k, v))
         return out
 
     def decode_qkv(self, qkv: torch.Tensor, rope: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],

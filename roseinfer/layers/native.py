@@ -114,6 +114,8 @@ def _declare(library: ctypes.CDLL) -> None:
     signatures = {
         "paged_decode_attention_f32": [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
                                        f32, i32],
+        "paged_prefill_attention_f32": [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
+                                        f32, i32],
         "store_kv_f32": [ptr, i64, ptr, i64, ptr, i64, i64, ptr, ptr],
         "rms_norm_f32": [ptr, i64, ptr, ptr, ptr, i64, i64, f32, i32],
         "silu_mul_f32": [ptr, ptr, i64, i64, i32],
@@ -123,7 +125,7 @@ def _declare(library: ctypes.CDLL) -> None:
     for name, argtypes in signatures.items():
         function = getattr(library, name)
         function.argtypes = argtypes
-        function.restype = ctypes.c_int if name == "paged_decode_attention_f32" else None
+        function.restype = ctypes.c_int if name.startswith("paged_") else None
 
 
 def native_kernels_available(dtype: torch.dtype, device: torch.device) -> bool:
@@ -189,6 +191,30 @@ def _decode_attention(q_rows: torch.Tensor, angles: torch.Tensor | None, slots: 
     if failed:
         raise MemoryError("paged attention could not allocate its scratch buffers")
     return out
+
+
+def prefill_attention_supported(head_dim: int) -> bool:
+    """paged_prefill_attention's vector loops take head dims that are whole 16-float chunks, up to 128."""
+    return head_dim % 16 == 0 and head_dim <= 128
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                            q_starts: torch.Tensor, q_lens: torch.Tensor, kv_lens: torch.Tensor, block_size: int,
+                            scale: float, out: torch.Tensor) -> None:
+    """Causal attention for prompt chunks: sequence i's queries are rows q_starts[i] .. + q_lens[i] - 1
+    of q [rows, H, D], at the last q_lens[i] of its kv_lens[i] cached positions (this chunk's K/V
+    already written). Writes those rows of out [rows, H, D] (contiguous); other rows are left alone."""
+    q = _rows(q)
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    if not prefill_attention_supported(head_dim) or not out.is_contiguous():
+        raise ValueError(f"paged_prefill_attention needs a head dim that is a multiple of 16 up to 128 "
+                         f"(got {head_dim}) and a contiguous out")
+    failed = native_library().paged_prefill_attention_f32(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), block_tables.data_ptr(),
+        q_starts.data_ptr(), q_lens.data_ptr(), kv_lens.data_ptr(), q_lens.shape[0], num_heads, k_cache.shape[1],
+        head_dim, block_size, block_tables.shape[1], scale, torch.get_num_threads())
+    if failed:
+        raise MemoryError("prefill attention could not allocate its scratch buffers")
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:

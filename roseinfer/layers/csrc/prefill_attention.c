@@ -1,0 +1,191 @@
+/* Causal attention for prompt chunks over the paged KV cache (fp32, CPU): whole prompts, later
+ * chunks of a chunked prefill and prompts behind a prefix-cache hit alike, each at its own length.
+ *
+ * The torch path pads every chunk of a step to the longest, gathers the cache into that padded
+ * shape (or, for whole prompts, copies q/k/v into it) and runs SDPA, which on CPU works through
+ * small per-head blocks: for 64 prompts of 32 tokens it took ~5 ms a layer, padding included, for
+ * ~75 MFLOP. Here the work is split into tasks of (sequence, tile of query rows, KV head). A task
+ * puts the tile's queries for that KV head (rows x the query heads sharing it, up to LANES of them)
+ * side by side, so that the scores are a small matrix product with the keys read in place, the
+ * causal mask is a comparison per lane and the softmax runs across lanes; then each lane's
+ * weighted sum of V goes straight to its output row. K/V are read where they lie in the cache,
+ * which the caller has already written this chunk's rows into.
+ * Bound with ctypes in layers/native.py; called by layers/attention.py.
+ *
+ * q:                 [rows, num_heads, head_dim], rows q_row_stride floats apart (heads contiguous)
+ * out:               [rows, num_heads, head_dim], contiguous; only the rows of the sequences given
+ * k_cache, v_cache:  [slots, num_kv_heads, head_dim], as in paged_attention.c
+ * block_tables:      [n, max_blocks]
+ * q_starts, q_lens:  [n]; sequence i's queries are rows q_starts[i] .. q_starts[i] + q_lens[i] - 1
+ * kv_lens:           [n]; its cached tokens, this chunk included: query j of sequence i is at
+ *                    position kv_lens[i] - q_lens[i] + j and attends to tokens 0 .. that position
+ * Query head h reads KV head h / (num_heads / num_kv_heads), as HF's repeat_kv does.
+ * Returns 0, or 1 when a thread could not allocate its scratch (out is then incomplete).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "simd.h"
+
+/* Query vectors of one task: four 16-float chunks, which with four keys at a time keeps 16
+ * accumulators in registers while the scores are computed. */
+#define LANES 64
+#define KEYS_AT_ONCE 4
+
+/* scores[t][lane] = q_lane . k_t for the task's keys 0 .. len - 1; qt: [head_dim][LANES], the
+ * queries transposed (and already scaled) so that a lane's products accumulate in a vector lane. */
+static inline __attribute__((always_inline)) void score_keys(const float *qt, const float *k_cache,
+                                                             const int64_t *rows, int64_t len, int64_t head_dim,
+                                                             float *scores) {
+    int64_t t = 0;
+    for (; t + KEYS_AT_ONCE <= len; t += KEYS_AT_ONCE) {
+        const float *k[KEYS_AT_ONCE] = {k_cache + rows[t], k_cache + rows[t + 1], k_cache + rows[t + 2],
+                                        k_cache + rows[t + 3]};
+        vec16 acc[KEYS_AT_ONCE][LANES / 16] = {{{0}}};
+        for (int64_t d = 0; d < head_dim; d++) {
+            const float *qd = qt + d * LANES;
+            const vec16 q0 = load16(qd), q1 = load16(qd + 16), q2 = load16(qd + 32), q3 = load16(qd + 48);
+            for (int j = 0; j < KEYS_AT_ONCE; j++) {
+                const float kd = k[j][d];
+                acc[j][0] += q0 * kd;
+                acc[j][1] += q1 * kd;
+                acc[j][2] += q2 * kd;
+                acc[j][3] += q3 * kd;
+            }
+        }
+        for (int j = 0; j < KEYS_AT_ONCE; j++)
+            for (int c = 0; c < LANES / 16; c++) store16(scores + (t + j) * LANES + c * 16, acc[j][c]);
+    }
+    for (; t < len; t++) {
+        const float *k = k_cache + rows[t];
+        vec16 acc[LANES / 16] = {0};
+        for (int64_t d = 0; d < head_dim; d++)
+            for (int c = 0; c < LANES / 16; c++) acc[c] += load16(qt + d * LANES + c * 16) * k[d];
+        for (int c = 0; c < LANES / 16; c++) store16(scores + t * LANES + c * 16, acc[c]);
+    }
+}
+
+/* Causal softmax down each lane: key t counts for a lane when t <= last[lane]. Masked scores become
+ * 0; inv[lane] gets 1 / the lane's sum (applied to the output, once per value, not per key). */
+static void softmax_lanes(float *scores, int64_t len, const int64_t *last, float *inv) {
+    float peak[LANES], total[LANES];
+    for (int l = 0; l < LANES; l++) peak[l] = -INFINITY, total[l] = 0.0f;
+    for (int64_t t = 0; t < len; t++) {
+        const float *s = scores + t * LANES;
+#pragma omp simd
+        for (int l = 0; l < LANES; l++) peak[l] = (t <= last[l] && s[l] > peak[l]) ? s[l] : peak[l];
+    }
+    for (int64_t t = 0; t < len; t++) {
+        float *s = scores + t * LANES;
+#pragma omp simd
+        for (int l = 0; l < LANES; l++) {
+            const float p = t <= last[l] ? exp_f32(s[l] - peak[l]) : 0.0f;
+            s[l] = p;
+            total[l] += p;
+        }
+    }
+    for (int l = 0; l < LANES; l++) inv[l] = 1.0f / total[l];
+}
+
+/* out_rows[i] = inv[lane0 + i] * sum_t p[t][lane0 + i] * v_t for `block` lanes at once (block x
+ * head_dim / 16 accumulators: 16 for head_dim 64 with 4 lanes). head_dim is a multiple of 16, at
+ * most 128 (native.py checks). */
+static inline __attribute__((always_inline)) void weigh_values(const float *p, const float *v_cache,
+                                                               const int64_t *rows, int64_t len, int lane0,
+                                                               const int block, const int64_t head_dim,
+                                                               const float *inv, float *const *out_rows) {
+    vec16 acc[4][8] = {{{0}}}; /* block <= 4; head_dim / 16 <= 8 */
+    const int64_t chunks = head_dim / 16;
+    for (int64_t t = 0; t < len; t++) {
+        const float *v = v_cache + rows[t];
+        const float *pt = p + t * LANES + lane0;
+        for (int64_t c = 0; c < chunks; c++) {
+            const vec16 vc = load16(v + c * 16);
+            for (int i = 0; i < block; i++) acc[i][c] += pt[i] * vc;
+        }
+    }
+    for (int i = 0; i < block; i++)
+        if (out_rows[i] != NULL)
+            for (int64_t c = 0; c < chunks; c++) store16(out_rows[i] + c * 16, acc[i][c] * inv[lane0 + i]);
+}
+
+/* One task: query rows row0 .. row0 + n_rows - 1 of a sequence (positions from pos0), the query
+ * heads of KV head kv. `rows` holds the offset of every key's row in the cache. */
+static void attend_tile(const float *q, int64_t q_row_stride, const float *k_cache, const float *v_cache,
+                        float *out, const int64_t *rows, int64_t row0, int64_t n_rows, int64_t pos0, int64_t kv,
+                        int64_t group, int64_t num_heads, int64_t head_dim, float scale, float *qt, float *scores) {
+    int64_t last[LANES];
+    float inv[LANES];
+    float *out_rows[LANES];
+    const int64_t lanes = n_rows * group, len = pos0 + n_rows;
+    for (int64_t l = 0; l < LANES; l++) {
+        const int64_t r = l < lanes ? l / group : n_rows - 1; /* spare lanes repeat the last query */
+        const int64_t h = kv * group + (l < lanes ? l % group : group - 1);
+        const float *ql = q + (row0 + r) * q_row_stride + h * head_dim;
+        for (int64_t d = 0; d < head_dim; d++) qt[d * LANES + l] = ql[d] * scale;
+        last[l] = pos0 + r;
+        out_rows[l] = l < lanes ? out + ((row0 + r) * num_heads + h) * head_dim : NULL;
+    }
+    score_keys(qt, k_cache + kv * head_dim, rows, len, head_dim, scores);
+    softmax_lanes(scores, len, last, inv);
+    const float *v_base = v_cache + kv * head_dim;
+    /* head_dim 128 takes two lanes at a time: four would need all 32 vector registers for sums */
+    if (head_dim == 64)
+        for (int lane0 = 0; lane0 < lanes; lane0 += 4)
+            weigh_values(scores, v_base, rows, len, lane0, 4, 64, inv, out_rows + lane0);
+    else if (head_dim == 128)
+        for (int lane0 = 0; lane0 < lanes; lane0 += 2)
+            weigh_values(scores, v_base, rows, len, lane0, 2, 128, inv, out_rows + lane0);
+    else
+        for (int lane0 = 0; lane0 < lanes; lane0 += 2)
+            weigh_values(scores, v_base, rows, len, lane0, 2, head_dim, inv, out_rows + lane0);
+}
+
+int paged_prefill_attention_f32(const float *q, int64_t q_row_stride, const float *k_cache, const float *v_cache,
+                                float *out, const int64_t *block_tables, const int64_t *q_starts,
+                                const int64_t *q_lens, const int64_t *kv_lens, int64_t n, int64_t num_heads,
+                                int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
+                                float scale, int num_threads) {
+    const int64_t group = num_heads / num_kv_heads, tile_rows = group < LANES ? LANES / group : 1;
+    const int64_t slot_floats = num_kv_heads * head_dim, max_len = max_blocks * block_size;
+    /* tasks in order of sequence, then tile, then KV head: neighbours share a sequence's keys */
+    int64_t *task_starts = malloc(sizeof(int64_t) * (size_t)(n + 1));
+    if (task_starts == NULL) return 1;
+    task_starts[0] = 0;
+    for (int64_t i = 0; i < n; i++)
+        task_starts[i + 1] = task_starts[i] + (q_lens[i] + tile_rows - 1) / tile_rows * num_kv_heads;
+    const int64_t num_tasks = task_starts[n];
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        float *qt = malloc(sizeof(float) * (size_t)(head_dim * LANES));
+        float *scores = malloc(sizeof(float) * (size_t)(max_len * LANES));
+        int64_t *rows = malloc(sizeof(int64_t) * (size_t)max_len);
+        int64_t rows_of = -1; /* the sequence whose key offsets `rows` holds */
+        failed = qt == NULL || scores == NULL || rows == NULL;
+        int64_t seq = 0;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < num_tasks; task++) {
+            if (failed) continue;
+            while (task_starts[seq + 1] <= task) seq++;
+            while (task_starts[seq] > task) seq--;
+            const int64_t local = task - task_starts[seq], tile = local / num_kv_heads, kv = local % num_kv_heads;
+            const int64_t pos0 = kv_lens[seq] - q_lens[seq], first = tile * tile_rows;
+            const int64_t n_rows = q_lens[seq] - first < tile_rows ? q_lens[seq] - first : tile_rows;
+            if (rows_of != seq) {
+                const int64_t *table = block_tables + seq * max_blocks;
+                for (int64_t t = 0; t < kv_lens[seq]; t++)
+                    rows[t] = (table[t / block_size] * block_size + t % block_size) * slot_floats;
+                rows_of = seq;
+            }
+            attend_tile(q, q_row_stride, k_cache, v_cache, out, rows, q_starts[seq] + first, n_rows, pos0 + first, kv,
+                        group, num_heads, head_dim, scale, qt, scores);
+        }
+        free(qt);
+        free(scores);
+        free(rows);
+    }
+    free(task_starts);
+    return failed;
+}
