@@ -359,13 +359,13 @@ def run_offline_bench(args: argparse.Namespace) -> dict[str, Any]:
         # is process-wide, so both backends then run on the same number of threads
         torch.set_num_threads(args.num_threads)
     folder = resolve_model_folder(args.model)
-    tokenizer = Tokenizer(folder)
     params = sampling_params_from_flags(args)
-    hf = None
+    hf = hf_tokenizer = None
     if "hf" in backends:
         from .hf_runner import HFRunner
 
-        hf = HFRunner(folder, args.device, args.dtype, tokenizer.eos_token_ids, batch_sizes[0])
+        hf_tokenizer = Tokenizer(folder)
+        hf = HFRunner(folder, args.device, args.dtype, hf_tokenizer.eos_token_ids, batch_sizes[0])
     print(f"Model: {args.model or DEFAULT_MODEL_NAME}\nDevice: {args.device}", flush=True)
     results: list[RunResult] = []
     floors: dict[int, list[float]] = {}
@@ -380,18 +380,21 @@ def run_offline_bench(args: argparse.Namespace) -> dict[str, Any]:
             if backend == "roseinfer":
                 reset_peak_rss()
                 runner: Runner = RoseinferRunner(args, bs)
+                # Prompts come from the engine's own tokenizer: a second copy (~14 MiB resident)
+                # would count against the engine's peak RSS, and a server holds one.
+                tokenizer = runner.llm.tokenizer
                 if floor:
                     around = floor_sampler(args, runner, bs, num_requests_for(args, bs), floor_mode,
                                            floors.setdefault(bs, []), prefill_floors.setdefault(bs, []))
                     threads = torch.get_num_threads()  # the engine has set its own by now
             else:
                 hf.batch_size = bs
-                runner = hf
+                runner, tokenizer = hf, hf_tokenizer
             results += _run_modes(args, runner, bs, modes, tokenizer, params, around)
             if backend == "roseinfer" and hf is None:  # with HF's model in the process the peak is not ours
                 memory[bs] = engine_memory(runner.engine, peak_rss_bytes())
-            # Drop this engine's KV pool before the next one sizes its own from free memory.
-            del runner
+            # Drop this engine's KV pool (and tokenizer) before the next one sizes its own from free memory.
+            del runner, tokenizer
             gc.collect()
             if args.device.startswith("cuda"):
                 torch.cuda.empty_cache()
