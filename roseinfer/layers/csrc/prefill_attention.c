@@ -166,7 +166,8 @@ int paged_prefill_attention_f32(const float *q, int64_t q_row_stride, const floa
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
         float *qt = malloc(sizeof(float) * (size_t)(head_dim * LANES));
-        float *scores = malloc(sizeof(float) * (size_t)(max_len * LANES));
+        /* + 8: a last block of lanes in weigh_values reads up to two lanes past the last key's row */
+        float *scores = malloc(sizeof(float) * (size_t)(max_len * LANES + 8));
         int64_t *rows = malloc(sizeof(int64_t) * (size_t)max_len);
         int64_t rows_of = -1; /* the sequence whose key offsets `rows` holds */
         failed = qt == NULL || scores == NULL || rows == NULL;
