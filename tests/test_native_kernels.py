@@ -102,17 +102,19 @@ def test_paged_prefill_attention_matches_sdpa_under_a_causal_mask(heads: int, kv
     assert (out[~written] == 7.0).all()
 
 
-def test_paged_prefill_attention_stays_inside_its_buffers_under_address_sanitizer(tmp_path) -> None:
-    """Lane blocks that run past a tile's last lane once read past the scores scratch (head dim 128,
-    64 lanes); results stayed right, so only a sanitizer sees it."""
+def test_attention_kernels_stay_inside_their_buffers_under_address_sanitizer(tmp_path) -> None:
+    """Prefill's lane blocks that run past a tile's last lane once read past the scores scratch (head
+    dim 128, 64 lanes) while results stayed right, so only a sanitizer saw it; decode (rotary and K/V
+    write fused in) runs there too."""
     compiler = shutil.which("gcc") or shutil.which("clang")
     if compiler is None:
         pytest.skip("no gcc or clang to build the AddressSanitizer harness")
-    binary = tmp_path / "prefill_asan"
+    binary = tmp_path / "attention_asan"
     build = subprocess.run([compiler, "-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer", "-fopenmp",
                             "-std=c11", "-march=native", f"-I{native.CSRC}", "-o", str(binary),
-                            str(pathlib.Path(__file__).with_name("prefill_attention_asan.c")),
-                            str(native.CSRC / "prefill_attention.c"), "-lm"], capture_output=True, text=True)
+                            str(pathlib.Path(__file__).with_name("attention_kernels_asan.c")),
+                            str(native.CSRC / "prefill_attention.c"), str(native.CSRC / "paged_attention.c"), "-lm"],
+                           capture_output=True, text=True)
     if build.returncode != 0:
         pytest.skip(f"this compiler cannot build with -fsanitize=address: {build.stderr.strip()[:200]}")
     run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=120)
