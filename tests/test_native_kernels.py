@@ -110,8 +110,9 @@ def test_attention_kernels_stay_inside_their_buffers_under_address_sanitizer(tmp
     if compiler is None:
         pytest.skip("no gcc or clang to build the AddressSanitizer harness")
     binary = tmp_path / "attention_asan"
-    build = subprocess.run([compiler, "-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer", "-fopenmp",
-                            "-std=c11", "-march=native", f"-I{native.CSRC}", "-o", str(binary),
+    flags = [flag for flag in native.CFLAGS if flag not in ("-shared", "-fPIC")]  # the kernels' own flags
+    build = subprocess.run([compiler, *flags, "-g", "-fsanitize=address", "-fno-omit-frame-pointer",
+                            f"-I{native.CSRC}", "-o", str(binary),
                             str(pathlib.Path(__file__).with_name("attention_kernels_asan.c")),
                             str(native.CSRC / "prefill_attention.c"), str(native.CSRC / "paged_attention.c"), "-lm"],
                            capture_output=True, text=True)
