@@ -181,9 +181,7 @@ int paged_prefill_attention_f32(const float *q, int64_t q_row_stride, const floa
             const int64_t pos0 = kv_lens[seq] - q_lens[seq], first = tile * tile_rows;
             const int64_t n_rows = q_lens[seq] - first < tile_rows ? q_lens[seq] - first : tile_rows;
             if (rows_of != seq) {
-                const int64_t *table = block_tables + seq * max_blocks;
-                for (int64_t t = 0; t < kv_lens[seq]; t++)
-                    rows[t] = (table[t / block_size] * block_size + t % block_size) * slot_floats;
+                token_row_offsets(block_tables + seq * max_blocks, kv_lens[seq], block_size, slot_floats, rows);
                 rows_of = seq;
             }
             attend_tile(q, q_row_stride, k_cache, v_cache, out, rows, q_starts[seq] + first, n_rows, pos0 + first, kv,
