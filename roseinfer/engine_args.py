@@ -18,9 +18,9 @@ HELP = {
     "native_kernels": "CPU fp32: C kernels (built once with the system C compiler) for decode attention over the "
                       "paged KV cache, KV writes, RMSNorm, SiLU, rotary and the greedy argmax; --no-native-kernels "
                       "runs torch ops only",
-    "mmap_embeddings": "CPU: embedding tables are read from the checkpoint's memory map, only the rows looked up "
-                       "becoming resident (113 MB less for the default model, whose LM head has its own prepacked "
-                       "copy); --no-mmap-embeddings copies them into memory, for checkpoint files that may be "
+    "mmap_embeddings": "CPU: untied embedding tables are read from the checkpoint's memory map, only the rows "
+                       "looked up becoming resident (a tied table is looked up in the LM head's prepacked copy); "
+                       "--no-mmap-embeddings copies them into memory, for checkpoint files that may be "
                        "rewritten while the engine runs",
     "block_size": "tokens per KV block",
     "num_kv_blocks": "KV pool size in blocks (default: sized from memory)",

@@ -63,3 +63,15 @@ def test_greedy_matches_hf(tiny_model_dir, references, mode):
         assert sum(o.metrics["num_preemptions"] for o in outs) > 0, "pool was not small enough to preempt"
     if llm.engine.config.enable_prefix_caching:
         assert stats["prefix_cache_hits"] > 0, "shared prefixes should hit the cache"
+
+
+def test_mlp_in_row_chunks_matches_hf(tiny_model_dir, references, monkeypatch):
+    """On CPU a step's MLP runs MLP_CHUNK_ROWS rows at a time (layers/linear.py); at 8 rows every
+    prefill here is split, the last piece short."""
+    from roseinfer.layers import linear
+
+    monkeypatch.setattr(linear, "MLP_CHUNK_ROWS", 8)
+    prompts, refs = references
+    assert any(len(p) % 8 for p in prompts) and max(len(p) for p in prompts) > 16
+    outs = LLM(model=str(tiny_model_dir), num_kv_blocks=128).generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == refs

@@ -116,3 +116,20 @@ def test_prepacked_linear_runs_oneDNN_on_padded_row_counts_only(monkeypatch) -> 
             torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
     assert seen == {padded_rows(rows) for rows in range(1, 301)}
     assert len(seen) == 29
+
+
+def test_in_row_chunks_calls_fn_on_at_most_MLP_CHUNK_ROWS_rows(monkeypatch) -> None:
+    from roseinfer.layers import linear
+
+    monkeypatch.setattr(linear, "MLP_CHUNK_ROWS", 8)
+    calls: list[int] = []
+
+    def mlp(x: torch.Tensor) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return torch.tanh(x) * 2
+
+    for rows, pieces in ((1, [1]), (8, [8]), (21, [8, 8, 5])):
+        calls.clear()
+        x = torch.randn(rows, 6)
+        assert torch.equal(linear.in_row_chunks(mlp, x), torch.tanh(x) * 2)
+        assert calls == pieces

@@ -68,40 +68,83 @@ def _file_rss_bytes(path: pathlib.Path) -> int:
     return total
 
 
-def _save_tied_llama(folder: pathlib.Path) -> pathlib.Path:
-    """A one-layer Llama whose tied embedding is 32 MB of the checkpoint's 36; returns the file."""
+def _save_llama(folder: pathlib.Path, tied: bool, vocab_size: int = 16384) -> pathlib.Path:
+    """A one-layer Llama whose embedding is 32 MB of the checkpoint's 36 (68 untied); returns the file."""
     import transformers
 
-    config = transformers.LlamaConfig(vocab_size=16384, hidden_size=512, intermediate_size=64, num_hidden_layers=1,
-                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    config = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=512, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
     return folder / "model.safetensors"
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="the head reads a prepacked copy only with oneDNN")
-def test_tied_embedding_is_read_from_the_checkpoint_file(tmp_path) -> None:
-    """The embedding is the checkpoint's memory map, not a copy: after loading (which prepacks the
-    tied head from it) none of its 32 MB stays resident, and a lookup pages in only its rows."""
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="prepacking needs oneDNN")
+
+
+@needs_onednn
+def test_untied_embedding_is_read_from_the_checkpoint_file(tmp_path) -> None:
+    """The embedding is the checkpoint's memory map, not a copy: after loading none of its 32 MB
+    stays resident, and a lookup pages in only its rows."""
+    from safetensors.torch import load_file
+
     from roseinfer.loader.model_loader import load_model, load_model_config
 
-    checkpoint = _save_tied_llama(tmp_path)
+    checkpoint = _save_llama(tmp_path, tied=False)
     model = load_model(tmp_path, load_model_config(tmp_path), torch.float32, torch.device("cpu"), prepack=True)
     embedding = model.model.embed_tokens.weight
     assert embedding.checkpoint_mapped
     assert _file_rss_bytes(checkpoint) < 2**20
     ids = torch.tensor([0, 5, 16383])
-    hidden = torch.randn(2, 512)
     with torch.inference_mode():
-        rows, logits = model.model.embed_tokens(ids), model.compute_logits(hidden)
+        rows = model.model.embed_tokens(ids)
     # three rows paged in (each fault maps the page-cache folio around it, up to 2 MB on this
-    # machine's kernel), not the 32 MB table: the head reads its own prepacked copy
+    # machine's kernel), not the 32 MB table
     assert _file_rss_bytes(checkpoint) < 8 * 2**20
+    assert torch.equal(rows, load_file(str(checkpoint))["model.embed_tokens.weight"][ids])
+
+
+@needs_onednn
+@pytest.mark.parametrize("vocab_size", [16384, 16383])  # the second leaves the last row block part-filled
+def test_tied_embedding_reads_its_rows_from_the_prepacked_head(tmp_path, vocab_size) -> None:
+    """A tied table is held once: the embedding looks its rows up in the LM head's oneDNN-packed copy
+    and keeps no table (nor any mapping of the file) of its own."""
     from safetensors.torch import load_file
 
+    from roseinfer.loader.model_loader import load_model, load_model_config
+
+    checkpoint = _save_llama(tmp_path, tied=True, vocab_size=vocab_size)
+    model = load_model(tmp_path, load_model_config(tmp_path), torch.float32, torch.device("cpu"), prepack=True)
+    embed_tokens = model.model.embed_tokens
+    assert embed_tokens.weight is None and embed_tokens.packed is model.lm_head.packed
+    assert str(checkpoint) not in pathlib.Path("/proc/self/maps").read_text()
     expected = load_file(str(checkpoint))["model.embed_tokens.weight"]
+    ids = torch.tensor([[0, 5, vocab_size - 1], [63, 64, vocab_size - 2]])
+    hidden = torch.randn(2, 512)
+    with torch.inference_mode():
+        rows, logits = embed_tokens(ids), model.compute_logits(hidden)
     assert torch.equal(rows, expected[ids])
     torch.testing.assert_close(logits, hidden @ expected.T, rtol=1e-4, atol=1e-4)
+
+
+@needs_onednn
+def test_tied_embedding_keeps_its_table_where_the_packed_layout_is_unknown(tmp_path, monkeypatch) -> None:
+    """oneDNN picks its layout by CPU and version: one the embedding cannot verify leaves it on its
+    own table (the checkpoint's memory map), and lookups still return the checkpoint's rows."""
+    from safetensors.torch import load_file
+
+    from roseinfer.layers import embedding
+    from roseinfer.loader.model_loader import load_model, load_model_config
+
+    monkeypatch.setattr(embedding, "_BLOCK_CANDIDATES", (2, 3))  # 2: the wrong rows; 3: the wrong size
+    checkpoint = _save_llama(tmp_path, tied=True)
+    model = load_model(tmp_path, load_model_config(tmp_path), torch.float32, torch.device("cpu"), prepack=True)
+    embed_tokens = model.model.embed_tokens
+    assert embed_tokens.packed is None and embed_tokens.weight is not None
+    assert _file_rss_bytes(checkpoint) < 2**20  # packing the head read the table; its pages were let go
+    ids = torch.tensor([0, 5, 16383])
+    with torch.inference_mode():
+        assert torch.equal(embed_tokens(ids), load_file(str(checkpoint))["model.embed_tokens.weight"][ids])
 
 
 def test_no_mmap_embeddings_copies_the_table_and_lets_go_of_the_file(tmp_path) -> None:
@@ -109,7 +152,7 @@ def test_no_mmap_embeddings_copies_the_table_and_lets_go_of_the_file(tmp_path) -
 
     from roseinfer.loader.model_loader import load_model, load_model_config
 
-    checkpoint = _save_tied_llama(tmp_path)
+    checkpoint = _save_llama(tmp_path, tied=False)
     model = load_model(tmp_path, load_model_config(tmp_path), torch.float32, torch.device("cpu"), mmap_embeddings=False)
     assert not getattr(model.model.embed_tokens.weight, "checkpoint_mapped", False)
     assert str(checkpoint) not in pathlib.Path("/proc/self/maps").read_text()  # no mapping of the file is left

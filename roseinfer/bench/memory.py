@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import resource
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
+from roseinfer.layers.embedding import VocabEmbedding
 from roseinfer.layers.linear import linear_layers
 
 if TYPE_CHECKING:
@@ -43,11 +43,13 @@ def engine_memory(engine: LLMEngine, peak: int) -> dict[str, float]:
     """The engine's weights, KV pool, budget and the measured peak, in MB (10^6 bytes)."""
     runner = engine.runner
     # The checkpoint's weights: dense parameters plus the prepacked copies that replaced linear
-    # weights. A tied LM head's packed copy duplicates the embedding, so it counts as overhead.
+    # weights. A tied LM head's packed copy duplicates the embedding's table, so it counts as
+    # overhead, unless the embedding has no table and reads its rows from that copy.
     model = runner.model
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    table_in_head = any(isinstance(m, VocabEmbedding) and m.packed is not None for m in model.modules())
     weights += sum(layer.weight_bytes() for layer in linear_layers(model) if layer.packed is not None
-                   and not (layer is model.lm_head and model.cfg.tie_word_embeddings))
+                   and not (layer is model.lm_head and model.cfg.tie_word_embeddings and not table_in_head))
     kv_pool = sum(t.numel() * t.element_size() for pair in runner.kv_caches for t in pair)
     mb = 10**6
     return {"weights_mb": weights / mb, "kv_pool_mb": kv_pool / mb, "peak_rss_mb": peak / mb,

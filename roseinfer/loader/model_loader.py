@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from roseinfer.layers.activation import ActivationAndMul
-from roseinfer.layers.linear import can_prepack, prepack_linears
+from roseinfer.layers.embedding import VocabEmbedding
+from roseinfer.layers.linear import Linear, can_prepack, linear_layers, prepack_linears
 from roseinfer.layers.norm import RMSNorm
 from roseinfer.loader.default_model import default_model_path
 from roseinfer.loader.gguf import convert_gguf
@@ -94,7 +95,10 @@ def load_model(folder: Path, model_config: ModelConfig, dtype: torch.dtype, devi
     model.to(dtype)
     model.load_weights(iter_safetensors(folder))
     if prepack and can_prepack(dtype, device):
+        tied = _tied_embeddings(model)  # before packing drops the heads' dense weights
         prepack_linears(model)
+        for head, embedding in tied:
+            embedding.read_rows_from(head.packed)
     if native:
         for module in model.modules():
             if isinstance(module, (RMSNorm, ActivationAndMul)):
@@ -105,6 +109,13 @@ def load_model(folder: Path, model_config: ModelConfig, dtype: torch.dtype, devi
         _return_freed_memory()
         _drop_mapped_pages(model)
     return model.eval()
+
+
+def _tied_embeddings(model: nn.Module) -> list[tuple[Linear, VocabEmbedding]]:
+    """(LM head, embedding) pairs that share one weight: after prepacking, the embedding can look
+    its rows up in the head's packed copy instead of keeping a dense table (layers/embedding.py)."""
+    tables = {id(m.weight): m for m in model.modules() if isinstance(m, VocabEmbedding)}
+    return [(layer, tables[id(layer.weight)]) for layer in linear_layers(model) if id(layer.weight) in tables]
 
 
 def _return_freed_memory() -> None:
@@ -128,10 +139,10 @@ def _copy_mapped_params(model: nn.Module) -> None:
 
 
 def _drop_mapped_pages(model: nn.Module) -> None:
-    """Mapped parameters were read whole while loading -- a tied LM head is prepacked from the
-    embedding -- and those pages would stay in this process's resident set. Dropping them is safe
-    because the mapping is read-only in use and backed by the file: a later lookup pages its rows
-    back in. 113 MB of the default model."""
+    """A mapped table that is still the embedding's after prepacking (a tied one whose packed layout
+    the embedding could not read, layers/embedding.py) was read whole to pack the head, and its
+    pages would stay in this process's resident set. Dropping them is safe because the mapping is
+    read-only in use and backed by the file: a later lookup pages its rows back in."""
     libc = _libc()
     if libc is None:
         return

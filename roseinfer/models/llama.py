@@ -16,7 +16,8 @@ from torch import nn
 
 from roseinfer.layers.activation import ActivationAndMul
 from roseinfer.layers.attention import AttentionMetadata, PagedAttention
-from roseinfer.layers.linear import Linear
+from roseinfer.layers.embedding import VocabEmbedding
+from roseinfer.layers.linear import Linear, in_row_chunks
 from roseinfer.layers.norm import RMSNorm
 from roseinfer.layers.rotary import RotaryEmbedding, apply_rotary, interleave_rotary_rows
 from roseinfer.models.config import ModelConfig
@@ -67,6 +68,9 @@ class LlamaMLP(nn.Module):
         self.act_and_mul = ActivationAndMul(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return in_row_chunks(self._rows_forward, x)
+
+    def _rows_forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj.forward(self.act_and_mul.forward(self.gate_up_proj.forward(x)))
 
 
@@ -94,7 +98,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.raw_config)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)

@@ -2,8 +2,9 @@
 
 Embedding tables are the exception on CPU: when the checkpoint's tensor already has the
 parameter's dtype, the parameter becomes that tensor, which safetensors memory-maps from the file.
-A lookup reads only the rows of the tokens it embeds, so the table (113 MB of the default model)
-does not have to be resident; a tied LM head reads its own prepacked copy (layers/linear.py).
+A lookup reads only the rows of the tokens it embeds, so the table does not have to be resident.
+A tied table goes further once the LM head is prepacked: the embedding looks its rows up in the
+head's packed copy and the table is let go (layers/embedding.py).
 Such parameters carry `checkpoint_mapped = True` so the loader can hand their pages back once
 prepacking has read them (loader/model_loader.py).
 """
