@@ -185,6 +185,27 @@ def test_floor_table_reports_peak_rss_without_hf(model: str, tmp_path, capsys) -
     assert [float(c) for c in rows[0][-2:]] == pytest.approx([row["peak_rss_mb"], row["rss_budget_mb"]], abs=0.5)
 
 
+def test_engine_peak_rss_leaves_out_what_it_is_told_to() -> None:
+    """The floor samples run in the engine's process; their memory must not count as the engine's."""
+    from roseinfer.bench.memory import EnginePeakRss, reset_peak_rss
+
+    if not reset_peak_rss():
+        pytest.skip("this kernel cannot restart the resident high-water mark (/proc/self/clear_refs)")
+    size = 256 * 2**20
+    peak = EnginePeakRss()
+    start = peak.bytes()
+
+    def floor_sample(mode: str) -> None:
+        assert mode == "offline"
+        torch.ones(size // 4)  # touched, then freed
+
+    peak.excluding(floor_sample)("offline")
+    assert peak.bytes() < start + size // 4
+    kept = torch.ones(size // 4)
+    assert peak.bytes() > start + size * 3 // 4
+    del kept
+
+
 @pytest.mark.parametrize("new_tokens,shown", [(1, True), (3, False)])
 def test_prefill_over_several_steps_is_reported_only_without_decode_work(model: str, capsys, new_tokens: int,
                                                                           shown: bool) -> None:

@@ -114,7 +114,7 @@ def format_floor_table(rows: list[dict[str, Any]], threads: int, steps: int) -> 
         notes.append("hf: transformers generate, completion tokens / total time (same definition as e2e)")
     if with_rss:
         notes.append("peak RSS: the process's resident high-water mark from building the engine to the end of "
-                     "its runs; budget: weights + KV pool + 300 MB (shown only without --backend hf, whose "
+                     "its runs, the floor samples left out; budget: weights + KV pool + 300 MB (shown only without --backend hf, whose "
                      "model would share the process)")
     if with_prefill:
         notes.append("prefill: prompt tokens / time to the last first token, shown where no decode work is "

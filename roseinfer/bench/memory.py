@@ -6,17 +6,43 @@ Linux keeps the high-water mark in /proc/self/status (VmHWM) and resets it when 
 from __future__ import annotations
 
 import resource
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from roseinfer.layers.embedding import VocabEmbedding
 from roseinfer.layers.linear import linear_layers
+from roseinfer.loader.model_loader import return_freed_memory
 
 if TYPE_CHECKING:
     from roseinfer.engine.llm_engine import LLMEngine
 
 RUNTIME_ALLOWANCE_BYTES = 300 * 10**6  # Python, torch, tokenizer and activations on top of weights + KV
 _STATUS, _CLEAR_REFS = Path("/proc/self/status"), Path("/proc/self/clear_refs")
+
+
+class EnginePeakRss:
+    """The process's resident high-water mark from now on, leaving out what `excluding` wraps: the
+    bench's floor samples run beside the engine in its process, and their activations (glibc keeps
+    what they touched) are not the engine's. Around such a call the mark so far is kept, the freed
+    memory handed back to the OS, and the mark restarted. Where the OS cannot restart it, the
+    peak covers everything."""
+
+    def __init__(self) -> None:
+        self.earlier = 0
+        reset_peak_rss()
+
+    def excluding(self, fn: Callable[[str], None]) -> Callable[[str], None]:
+        def call(arg: str) -> None:
+            self.earlier = max(self.earlier, peak_rss_bytes())
+            fn(arg)
+            return_freed_memory()
+            reset_peak_rss()
+
+        return call
+
+    def bytes(self) -> int:
+        return max(self.earlier, peak_rss_bytes())
 
 
 def reset_peak_rss() -> bool:

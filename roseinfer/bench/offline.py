@@ -55,7 +55,7 @@ from .datasets import random_requests
 from .engine_flags import (add_engine_flags, add_sampling_flags, engine_config_from_flags, nvtx_range,
                            sampling_params_from_flags)
 from .floor_report import floor_mode_for, floor_rows, floor_sampler, format_floor_table
-from .memory import engine_memory, peak_rss_bytes, reset_peak_rss
+from .memory import EnginePeakRss, engine_memory
 from .metrics import RequestTiming, format_p50_p95_p99
 
 MODES: tuple[str, ...] = ("naive", "offline", "online")
@@ -378,21 +378,22 @@ def run_offline_bench(args: argparse.Namespace) -> dict[str, Any]:
             # the HF model is loaded once and only re-batched.
             around = None
             if backend == "roseinfer":
-                reset_peak_rss()
+                peak_rss = EnginePeakRss()
                 runner: Runner = RoseinferRunner(args, bs)
                 # Prompts come from the engine's own tokenizer: a second copy (~14 MiB resident)
                 # would count against the engine's peak RSS, and a server holds one.
                 tokenizer = runner.llm.tokenizer
                 if floor:
-                    around = floor_sampler(args, runner, bs, num_requests_for(args, bs), floor_mode,
-                                           floors.setdefault(bs, []), prefill_floors.setdefault(bs, []))
+                    around = peak_rss.excluding(floor_sampler(
+                        args, runner, bs, num_requests_for(args, bs), floor_mode,
+                        floors.setdefault(bs, []), prefill_floors.setdefault(bs, [])))
                     threads = torch.get_num_threads()  # the engine has set its own by now
             else:
                 hf.batch_size = bs
                 runner, tokenizer = hf, hf_tokenizer
             results += _run_modes(args, runner, bs, modes, tokenizer, params, around)
             if backend == "roseinfer" and hf is None:  # with HF's model in the process the peak is not ours
-                memory[bs] = engine_memory(runner.engine, peak_rss_bytes())
+                memory[bs] = engine_memory(runner.engine, peak_rss.bytes())
             # Drop this engine's KV pool (and tokenizer) before the next one sizes its own from free memory.
             del runner, tokenizer
             gc.collect()
