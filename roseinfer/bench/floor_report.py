@@ -114,8 +114,10 @@ def format_floor_table(rows: list[dict[str, Any]], threads: int, steps: int) -> 
         notes.append("hf: transformers generate, completion tokens / total time (same definition as e2e)")
     if with_rss:
         notes.append("peak RSS: the process's resident high-water mark from building the engine to the end of "
-                     "its runs, the floor samples left out; budget: weights + KV pool + 300 MB (shown only without --backend hf, whose "
-                     "model would share the process)")
+                     "its runs, the floor samples left out (an engine after the first of a run also carries what "
+                     "the earlier ones left: oneDNN's per-shape caches and heap; one batch size per process gives "
+                     "each its own figure); budget: weights + KV pool + 300 MB (shown only without --backend hf, "
+                     "whose model would share the process)")
     if with_prefill:
         notes.append("prefill: prompt tokens / time to the last first token, shown where no decode work is "
                      "mixed into that time (the whole prefill fits in one step, or --max-new-tokens 1); "
