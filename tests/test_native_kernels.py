@@ -133,14 +133,20 @@ def test_attention_kernels_stay_inside_their_buffers_under_address_sanitizer(tmp
 
 
 @needs_kernels
-def test_paged_prefill_attention_refuses_head_dims_its_vector_loops_do_not_cover() -> None:
-    assert not native.prefill_attention_supported(40) and not native.prefill_attention_supported(256)
+def test_paged_prefill_attention_refuses_shapes_its_vector_loops_do_not_cover() -> None:
+    assert not native.prefill_attention_supported(40, 1) and not native.prefill_attention_supported(256, 1)
+    # more query heads per KV head than a task has lanes: not even one query row would fit
+    assert native.prefill_attention_supported(64, 64) and not native.prefill_attention_supported(64, 65)
     q = torch.randn(3, 2, 40)
     cache = torch.zeros(8, 2, 40)
     one = torch.tensor([0])
     with pytest.raises(ValueError, match="multiple of 16"):
         native.paged_prefill_attention(q, cache, cache, torch.tensor([[0, 1]]), one, torch.tensor([3]),
                                        torch.tensor([3]), 4, 0.1, torch.empty(3, 2, 40))
+    with pytest.raises(ValueError, match="query heads per KV head"):
+        native.paged_prefill_attention(torch.randn(3, 65, 16), torch.zeros(8, 1, 16), torch.zeros(8, 1, 16),
+                                       torch.tensor([[0, 1]]), one, torch.tensor([3]), torch.tensor([3]), 4, 0.1,
+                                       torch.empty(3, 65, 16))
 
 
 @needs_kernels

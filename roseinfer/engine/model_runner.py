@@ -20,7 +20,8 @@ class ModelRunner:
                  dtype: torch.dtype, device: torch.device, sampler: Sampler, native: bool = False) -> None:
         self.model = model
         self.native = native  # C kernels for the KV writes and attention (layers/native.py)
-        self.native_prefill = native and prefill_attention_supported(model_config.head_dim)
+        self.native_prefill = native and prefill_attention_supported(
+            model_config.head_dim, model_config.num_heads // model_config.num_kv_heads)
         self.block_size = block_size
         self.dtype = dtype
         self.device = device

@@ -195,9 +195,13 @@ def _decode_attention(q_rows: torch.Tensor, angles: torch.Tensor | None, slots: 
     return out
 
 
-def prefill_attention_supported(head_dim: int) -> bool:
-    """paged_prefill_attention's vector loops take head dims that are whole 16-float chunks, up to 128."""
-    return head_dim % 16 == 0 and head_dim <= 128
+PREFILL_LANES = 64  # LANES in csrc/prefill_attention.c: query vectors one task holds side by side
+
+
+def prefill_attention_supported(head_dim: int, group: int) -> bool:
+    """paged_prefill_attention's vector loops take head dims that are whole 16-float chunks, up to 128,
+    and a task holds at least one query row: the `group` query heads sharing a KV head fit its lanes."""
+    return head_dim % 16 == 0 and head_dim <= 128 and group <= PREFILL_LANES
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -208,9 +212,11 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     already written). Writes those rows of out [rows, H, D] (contiguous); other rows are left alone."""
     q = _rows(q)
     num_heads, head_dim = q.shape[1], q.shape[2]
-    if not prefill_attention_supported(head_dim) or not out.is_contiguous():
+    group = num_heads // k_cache.shape[1]
+    if not prefill_attention_supported(head_dim, group) or not out.is_contiguous():
         raise ValueError(f"paged_prefill_attention needs a head dim that is a multiple of 16 up to 128 "
-                         f"(got {head_dim}) and a contiguous out")
+                         f"(got {head_dim}), at most {PREFILL_LANES} query heads per KV head (got {group}) "
+                         f"and a contiguous out")
     failed = native_library().paged_prefill_attention_f32(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), block_tables.data_ptr(),
         q_starts.data_ptr(), q_lens.data_ptr(), kv_lens.data_ptr(), q_lens.shape[0], num_heads, k_cache.shape[1],

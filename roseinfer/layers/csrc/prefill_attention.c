@@ -30,7 +30,8 @@
 
 /* Query vectors of one task: four 16-float chunks. Six keys at a time make 24 accumulators, so each
  * step over head_dim does 24 FMAs for 4 loads and 6 broadcasts; four keys (16 FMAs a step) ran
- * 4-16 % slower, more at longer prompts (interleaved A/B, 64 x 32 to 1 x 2048 tokens). */
+ * 4-16 % slower, more at longer prompts (interleaved A/B, 64 x 32 to 1 x 2048 tokens). A task's
+ * lanes hold at least one row's query heads: native.py (PREFILL_LANES) refuses more per KV head. */
 #define LANES 64
 #define KEYS_AT_ONCE 6
 
