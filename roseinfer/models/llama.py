@@ -122,7 +122,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
+        x = self.model.embed_tokens.forward(input_ids)
         rope = self.model.rotary.lookup(positions)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):

@@ -55,8 +55,9 @@ static void softmax_inplace(float *s, int64_t len) {
 /* One sequence: scores for every head over its tokens, softmax, then the weighted sum of V. The
  * loops go KV head by KV head and then over the query heads that share it, because `h / group`
  * per head and `t / block_size` per token were 64-bit divisions in the inner loops (~10 % of the
- * kernel with the cache warm). slots: scratch for the tokens' row offsets (token_row_offsets). Always inlined, and called with head_dim a literal for the common head sizes: dot
- * and axpy then unroll into registers, with no tail loop. */
+ * kernel with the cache warm). slots: scratch for the tokens' row offsets (token_row_offsets).
+ * Always inlined, and called with head_dim a literal for the common head sizes: dot and axpy then
+ * unroll into registers, with no tail loop. */
 static inline __attribute__((always_inline)) void attend_sequence(
     const float *qs, const float *k_cache, const float *v_cache, float *o, float *scores, int64_t *slots,
     const int64_t *table, int64_t len, int64_t num_kv_heads, int64_t group, const int64_t head_dim,
