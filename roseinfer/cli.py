@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(chat, skip=("seed",))
     chat.set_defaults(func=cmd_chat)
 
-    from roseinfer.server.app import add_server_args
+    from roseinfer.server.args import add_server_args
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
                            description="Serve the OpenAI completions and chat APIs over HTTP (SSE streaming).")

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import io
+import subprocess
+import sys
 
 import pytest
 
@@ -50,3 +52,12 @@ def test_help_is_useful_on_its_own(argv, capsys):
         main(argv)
     assert info.value.code == 0
     assert "usage: roseinfer" in capsys.readouterr().out
+
+
+def test_building_the_parser_leaves_the_server_and_http_client_unimported():
+    # Every command builds the whole parser; generate, chat and bench offline must not carry the
+    # server's and the HTTP bench's imports (~25 MiB resident) into their processes.
+    code = ("import sys; from roseinfer.cli import build_parser; build_parser(); "
+            "print(sorted(m for m in ('fastapi', 'uvicorn', 'pydantic', 'httpx') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

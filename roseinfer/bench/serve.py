@@ -20,16 +20,18 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-import httpx
 import numpy as np
 from tqdm import tqdm
 
 from .datasets import DATASETS, BenchRequest, Tokenizer, load_requests
 from .metrics import RequestTiming, goodput, parse_goodput, summarize
 from .schedules import request_arrival_offsets
+
+if TYPE_CHECKING:
+    import httpx
 
 ENDPOINTS: dict[str, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 # (summary key, table heading, short label) for each latency metric, in print order.
@@ -176,6 +178,8 @@ async def _run_one(client: httpx.AsyncClient, args: argparse.Namespace, model: s
 
 
 async def _first_model(client: httpx.AsyncClient, timeout: float) -> str:
+    import httpx
+
     try:
         resp = await asyncio.wait_for(client.get("/v1/models"), timeout)
         resp.raise_for_status()
@@ -194,6 +198,10 @@ def _is_loopback(url: str) -> bool:
 
 async def _run(args: argparse.Namespace, requests: list[BenchRequest]
                ) -> tuple[str, list[RequestResult], float, float]:
+    # imported here: httpx brings click, rich and pygments (~8 MiB resident), and every `roseinfer`
+    # command builds this module's parser
+    import httpx
+
     offsets = request_arrival_offsets(len(requests), args.request_rate, args.burstiness, args.seed)
     limit = args.max_concurrency
     sem = asyncio.Semaphore(limit) if limit else None

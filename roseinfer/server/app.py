@@ -1,4 +1,4 @@
-"""`roseinfer serve`: the FastAPI app (OpenAI + vLLM routes), its flags, and the uvicorn runner."""
+"""`roseinfer serve`: the FastAPI app (OpenAI + vLLM routes) and the uvicorn runner (flags: `server/args.py`)."""
 from __future__ import annotations
 
 import argparse
@@ -6,7 +6,6 @@ import logging
 import signal
 import time
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -16,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from roseinfer.engine.llm_engine import LLMEngine
+from roseinfer.server.args import served_name
 from roseinfer.server.engine_loop import SchedulerManager
 from roseinfer.server.metrics import ServerMetrics
 from roseinfer.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -23,11 +23,9 @@ from roseinfer.server.protocol import (APIError, ChatCompletionRequest, Completi
 from roseinfer.server.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
-DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 # In-flight streams get this long to finish after SIGINT/SIGTERM; then they are cancelled (and
 # aborted in the engine) so shutdown never hangs on a long generation.
 GRACEFUL_SHUTDOWN_S = 5
-LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 def build_app(engine: LLMEngine, served_model_name: str, stream_interval: int = 1,
@@ -125,25 +123,6 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def internal_error(_: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error")
         return JSONResponse(error_body(500, f"internal server error ({type(exc).__name__})"), status_code=500)
-
-
-def add_server_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("server")
-    group.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    group.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
-    group.add_argument("--served-model-name", default=None,
-                       help=f"model name clients send (default: the --model basename, or {DEFAULT_SERVED_NAME})")
-    group.add_argument("--stream-interval", type=int, default=1,
-                       help="flush a stream every N tokens; the first and last always go out at once (default: 1)")
-    group.add_argument("--max-inflight-requests", type=int, default=None,
-                       help="answer 429 past this many requests in flight (default: no limit)")
-    group.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="(default: info)")
-
-
-def served_name(args: argparse.Namespace) -> str:
-    if args.served_model_name:
-        return args.served_model_name
-    return Path(args.model.rstrip("/")).name if args.model else DEFAULT_SERVED_NAME
 
 
 def run_server(args: argparse.Namespace) -> int:
