@@ -75,3 +75,15 @@ def test_mlp_in_row_chunks_matches_hf(tiny_model_dir, references, monkeypatch):
     assert any(len(p) % 8 for p in prompts) and max(len(p) for p in prompts) > 16
     outs = LLM(model=str(tiny_model_dir), num_kv_blocks=128).generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == refs
+
+
+def test_logits_in_row_chunks_match_hf(tiny_model_dir, references, monkeypatch):
+    """On CPU the LM head and the sampler run LOGITS_CHUNK_ROWS rows at a time (engine/model_runner.py);
+    at 3 rows the 8 requests here are sampled in pieces of 3 / 3 / 2."""
+    from roseinfer.engine import model_runner
+
+    monkeypatch.setattr(model_runner, "LOGITS_CHUNK_ROWS", 3)
+    prompts, refs = references
+    assert len(prompts) % 3
+    outs = LLM(model=str(tiny_model_dir), num_kv_blocks=128).generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == refs

@@ -89,3 +89,17 @@ def test_top_p_and_min_p_keep_only_the_nucleus():
     assert probs[0, 2:].tolist() == [0.0, 0.0] and probs[0, :2].sum().item() == pytest.approx(1.0)
     probs = sampler._filtered_probs(logits, [SamplingParams(min_p=0.4)])  # keeps p >= 0.2
     assert (probs[0] > 0).tolist() == [True, True, False, False]
+
+
+def test_seeded_sampling_and_logprobs_are_the_same_in_logit_chunks(llm, prompts, monkeypatch):
+    # Seeded requests draw from their own generators and logprobs are per row, so sampling the
+    # batch 4 rows at a time (engine/model_runner.py) must give exactly what one pass gives.
+    from roseinfer.engine import model_runner
+
+    params = [_sample(seed=40 + i, logprobs=2, top_p=0.9) for i in range(len(prompts))]
+    whole = llm.generate(prompts, params)
+    monkeypatch.setattr(model_runner, "LOGITS_CHUNK_ROWS", 4)
+    chunked = llm.generate(prompts, params)
+    assert [o.token_ids for o in chunked] == [o.token_ids for o in whole]
+    assert [o.logprobs for o in chunked] == [o.logprobs for o in whole]
+    assert len({tuple(o.token_ids) for o in whole}) > 1
