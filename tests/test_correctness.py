@@ -79,7 +79,7 @@ def test_mlp_in_row_chunks_matches_hf(tiny_model_dir, references, monkeypatch):
 
 def test_logits_in_row_chunks_match_hf(tiny_model_dir, references, monkeypatch):
     """On CPU the LM head and the sampler run LOGITS_CHUNK_ROWS rows at a time (engine/model_runner.py);
-    at 3 rows the 8 requests here are sampled in pieces of 3 / 3 / 2."""
+    at 3 rows a step in which all 8 requests here sample splits into pieces of 3 / 3 / 2."""
     from roseinfer.engine import model_runner
 
     monkeypatch.setattr(model_runner, "LOGITS_CHUNK_ROWS", 3)
