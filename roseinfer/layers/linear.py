@@ -30,8 +30,9 @@ from torch import nn
 # Rows per MLP pass on CPU. A prefill step's widest tensors are the MLP's intermediates (gate|up is
 # [rows, 2 x intermediate]: 25 MB of the default model's 2048-token step, 38 MB with SiLU's output),
 # and the allocator (glibc, jemalloc and tcmalloc alike) keeps what a step touched, so they set the
-# process's resident size for the rest of its life. In 512-row pieces a batch-64 run peaked 32 MiB lower (1863 against 1895 MiB) with prefill
-# unchanged (833 against 829 prompt tok/s for 64 x 32, 834 against 825 for 64 x 256).
+# process's resident size for the rest of its life. In 512-row pieces a batch-64 run peaked 32 MiB
+# lower (1863 against 1895 MiB) with prefill unchanged (833 against 829 prompt tok/s for 64 x 32,
+# 834 against 825 for 64 x 256).
 MLP_CHUNK_ROWS = 512
 
 
