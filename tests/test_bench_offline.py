@@ -108,7 +108,7 @@ def test_python_dash_m_entry_point(model: str) -> None:
 # --------------------------------------------------------------------------- --floor
 
 FLOOR_COLUMNS = ["batch", "engine decode tok/s", "floor tok/s", "decode/floor", "e2e tok/s", "e2e/floor",
-                 "hf tok/s"]
+                 "run floor tok/s", "e2e/run floor", "hf tok/s"]
 
 
 def _markdown_rows(text: str) -> tuple[list[str], list[list[str]]]:
@@ -145,9 +145,10 @@ def test_floor_table(model: str, tmp_path, capsys) -> None:
     for row in rows:
         values = [float(c) for c in row[1:]]
         assert all(v > 0 and math.isfinite(v) for v in values), row
-        decode, floor, decode_ratio, e2e, e2e_ratio = values[:5]
+        decode, floor, decode_ratio, e2e, e2e_ratio, run_floor, e2e_run_ratio = values[:7]
         assert decode_ratio == pytest.approx(decode / floor, rel=0.02, abs=0.01)
         assert e2e_ratio == pytest.approx(e2e / floor, rel=0.02, abs=0.01)
+        assert e2e_run_ratio == pytest.approx(e2e / run_floor, rel=0.02, abs=0.01)
         prefill, prefill_floor, prefill_ratio = values[-3:]
         assert prefill_ratio == pytest.approx(prefill / prefill_floor, rel=0.02, abs=0.01)
 
@@ -163,6 +164,12 @@ def test_floor_table(model: str, tmp_path, capsys) -> None:
         assert r["prefill_floor_tok_s"] == statistics.median(r["prefill_floor_samples_tok_s"])
         assert r["prefill_over_floor"] == pytest.approx(r["prefill_tok_s"] / r["prefill_floor_tok_s"])
         assert r["hf_tok_s"] > 0 and r["prefill_tok_s"] > 0
+        # the run at both floors: 8 prompt tokens per request at the prefill floor, then 5 more
+        # tokens per request at the decode floor
+        n = r["batch_size"]
+        seconds = 8 * n / r["prefill_floor_tok_s"] + 5 * n / r["floor_tok_s"]
+        assert r["run_floor_tok_s"] == pytest.approx(6 * n / seconds)
+        assert r["e2e_over_run_floor"] == pytest.approx(r["e2e_tok_s"] / r["run_floor_tok_s"])
     for run in report["runs"]:
         # decode tokens: everything after each request's first token
         assert run["decode_tokens"] == run["completion_tokens"] - run["num_requests"]
@@ -221,6 +228,9 @@ def test_prefill_over_several_steps_is_reported_only_without_decode_work(model: 
         assert float(rows[0][header.index("prefill tok/s")]) > 0
         assert rows[0][header.index("engine decode tok/s")] == rows[0][header.index("decode/floor")] == "–"
         assert rows[0][header.index("e2e/floor")] == "–" and float(rows[0][header.index("e2e tok/s")]) > 0
+        # without later tokens the run floor is the prefill floor, in completion tokens (one per prompt)
+        assert float(rows[0][header.index("run floor tok/s")]) == pytest.approx(
+            float(rows[0][header.index("prefill floor tok/s")]) / 8, rel=0.02, abs=0.1)
     else:
         assert float(rows[0][header.index("engine decode tok/s")]) > 0
 

@@ -44,6 +44,17 @@ def _ratio(num: float | None, den: float | None) -> float | None:
     return num / den if num is not None and den else None
 
 
+def run_floor(run: RunResult, floor: float | None, prefill_floor: float | None) -> float | None:
+    """Completion tokens/s of a run that did only its matmuls at both floors: every prompt token
+    at the prefill floor (which includes each request's first token, from the LM head on its last
+    position) and every later token at the decode floor. The e2e figure's own ceiling: e2e/floor
+    divides a run that includes its prefill by a decode-only rate."""
+    if not floor or not prefill_floor:
+        return None
+    later_tokens = run.completion_tokens - len(run.timings)
+    return run.completion_tokens / (run.prompt_tokens / prefill_floor + later_tokens / floor)
+
+
 def floor_rows(args: argparse.Namespace, results: list[RunResult], floors: dict[int, list[float]],
                prefill_floors: dict[int, list[float]], mode: str,
                memory: dict[int, dict[str, float]] | None = None) -> list[dict[str, Any]]:
@@ -63,11 +74,13 @@ def floor_rows(args: argparse.Namespace, results: list[RunResult], floors: dict[
         prefill = _median([r.prefill_throughput for r in clean]) if clean and len(clean) == len(runs) else None
         prefill_samples = prefill_floors.get(bs, [])
         prefill_floor = _median(prefill_samples)
+        both_floors = _median([tok_s for r in runs if (tok_s := run_floor(r, floor, prefill_floor)) is not None])
         rows.append({
             "batch_size": bs, "mode": mode, "num_requests": len(runs[0].timings) if runs else 0,
             "runs": len(runs), "engine_decode_tok_s": decode, "floor_tok_s": floor,
             "decode_over_floor": _ratio(decode, floor), "e2e_tok_s": e2e,
             "e2e_over_floor": _ratio(e2e, floor) if decode is not None else None,
+            "run_floor_tok_s": both_floors, "e2e_over_run_floor": _ratio(e2e, both_floors),
             "prefill_tok_s": prefill, "prefill_floor_tok_s": prefill_floor,
             "prefill_over_floor": _ratio(prefill, prefill_floor),
             "hf_tok_s": _median([r.throughput(r.total_time) for r in hf_runs]),
@@ -89,7 +102,8 @@ def format_floor_table(rows: list[dict[str, Any]], threads: int, steps: int) -> 
     with_hf = any(r["hf_tok_s"] is not None for r in rows)
     with_prefill = any(r["prefill_tok_s"] is not None for r in rows)
     with_rss = any("peak_rss_mb" in r for r in rows)
-    cols = ["batch", "engine decode tok/s", "floor tok/s", "decode/floor", "e2e tok/s", "e2e/floor"]
+    cols = ["batch", "engine decode tok/s", "floor tok/s", "decode/floor", "e2e tok/s", "e2e/floor",
+            "run floor tok/s", "e2e/run floor"]
     cols += ["hf tok/s"] * with_hf + ["prefill tok/s", "prefill floor tok/s", "prefill/floor"] * with_prefill
     cols += ["peak RSS MB", "RSS budget MB"] * with_rss
     mode = rows[0]["mode"] if rows else "offline"
@@ -98,7 +112,8 @@ def format_floor_table(rows: list[dict[str, Any]], threads: int, steps: int) -> 
     for r in rows:
         cells = [str(r["batch_size"]), _cell(r["engine_decode_tok_s"], ".1f"), _cell(r["floor_tok_s"], ".1f"),
                  _cell(r["decode_over_floor"], ".2f"), _cell(r["e2e_tok_s"], ".1f"),
-                 _cell(r["e2e_over_floor"], ".2f")]
+                 _cell(r["e2e_over_floor"], ".2f"), _cell(r["run_floor_tok_s"], ".1f"),
+                 _cell(r["e2e_over_run_floor"], ".2f")]
         cells += [_cell(r["hf_tok_s"], ".1f")] * with_hf
         if with_prefill:
             cells += [_cell(r["prefill_tok_s"], ".1f"), _cell(r["prefill_floor_tok_s"], ".1f"),
@@ -109,7 +124,9 @@ def format_floor_table(rows: list[dict[str, Any]], threads: int, steps: int) -> 
     notes = [f"floor: tokens/s of a decode step doing only the model's matmuls (LM head included) on its own "
              f"weights, {steps} steps per sample, sampled before and after every measured run; "
              "engine decode: tokens after every request's first token / decode time; "
-             "e2e: all completion tokens / total time (prefill included)"]
+             "e2e: all completion tokens / total time (prefill included); "
+             "run floor: the same completion tokens over the time of only the run's matmuls, its prompt "
+             "tokens at the prefill floor (first tokens included) and every later token at the decode floor"]
     if with_hf:
         notes.append("hf: transformers generate, completion tokens / total time (same definition as e2e)")
     if with_rss:

@@ -28,7 +28,9 @@ interleaved with the engine's runs so that both see the same machine weather). T
 table (``floor_rows``, Markdown) reports medians: the engine's decode throughput (tokens
 produced after every request has its first token, over the decode time), its end-to-end
 output throughput (all completion tokens over the total time, prefill included), the median
-floor, both ratios to it, HF's end-to-end figure when ``--backend`` includes hf, and the
+floor, both ratios to it, the run floor (the run's completion tokens over the time of only its
+matmuls: prompt tokens at the prefill floor, later tokens at the decode floor) and the end-to-end
+figure's ratio to it, HF's end-to-end figure when ``--backend`` includes hf, and the
 prefill throughput (prompt tokens over the time to the last first token) where no decode
 work is mixed into that time (the whole prefill fits in one engine step, or every request
 stops at its first token, ``--max-new-tokens 1``), beside the
