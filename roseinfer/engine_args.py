@@ -16,7 +16,8 @@ HELP = {
     "prepack_weights": "CPU fp32: run the linear layers on oneDNN with weights prepacked once (faster than "
                        "F.linear/MKL; --no-prepack-weights uses F.linear)",
     "native_kernels": "CPU fp32: C kernels (built once with the system C compiler) for decode attention over the "
-                      "paged KV cache, KV writes, RMSNorm, SiLU, rotary and the greedy argmax; --no-native-kernels "
+                      "paged KV cache, KV writes, RMSNorm, SiLU, rotary, the greedy argmax and (with prepacked weights) "
+                      "matmuls of 1-4 rows; --no-native-kernels "
                       "runs torch ops only",
     "mmap_embeddings": "CPU: untied embedding tables are read from the checkpoint's memory map, only the rows "
                        "looked up becoming resident (a tied table is looked up in the LM head's prepacked copy); "

@@ -133,3 +133,70 @@ def test_in_row_chunks_calls_fn_on_at_most_MLP_CHUNK_ROWS_rows(monkeypatch) -> N
         x = torch.randn(rows, 6)
         assert torch.equal(linear.in_row_chunks(mlp, x), torch.tanh(x) * 2)
         assert calls == pieces
+
+
+def _packed_gemv_available() -> bool:
+    from roseinfer.layers import native
+
+    return torch.backends.mkldnn.is_available() and native.native_kernels_available(torch.float32, torch.device("cpu"))
+
+
+needs_packed_gemv = pytest.mark.skipif(not _packed_gemv_available(), reason="needs oneDNN and the C kernels")
+
+
+@needs_packed_gemv
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("out_features", [80, 128, 200])  # 80 and 200 end in a partial 64-row block
+def test_packed_linear_sends_1_to_4_rows_to_the_gemv_kernel(bias: bool, out_features: int, monkeypatch) -> None:
+    """With the C kernels on, 1-4 rows are multiplied by csrc/packed_gemv.c straight from oneDNN's
+    packed copy, strided rows included; 5 rows and up stay on oneDNN. Both agree with F.linear."""
+    from roseinfer.layers.linear import Linear
+
+    torch.manual_seed(0)
+    layer = Linear(48, out_features, bias=bias)
+    weight = layer.weight.detach().clone()
+    seen: list[int] = []
+    real = torch.ops.mkldnn._linear_pointwise
+
+    def spy(x, *args):
+        seen.append(x.shape[0])
+        return real(x, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    with torch.inference_mode():
+        layer.prepack()
+        layer.use_native()
+        if layer.packed_block != 64:
+            pytest.skip(f"oneDNN packs {layer.packed_block}-row blocks on this CPU: the kernel reads 64")
+        assert layer.gemv_weights is not None
+        for rows in range(1, 7):
+            for x in (torch.randn(rows, 48), torch.randn(rows, 100)[:, 10:58]):
+                out = layer(x)
+                assert out.shape == (rows, out_features) and out.is_contiguous()
+                torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, layer.bias), rtol=1e-5, atol=1e-5)
+    assert seen == [5, 5, 6, 6]
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs a torch built with oneDNN")
+def test_packed_layout_is_verified_row_for_row(monkeypatch) -> None:
+    """A [128, 48] weight fills the packed buffer exactly in blocks of 64, 32 or 1 rows, so only the
+    comparison with the dense rows can tell which one oneDNN wrote; with none of them confirmed the
+    layer keeps every row count on oneDNN."""
+    from roseinfer.layers import linear
+
+    weights = torch.randn(128, 48)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weights, None)
+    sizes = {b for b in (64, 32, 1) if linear.packed_rows_view(packed, 128, 48, b) is not None}
+    if linear.packed_row_block(packed, weights) != 64 or sizes != {64, 32, 1}:
+        pytest.skip("oneDNN does not pack this shape into 64-row blocks on this CPU")
+    monkeypatch.setattr(linear, "ROW_BLOCK_CANDIDATES", (32, 1, 64))
+    assert linear.packed_row_block(packed, weights) == 64
+    monkeypatch.setattr(linear, "ROW_BLOCK_CANDIDATES", (32, 1))
+    assert linear.packed_row_block(packed, weights) is None
+    layer = linear.Linear(48, 128, bias=False)
+    with torch.inference_mode():
+        layer.weight.copy_(weights)
+        layer.prepack()
+        layer.use_native()
+        assert layer.packed_block is None and layer.gemv_weights is None
+        torch.testing.assert_close(layer(torch.ones(1, 48)), weights.sum(1)[None], rtol=1e-5, atol=1e-4)

@@ -133,10 +133,10 @@ def test_tied_embedding_keeps_its_table_where_the_packed_layout_is_unknown(tmp_p
     own table (the checkpoint's memory map), and lookups still return the checkpoint's rows."""
     from safetensors.torch import load_file
 
-    from roseinfer.layers import embedding
+    from roseinfer.layers import linear
     from roseinfer.loader.model_loader import load_model, load_model_config
 
-    monkeypatch.setattr(embedding, "_BLOCK_CANDIDATES", (2, 3))  # 2: the wrong rows; 3: the wrong size
+    monkeypatch.setattr(linear, "ROW_BLOCK_CANDIDATES", (2, 3))  # 2: the wrong rows; 3: the wrong size
     checkpoint = _save_llama(tmp_path, tied=True)
     model = load_model(tmp_path, load_model_config(tmp_path), torch.float32, torch.device("cpu"), prepack=True)
     embed_tokens = model.model.embed_tokens

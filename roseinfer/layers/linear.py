@@ -18,14 +18,23 @@ four of the model's five matmul shapes (256 row counts: +676 MiB); capping the c
 churned the allocator and grew further. So the rows are padded up to one of four sizes per octave
 (`padded_rows`): 48 sizes up to 8192 rows, at most 25 % padded rows, and none
 for row counts that are already a size (1-8, 16, 64, 256, 2048, ...).
+
+With one to four rows (decode at batch 1-4) a matmul streams the weights once, and oneDNN ran the
+default model's at ~18 GB/s. Where its packed layout is 64-row blocks (verified when packing; on
+AVX-512 machines it is) and the C kernels are on, those rows go to csrc/packed_gemv.c instead, which
+reads the same packed copy at ~27 GB/s: a batch-1 pass over all 121 matmuls took 20 against 30 ms,
+4 rows 18.5 against 26.5 (in one process, alternating). From 8 rows up oneDNN was faster.
 """
 from __future__ import annotations
 
+import ctypes
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from roseinfer.layers import native
 
 # Rows per MLP pass on CPU. A prefill step's widest tensors are the MLP's intermediates (gate|up is
 # [rows, 2 x intermediate]: 25 MB of the default model's 2048-token step, 38 MB with SiLU's output),
@@ -36,15 +45,24 @@ from torch import nn
 MLP_CHUNK_ROWS = 512
 
 
+# Row-block sizes oneDNN uses for fp32 weights across ISAs; 1 is plain row-major order.
+ROW_BLOCK_CANDIDATES = (64, 32, 16, 8, 4, 1)
+_VERIFY_BLOCKS = 64  # row blocks compared at a time while verifying a layout: no second full copy
+
+
 class Linear(nn.Linear):
     """nn.Linear that switches to a prepacked oneDNN weight once `prepack` has run."""
 
     packed: torch.Tensor | None = None
+    packed_block: int | None = None  # B where `packed` is the weight's rows in blocks of B (see below)
+    gemv_weights: int | None = None  # the packed buffer's address once rows 1-4 go to the C kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         rows = x.shape[0]  # x is [rows, in_features] in every model here
+        if self.gemv_weights is not None and 0 < rows <= native.PACKED_GEMV_MAX_ROWS:
+            return native.packed_gemv(x, self.gemv_weights, self.out_features, self.bias)
         padded = padded_rows(rows)
         if padded == rows:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -52,15 +70,59 @@ class Linear(nn.Linear):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")[:rows]
 
     def prepack(self) -> None:
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+        weight = self.weight.detach()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        self.packed_block = packed_row_block(self.packed, weight)
         # The packed copy replaces the dense one, which nothing reads any more; a weight shared
         # with an embedding (tied LM head) stays alive through the embedding until the embedding
         # reads its rows from this packed copy instead (layers/embedding.py).
         self.weight = None
 
+    def use_native(self) -> None:
+        """Rows 1-4 through csrc/packed_gemv.c, where the packed layout is the one it reads."""
+        if self.packed is not None and self.packed_block == native.PACKED_GEMV_BLOCK:
+            self.gemv_weights = torch.ops.mkldnn.data_ptr(self.packed)
+
     def weight_bytes(self) -> int:
         tensor = self.packed if self.packed is not None else self.weight
         return tensor.numel() * tensor.element_size()
+
+
+def packed_rows_view(packed: torch.Tensor, num_rows: int, dim: int, block: int) -> torch.Tensor | None:
+    """A [ceil(num_rows / block), dim, block] float view of a packed weight's buffer, read as rows in
+    blocks of `block` with each column's values side by side: element (r, c) at
+    ((r // block) * dim + c) * block + r % block. None where the buffer's size does not fit that."""
+    if packed.layout != torch._mkldnn or packed.dtype != torch.float32:
+        return None
+    floats = torch.ops.mkldnn._nbytes(packed) // 4
+    blocks = -(-num_rows // block)
+    if blocks * dim * block != floats:
+        return None
+    buffer = torch.frombuffer((ctypes.c_float * floats).from_address(torch.ops.mkldnn.data_ptr(packed)),
+                              dtype=torch.float32)
+    return buffer.view(blocks, dim, block)
+
+
+def packed_row_block(packed: torch.Tensor, dense: torch.Tensor) -> int | None:
+    """The block size B of `packed_rows_view` that reproduces every row of `dense` [rows, dim], or
+    None. oneDNN picks its layout by CPU and version, so it is checked, never assumed."""
+    for block in ROW_BLOCK_CANDIDATES:
+        view = packed_rows_view(packed, dense.shape[0], dense.shape[1], block)
+        if view is not None and _same_rows(view, dense):
+            return block
+    return None
+
+
+@torch.no_grad()
+def _same_rows(view: torch.Tensor, dense: torch.Tensor) -> bool:
+    block, rows = view.shape[2], dense.shape[0]
+    full = rows // block
+    for start in range(0, full, _VERIFY_BLOCKS):
+        stop = min(start + _VERIFY_BLOCKS, full)
+        expected = dense[start * block:stop * block].reshape(stop - start, block, -1).transpose(1, 2)
+        if not torch.equal(view[start:stop], expected):
+            return False
+    return rows % block == 0 or torch.equal(view[full, :, :rows % block], dense[full * block:].t())
 
 
 def padded_rows(rows: int) -> int:

@@ -123,6 +123,7 @@ def _declare(library: ctypes.CDLL) -> None:
         "silu_mul_f32": [ptr, ptr, i64, i64, i32],
         "rotary_f32": [ptr, i64, ptr, i64, i64, i64, i32],
         "argmax_rows_f32": [ptr, i64, i64, ptr, i32],
+        "packed_gemv_f32": [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i32],
     }
     for name, argtypes in signatures.items():
         function = getattr(library, name)
@@ -270,4 +271,19 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty(x.shape[0], dtype=torch.long)
     native_library().argmax_rows_f32(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+PACKED_GEMV_MAX_ROWS = 4  # MAX_ROWS in csrc/packed_gemv.c
+PACKED_GEMV_BLOCK = 64  # BLOCK there: the row-block size of the packed layout it reads
+
+
+def packed_gemv(x: torch.Tensor, packed_ptr: int, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [m, k] @ W.T (+ bias) for 1 <= m <= PACKED_GEMV_MAX_ROWS, where W [out_features, k] is
+    packed at packed_ptr in 64-row blocks (layers/linear.py checks that layout). Returns [m, out_features]."""
+    x = _rows(x)
+    m, k = x.shape
+    out = torch.empty(m, out_features, dtype=x.dtype)
+    native_library().packed_gemv_f32(x.data_ptr(), x.stride(0), packed_ptr, None if bias is None else bias.data_ptr(),
+                                     out.data_ptr(), m, out_features, k, torch.get_num_threads())
     return out

@@ -87,8 +87,8 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def load_model(folder: Path, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
                prepack: bool = True, native: bool = False, mmap_embeddings: bool = True) -> nn.Module:
-    """`native`: switch the layers that have a C kernel (RMSNorm, SiLU-and-mul) onto it; the caller
-    has checked `native_kernels_available`. `mmap_embeddings=False` copies embedding tables out of
+    """`native`: switch the layers that have a C kernel (RMSNorm, SiLU-and-mul, matmuls of 1-4 rows)
+    onto it; the caller has checked `native_kernels_available`. `mmap_embeddings=False` copies embedding tables out of
     the checkpoint's memory map (models/weights.py), so nothing reads the file after loading."""
     with torch.device(device):
         model = build_model(model_config)
@@ -98,10 +98,10 @@ def load_model(folder: Path, model_config: ModelConfig, dtype: torch.dtype, devi
         tied = _tied_embeddings(model)  # before packing drops the heads' dense weights
         prepack_linears(model)
         for head, embedding in tied:
-            embedding.read_rows_from(head.packed)
+            embedding.read_rows_from(head)
     if native:
         for module in model.modules():
-            if isinstance(module, (RMSNorm, ActivationAndMul)):
+            if isinstance(module, (RMSNorm, ActivationAndMul, Linear)):
                 module.use_native()
     if not mmap_embeddings:
         _copy_mapped_params(model)
