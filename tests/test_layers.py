@@ -135,23 +135,27 @@ def test_in_row_chunks_calls_fn_on_at_most_MLP_CHUNK_ROWS_rows(monkeypatch) -> N
         assert calls == pieces
 
 
-def _packed_gemv_available() -> bool:
+def _packed_matmul_available() -> bool:
     from roseinfer.layers import native
 
     return torch.backends.mkldnn.is_available() and native.native_kernels_available(torch.float32, torch.device("cpu"))
 
 
-needs_packed_gemv = pytest.mark.skipif(not _packed_gemv_available(), reason="needs oneDNN and the C kernels")
+needs_packed_matmul = pytest.mark.skipif(not _packed_matmul_available(), reason="needs oneDNN and the C kernels")
 
 
-@needs_packed_gemv
+@needs_packed_matmul
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("out_features", [80, 128, 200])  # 80 and 200 end in a partial 64-row block
-def test_packed_linear_sends_1_to_4_rows_to_the_gemv_kernel(bias: bool, out_features: int, monkeypatch) -> None:
-    """With the C kernels on, 1-4 rows are multiplied by csrc/packed_gemv.c straight from oneDNN's
-    packed copy, strided rows included; 5 rows and up stay on oneDNN. Both agree with F.linear."""
-    from roseinfer.layers.linear import Linear
+def test_packed_linear_sends_decode_sized_batches_to_the_c_kernel(bias: bool, out_features: int,
+                                                                   monkeypatch) -> None:
+    """With the C kernels on, up to PACKED_MATMUL_MAX_ROWS rows (here 14) are multiplied by
+    csrc/packed_matmul.c straight from oneDNN's packed copy, in groups of 6 rows with a partial last
+    one, strided rows included; more rows stay on oneDNN. Both agree with F.linear."""
+    from roseinfer.layers import native
+    from roseinfer.layers.linear import Linear, padded_rows
 
+    monkeypatch.setattr(native, "PACKED_MATMUL_MAX_ROWS", 14)
     torch.manual_seed(0)
     layer = Linear(48, out_features, bias=bias)
     weight = layer.weight.detach().clone()
@@ -168,13 +172,13 @@ def test_packed_linear_sends_1_to_4_rows_to_the_gemv_kernel(bias: bool, out_feat
         layer.use_native()
         if layer.packed_block != 64:
             pytest.skip(f"oneDNN packs {layer.packed_block}-row blocks on this CPU: the kernel reads 64")
-        assert layer.gemv_weights is not None
-        for rows in range(1, 7):
+        assert layer.native_weights is not None
+        for rows in (*range(1, 8), 12, 13, 14, 15):
             for x in (torch.randn(rows, 48), torch.randn(rows, 100)[:, 10:58]):
                 out = layer(x)
                 assert out.shape == (rows, out_features) and out.is_contiguous()
                 torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, layer.bias), rtol=1e-5, atol=1e-5)
-    assert seen == [5, 5, 6, 6]
+    assert seen == [padded_rows(15)] * 2
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs a torch built with oneDNN")
@@ -198,5 +202,5 @@ def test_packed_layout_is_verified_row_for_row(monkeypatch) -> None:
         layer.weight.copy_(weights)
         layer.prepack()
         layer.use_native()
-        assert layer.packed_block is None and layer.gemv_weights is None
+        assert layer.packed_block is None and layer.native_weights is None
         torch.testing.assert_close(layer(torch.ones(1, 48)), weights.sum(1)[None], rtol=1e-5, atol=1e-4)

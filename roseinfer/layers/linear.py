@@ -19,11 +19,13 @@ churned the allocator and grew further. So the rows are padded up to one of four
 (`padded_rows`): 48 sizes up to 8192 rows, at most 25 % padded rows, and none
 for row counts that are already a size (1-8, 16, 64, 256, 2048, ...).
 
-With one to four rows (decode at batch 1-4) a matmul streams the weights once, and oneDNN ran the
-default model's at ~18 GB/s. Where its packed layout is 64-row blocks (verified when packing; on
-AVX-512 machines it is) and the C kernels are on, those rows go to csrc/packed_gemv.c instead, which
-reads the same packed copy at ~27 GB/s: a batch-1 pass over all 121 matmuls took 20 against 30 ms,
-4 rows 18.5 against 26.5 (in one process, alternating). From 8 rows up oneDNN was faster.
+Decode batches go elsewhere. With few rows a matmul streams the weights, and oneDNN ran the default
+model's at ~18 GB/s with one row. Where its packed layout is 64-row blocks (verified when packing;
+on AVX-512 machines it is) and the C kernels are on, up to PACKED_MATMUL_MAX_ROWS rows go to
+csrc/packed_matmul.c, which reads the same packed copy. Over all 121 matmuls of the default model
+(2 threads, alternating, ms): 1 row 19-21 against oneDNN's 30-33, 8 rows 20-23 against 28-37, 16
+rows 30-33 against 34-35, 64 rows 91-95 against 96-105, 256 rows 363-392 against 385-441, 512
+rows 699-830 against 688-905 and 2048 rows 2749-3148 against 2808-2980.
 """
 from __future__ import annotations
 
@@ -55,14 +57,14 @@ class Linear(nn.Linear):
 
     packed: torch.Tensor | None = None
     packed_block: int | None = None  # B where `packed` is the weight's rows in blocks of B (see below)
-    gemv_weights: int | None = None  # the packed buffer's address once rows 1-4 go to the C kernel
+    native_weights: int | None = None  # the packed buffer's address once few rows go to the C kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         rows = x.shape[0]  # x is [rows, in_features] in every model here
-        if self.gemv_weights is not None and 0 < rows <= native.PACKED_GEMV_MAX_ROWS:
-            return native.packed_gemv(x, self.gemv_weights, self.out_features, self.bias)
+        if self.native_weights is not None and 0 < rows <= native.PACKED_MATMUL_MAX_ROWS:
+            return native.packed_matmul(x, self.native_weights, self.out_features, self.bias)
         padded = padded_rows(rows)
         if padded == rows:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -79,9 +81,10 @@ class Linear(nn.Linear):
         self.weight = None
 
     def use_native(self) -> None:
-        """Rows 1-4 through csrc/packed_gemv.c, where the packed layout is the one it reads."""
-        if self.packed is not None and self.packed_block == native.PACKED_GEMV_BLOCK:
-            self.gemv_weights = torch.ops.mkldnn.data_ptr(self.packed)
+        """Up to PACKED_MATMUL_MAX_ROWS rows through csrc/packed_matmul.c, where the packed layout is
+        the one it reads."""
+        if self.packed is not None and self.packed_block == native.PACKED_MATMUL_BLOCK:
+            self.native_weights = torch.ops.mkldnn.data_ptr(self.packed)
 
     def weight_bytes(self) -> int:
         tensor = self.packed if self.packed is not None else self.weight

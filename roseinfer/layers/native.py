@@ -123,7 +123,7 @@ def _declare(library: ctypes.CDLL) -> None:
         "silu_mul_f32": [ptr, ptr, i64, i64, i32],
         "rotary_f32": [ptr, i64, ptr, i64, i64, i64, i32],
         "argmax_rows_f32": [ptr, i64, i64, ptr, i32],
-        "packed_gemv_f32": [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i32],
+        "packed_matmul_f32": [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i32],
     }
     for name, argtypes in signatures.items():
         function = getattr(library, name)
@@ -274,16 +274,17 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-PACKED_GEMV_MAX_ROWS = 4  # MAX_ROWS in csrc/packed_gemv.c
-PACKED_GEMV_BLOCK = 64  # BLOCK there: the row-block size of the packed layout it reads
+PACKED_MATMUL_MAX_ROWS = 256  # above it oneDNN's blocked GEMM is as fast or faster (layers/linear.py)
+PACKED_MATMUL_BLOCK = 64  # BLOCK in csrc/packed_matmul.c: the row-block size of the packed layout it reads
 
 
-def packed_gemv(x: torch.Tensor, packed_ptr: int, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [m, k] @ W.T (+ bias) for 1 <= m <= PACKED_GEMV_MAX_ROWS, where W [out_features, k] is
-    packed at packed_ptr in 64-row blocks (layers/linear.py checks that layout). Returns [m, out_features]."""
+def packed_matmul(x: torch.Tensor, packed_ptr: int, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [m, k] @ W.T (+ bias), where W [out_features, k] is packed at packed_ptr in 64-row blocks
+    (layers/linear.py checks that layout). Returns [m, out_features]."""
     x = _rows(x)
     m, k = x.shape
     out = torch.empty(m, out_features, dtype=x.dtype)
-    native_library().packed_gemv_f32(x.data_ptr(), x.stride(0), packed_ptr, None if bias is None else bias.data_ptr(),
-                                     out.data_ptr(), m, out_features, k, torch.get_num_threads())
+    native_library().packed_matmul_f32(x.data_ptr(), x.stride(0), packed_ptr,
+                                       None if bias is None else bias.data_ptr(), out.data_ptr(), m, out_features, k,
+                                       torch.get_num_threads())
     return out

@@ -87,7 +87,7 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def load_model(folder: Path, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
                prepack: bool = True, native: bool = False, mmap_embeddings: bool = True) -> nn.Module:
-    """`native`: switch the layers that have a C kernel (RMSNorm, SiLU-and-mul, matmuls of 1-4 rows)
+    """`native`: switch the layers that have a C kernel (RMSNorm, SiLU-and-mul, matmuls of up to 256 rows)
     onto it; the caller has checked `native_kernels_available`. `mmap_embeddings=False` copies embedding tables out of
     the checkpoint's memory map (models/weights.py), so nothing reads the file after loading."""
     with torch.device(device):

@@ -1,0 +1,70 @@
+/* y = x W^T (+ bias) for decode-sized batches, reading W where oneDNN packed it.
+ *
+ * The layout is the one layers/linear.py verifies before calling this: rows of W in blocks of 64,
+ * each column's 64 values side by side, element (r, c) at ((r / 64) * k + c) * 64 + r % 64, the last
+ * block padded. Read front to back a block is a stream of 64-float rows. One task multiplies a group
+ * of up to 6 rows of x by one block: per column, four 16-float vectors of weights into 6 x 4
+ * accumulators (24 of AVX-512's 32 registers), each weight used once per row from a register. The
+ * first group of a block reads it from memory, later groups from L2 (a block is 64 k floats: 147 KB
+ * for k = 576).
+ *
+ * With few rows this streams the weights at close to what two cores can read, where oneDNN's fp32
+ * matmul ran well below it; up to a few hundred rows it was still ahead (layers/linear.py has the
+ * measurements). */
+#include <stdint.h>
+
+#include "simd.h"
+
+#define BLOCK 64
+#define GROUP 6
+
+/* acc[r] = rows [0, m) of x (m <= GROUP) times the block's 64 rows of W, over all k columns */
+static inline __attribute__((always_inline)) void group_times_block(const float *x, int64_t x_stride,
+                                                                    const float *w, int64_t k,
+                                                                    vec16 acc[GROUP][4], const int m) {
+    for (int r = 0; r < m; r++)
+        for (int q = 0; q < 4; q++) acc[r][q] = (vec16){0};
+    for (int64_t c = 0; c < k; c++) {
+        const float *wc = w + c * BLOCK;
+        const vec16 w0 = load16(wc), w1 = load16(wc + 16), w2 = load16(wc + 32), w3 = load16(wc + 48);
+        for (int r = 0; r < m; r++) {
+            const float xv = x[r * x_stride + c];
+            acc[r][0] += xv * w0;
+            acc[r][1] += xv * w1;
+            acc[r][2] += xv * w2;
+            acc[r][3] += xv * w3;
+        }
+    }
+}
+
+/* x: [m, k] rows x_stride floats apart; packed: W [n, k] in 64-row blocks; bias: [n] or NULL;
+ * out: [m, n] contiguous. */
+void packed_matmul_f32(const float *x, int64_t x_stride, const float *packed, const float *bias, float *out,
+                       int64_t m, int64_t n, int64_t k, int num_threads) {
+    const int64_t blocks = (n + BLOCK - 1) / BLOCK, groups = (m + GROUP - 1) / GROUP;
+    /* consecutive tasks share a block, so a thread's later groups find it in L2 */
+#pragma omp parallel for collapse(2) num_threads(num_threads) schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        for (int64_t g = 0; g < groups; g++) {
+            vec16 acc[GROUP][4];
+            const float *xg = x + g * GROUP * x_stride, *w = packed + b * k * BLOCK;
+            const int rows = m - g * GROUP < GROUP ? (int)(m - g * GROUP) : GROUP;
+            /* constant row counts, so the accumulators stay in registers */
+            switch (rows) {
+            case 1: group_times_block(xg, x_stride, w, k, acc, 1); break;
+            case 2: group_times_block(xg, x_stride, w, k, acc, 2); break;
+            case 3: group_times_block(xg, x_stride, w, k, acc, 3); break;
+            case 4: group_times_block(xg, x_stride, w, k, acc, 4); break;
+            case 5: group_times_block(xg, x_stride, w, k, acc, 5); break;
+            default: group_times_block(xg, x_stride, w, k, acc, GROUP); break;
+            }
+            const int64_t first = b * BLOCK, width = n - first < BLOCK ? n - first : BLOCK;
+            for (int r = 0; r < rows; r++) {
+                float sums[BLOCK];
+                for (int q = 0; q < 4; q++) store16(sums + q * 16, acc[r][q]);
+                float *o = out + (g * GROUP + r) * n + first;
+                for (int64_t j = 0; j < width; j++) o[j] = bias != NULL ? sums[j] + bias[first + j] : sums[j];
+            }
+        }
+    }
+}
