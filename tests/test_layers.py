@@ -170,8 +170,9 @@ def test_packed_linear_sends_decode_sized_batches_to_the_c_kernel(bias: bool, ou
     with torch.inference_mode():
         layer.prepack()
         layer.use_native()
-        if layer.packed_block != 64:
-            pytest.skip(f"oneDNN packs {layer.packed_block}-row blocks on this CPU: the kernel reads 64")
+        if layer.packed_block != 64 or not native.packed_matmul_suits_cpu():
+            pytest.skip("the kernel reads 64-row blocks with AVX-512; oneDNN packs "
+                        f"{layer.packed_block}-row blocks here")
         assert layer.native_weights is not None
         for rows in (*range(1, 8), 12, 13, 14, 15):
             for x in (torch.randn(rows, 48), torch.randn(rows, 100)[:, 10:58]):
@@ -204,3 +205,20 @@ def test_packed_layout_is_verified_row_for_row(monkeypatch) -> None:
         layer.use_native()
         assert layer.packed_block is None and layer.native_weights is None
         torch.testing.assert_close(layer(torch.ones(1, 48)), weights.sum(1)[None], rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs a torch built with oneDNN")
+def test_packed_matmul_kernel_is_left_off_on_cpus_without_avx512(monkeypatch) -> None:
+    from roseinfer.layers import native
+    from roseinfer.layers.linear import Linear
+
+    monkeypatch.setattr(native, "_cpu_flags", lambda: "flags : fpu sse2 avx avx2 fma")
+    native.packed_matmul_suits_cpu.cache_clear()
+    try:
+        layer = Linear(48, 128, bias=False)
+        with torch.inference_mode():
+            layer.prepack()
+            layer.use_native()
+        assert layer.native_weights is None
+    finally:
+        native.packed_matmul_suits_cpu.cache_clear()

@@ -21,11 +21,11 @@ for row counts that are already a size (1-8, 16, 64, 256, 2048, ...).
 
 Decode batches go elsewhere. With few rows a matmul streams the weights, and oneDNN ran the default
 model's at ~18 GB/s with one row. Where its packed layout is 64-row blocks (verified when packing;
-on AVX-512 machines it is) and the C kernels are on, up to PACKED_MATMUL_MAX_ROWS rows go to
-csrc/packed_matmul.c, which reads the same packed copy. Over all 121 matmuls of the default model
-(2 threads, alternating, ms): 1 row 19-21 against oneDNN's 30-33, 8 rows 20-23 against 28-37, 16
-rows 30-33 against 34-35, 64 rows 91-95 against 96-105, 256 rows 363-392 against 385-441, 512
-rows 699-830 against 688-905 and 2048 rows 2749-3148 against 2808-2980.
+on AVX-512 machines it is), the CPU has AVX-512 and the C kernels are on, up to
+PACKED_MATMUL_MAX_ROWS rows go to csrc/packed_matmul.c, which reads the same packed copy. Over all
+121 matmuls of the default model (2 threads, alternating, ms): 1 row 19-21 against oneDNN's 30-33, 8
+rows 20-23 against 28-37, 16 rows 30-33 against 34-35, 64 rows 91-95 against 96-105, 256 rows
+363-392 against 385-441, 512 rows 699-830 against 688-905 and 2048 rows 2749-3148 against 2808-2980.
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ class Linear(nn.Linear):
     """nn.Linear that switches to a prepacked oneDNN weight once `prepack` has run."""
 
     packed: torch.Tensor | None = None
-    packed_block: int | None = None  # B where `packed` is the weight's rows in blocks of B (see below)
+    packed_block: int | None = None  # B where `packed` is the weight's rows in blocks of B (`packed_rows_view`)
     native_weights: int | None = None  # the packed buffer's address once few rows go to the C kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -83,7 +83,8 @@ class Linear(nn.Linear):
     def use_native(self) -> None:
         """Up to PACKED_MATMUL_MAX_ROWS rows through csrc/packed_matmul.c, where the packed layout is
         the one it reads."""
-        if self.packed is not None and self.packed_block == native.PACKED_MATMUL_BLOCK:
+        if (self.packed is not None and self.packed_block == native.PACKED_MATMUL_BLOCK
+                and native.packed_matmul_suits_cpu()):
             self.native_weights = torch.ops.mkldnn.data_ptr(self.packed)
 
     def weight_bytes(self) -> int:

@@ -278,6 +278,13 @@ PACKED_MATMUL_MAX_ROWS = 256  # above it oneDNN's blocked GEMM is as fast or fas
 PACKED_MATMUL_BLOCK = 64  # BLOCK in csrc/packed_matmul.c: the row-block size of the packed layout it reads
 
 
+@functools.cache
+def packed_matmul_suits_cpu() -> bool:
+    """The kernel holds 24 accumulators of 16 floats plus 4 of weights: AVX-512's 32 registers, where
+    it was measured. With AVX2's 16 half-width ones they would spill, so other CPUs keep oneDNN."""
+    return "avx512f" in _cpu_flags().split()
+
+
 def packed_matmul(x: torch.Tensor, packed_ptr: int, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
     """x [m, k] @ W.T (+ bias), where W [out_features, k] is packed at packed_ptr in 64-row blocks
     (layers/linear.py checks that layout). Returns [m, out_features]."""
