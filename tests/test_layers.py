@@ -90,6 +90,19 @@ def test_padded_rows_rounds_up_to_four_sizes_per_octave() -> None:
     assert {padded_rows(n) for n in (16, 64, 256, 2048)} == {16, 64, 256, 2048}
 
 
+def _onednn_row_counts(monkeypatch) -> list[int]:
+    """The row count of every call that reaches oneDNN's matmul from now on, in order."""
+    seen: list[int] = []
+    real = torch.ops.mkldnn._linear_pointwise
+
+    def spy(x, *args):
+        seen.append(x.shape[0])
+        return real(x, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    return seen
+
+
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs a torch built with oneDNN")
 def test_prepacked_linear_runs_oneDNN_on_padded_row_counts_only(monkeypatch) -> None:
     """oneDNN caches one primitive per row count for the life of the process (layers/linear.py):
@@ -99,14 +112,7 @@ def test_prepacked_linear_runs_oneDNN_on_padded_row_counts_only(monkeypatch) -> 
     torch.manual_seed(0)
     layer = Linear(48, 80, bias=True)
     weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
-    seen: set[int] = set()
-    real = torch.ops.mkldnn._linear_pointwise
-
-    def spy(x, *args):
-        seen.add(x.shape[0])
-        return real(x, *args)
-
-    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    seen = _onednn_row_counts(monkeypatch)
     with torch.inference_mode():
         layer.prepack()
         for rows in range(1, 301):
@@ -114,8 +120,8 @@ def test_prepacked_linear_runs_oneDNN_on_padded_row_counts_only(monkeypatch) -> 
             out = layer(x)
             assert out.shape == (rows, 80) and out.is_contiguous()
             torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
-    assert seen == {padded_rows(rows) for rows in range(1, 301)}
-    assert len(seen) == 29
+    assert set(seen) == {padded_rows(rows) for rows in range(1, 301)}
+    assert len(set(seen)) == 29
 
 
 def test_in_row_chunks_calls_fn_on_at_most_MLP_CHUNK_ROWS_rows(monkeypatch) -> None:
@@ -159,14 +165,7 @@ def test_packed_linear_sends_decode_sized_batches_to_the_c_kernel(bias: bool, ou
     torch.manual_seed(0)
     layer = Linear(48, out_features, bias=bias)
     weight = layer.weight.detach().clone()
-    seen: list[int] = []
-    real = torch.ops.mkldnn._linear_pointwise
-
-    def spy(x, *args):
-        seen.append(x.shape[0])
-        return real(x, *args)
-
-    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    seen = _onednn_row_counts(monkeypatch)
     with torch.inference_mode():
         layer.prepack()
         layer.use_native()
