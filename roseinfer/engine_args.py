@@ -17,8 +17,8 @@ HELP = {
                        "F.linear/MKL; --no-prepack-weights uses F.linear)",
     "native_kernels": "CPU fp32: C kernels (built once with the system C compiler) for decode attention over the "
                       "paged KV cache, KV writes, RMSNorm, SiLU, rotary, the greedy argmax and (with prepacked weights) "
-                      "matmuls of up to 256 rows; --no-native-kernels "
-                      "runs torch ops only",
+                      "matmuls of up to 256 rows (with the norm or SiLU before them in the same call); "
+                      "--no-native-kernels runs torch ops only",
     "mmap_embeddings": "CPU: untied embedding tables are read from the checkpoint's memory map, only the rows "
                        "looked up becoming resident (a tied table is looked up in the LM head's prepacked copy); "
                        "--no-mmap-embeddings copies them into memory, for checkpoint files that may be "

@@ -221,3 +221,61 @@ def test_packed_matmul_kernel_is_left_off_on_cpus_without_avx512(monkeypatch) ->
         assert layer.native_weights is None
     finally:
         native.packed_matmul_suits_cpu.cache_clear()
+
+
+def _native_linear(in_features: int, out_features: int, bias: bool):
+    """A Linear whose decode-sized batches run in csrc/packed_matmul.c, or a skip where they cannot."""
+    from roseinfer.layers import native
+    from roseinfer.layers.linear import Linear
+
+    layer = Linear(in_features, out_features, bias=bias)
+    with torch.inference_mode():
+        layer.prepack()
+        layer.use_native()
+    if layer.native_weights is None:
+        pytest.skip(f"the kernel reads 64-row blocks with AVX-512 (oneDNN packs {layer.packed_block}-row blocks, "
+                    f"AVX-512: {native.packed_matmul_suits_cpu()})")
+    return layer
+
+
+@needs_packed_matmul
+@pytest.mark.parametrize("bias", [False, True])
+def test_norm_and_activation_folded_into_the_c_matmul_give_the_separate_calls_bits(bias: bool,
+                                                                                    monkeypatch) -> None:
+    """forward_normed (RMSNorm with the residual add, then the matmul) and forward_activated
+    (SiLU * up, then the matmul) are one C call each up to PACKED_MATMUL_MAX_ROWS rows: output and
+    residual stream bit for bit what the norm, the activation and the matmul give as separate calls,
+    strided rows, partial row groups and a partial last weight block (200 outputs) included. Above
+    the limit they fall back to those calls."""
+    from roseinfer.layers import native
+    from roseinfer.layers.activation import ActivationAndMul
+    from roseinfer.layers.norm import RMSNorm
+
+    monkeypatch.setattr(native, "PACKED_MATMUL_MAX_ROWS", 14)
+    torch.manual_seed(0)
+    layer, down = _native_linear(96, 200, bias), _native_linear(48, 96, bias)
+    norm, act = RMSNorm(96, 1e-5), ActivationAndMul("silu")
+    norm.weight.data.uniform_(0.5, 1.5)
+    norm.use_native()
+    act.use_native()
+    fused = {name: 0 for name in ("rms_norm_packed_matmul", "silu_mul_packed_matmul")}
+    for name in fused:
+        real = getattr(native, name)
+
+        def counted(*args, _real=real, _name=name):
+            fused[_name] += 1
+            return _real(*args)
+
+        monkeypatch.setattr(native, name, counted)
+    with torch.inference_mode():
+        for rows in (1, 5, 6, 7, 13, 14, 15):
+            for x in (torch.randn(rows, 96), torch.randn(rows, 130)[:, 20:116]):
+                residual = torch.randn(rows, 96)
+                out, stream = layer.forward_normed(x, norm, residual.clone())
+                expected_h, expected_stream = norm.forward(x, residual.clone())
+                assert torch.equal(out, layer.forward(expected_h)) and torch.equal(stream, expected_stream)
+                out, stream = layer.forward_normed(x, norm, None)
+                assert torch.equal(out, layer.forward(norm.forward(x))) and stream is x
+            gate_up = torch.randn(rows, 96) * 4
+            assert torch.equal(down.forward_activated(gate_up, act), down.forward(act.forward(gate_up)))
+    assert fused == {"rms_norm_packed_matmul": 24, "silu_mul_packed_matmul": 6}  # 15 rows: not fused

@@ -124,11 +124,16 @@ def _declare(library: ctypes.CDLL) -> None:
         "rotary_f32": [ptr, i64, ptr, i64, i64, i64, i32],
         "argmax_rows_f32": [ptr, i64, i64, ptr, i32],
         "packed_matmul_f32": [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i32],
+        "rms_norm_packed_matmul_f32": [ptr, i64, ptr, ptr, f32, ptr, ptr, ptr, i64, i64, i64, i32],
+        "silu_mul_packed_matmul_f32": [ptr, ptr, ptr, ptr, i64, i64, i64, i32],
     }
+    # these return nonzero where they could not allocate their scratch
+    allocating = ("paged_decode_attention_f32", "paged_prefill_attention_f32", "rms_norm_packed_matmul_f32",
+                  "silu_mul_packed_matmul_f32")
     for name, argtypes in signatures.items():
         function = getattr(library, name)
         function.argtypes = argtypes
-        function.restype = ctypes.c_int if name.startswith("paged_") else None
+        function.restype = ctypes.c_int if name in allocating else None
 
 
 def native_kernels_available(dtype: torch.dtype, device: torch.device) -> bool:
@@ -294,4 +299,36 @@ def packed_matmul(x: torch.Tensor, packed_ptr: int, out_features: int, bias: tor
     native_library().packed_matmul_f32(x.data_ptr(), x.stride(0), packed_ptr,
                                        None if bias is None else bias.data_ptr(), out.data_ptr(), m, out_features, k,
                                        torch.get_num_threads())
+    return out
+
+
+def rms_norm_packed_matmul(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
+                           packed_ptr: int, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """packed_matmul(rms_norm(x, norm_weight, eps, residual), ...) in one call, with the same results
+    (residual, when given, updated in place the same way)."""
+    if residual is not None and not residual.is_contiguous():
+        raise ValueError("rms_norm_packed_matmul's residual is updated in place and must be contiguous")
+    x = _rows(x)
+    m, k = x.shape
+    out = torch.empty(m, out_features, dtype=x.dtype)
+    failed = native_library().rms_norm_packed_matmul_f32(
+        x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(), norm_weight.data_ptr(), eps,
+        packed_ptr, None if bias is None else bias.data_ptr(), out.data_ptr(), m, out_features, k,
+        torch.get_num_threads())
+    if failed:
+        raise MemoryError("rms_norm_packed_matmul could not allocate the normalised rows")
+    return out
+
+
+def silu_mul_packed_matmul(gate_up: torch.Tensor, packed_ptr: int, out_features: int,
+                           bias: torch.Tensor | None) -> torch.Tensor:
+    """packed_matmul(silu_mul(gate_up), ...) in one call, with the same results."""
+    m, k = gate_up.shape[0], gate_up.shape[1] // 2
+    gate_up = gate_up.contiguous()  # kept in a name: a temporary would be freed before the call reads it
+    out = torch.empty(m, out_features, dtype=gate_up.dtype)
+    failed = native_library().silu_mul_packed_matmul_f32(
+        gate_up.data_ptr(), packed_ptr, None if bias is None else bias.data_ptr(), out.data_ptr(), m, out_features, k,
+        torch.get_num_threads())
+    if failed:
+        raise MemoryError("silu_mul_packed_matmul could not allocate the activation")
     return out

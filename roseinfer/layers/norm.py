@@ -34,6 +34,12 @@ class RMSNorm(nn.Module):
         residual = residual + x
         return self._normalise(residual), residual
 
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(normed, stream) where the stream is residual + x, or x itself at the first layer."""
+        if residual is None:
+            return self.forward(x), x
+        return self.forward(x, residual)
+
     def _normalise(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
             # one call: bit-equal to LlamaRMSNorm in fp32 (tests/test_layers.py)

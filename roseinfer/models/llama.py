@@ -40,11 +40,13 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5)
 
-    def forward(self, rope: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
+                kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention on norm(x), x added into the residual stream first; returns (output, stream)."""
         tokens = x.shape[0]
-        qkv = self.qkv_proj.forward(x)
+        qkv, residual = self.qkv_proj.forward_normed(x, norm, residual)
         if meta.fused_decode and self.q_norm is None:
-            return self.o_proj.forward(self.attn.decode_qkv(qkv, rope, kv_cache, meta))
+            return self.o_proj.forward(self.attn.decode_qkv(qkv, rope, kv_cache, meta)), residual
         v = qkv[:, self.q_size + self.kv_size:].view(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is None:
             # q and k side by side as one [T, H + Hkv, D] view: one rotary pass instead of two
@@ -57,7 +59,7 @@ class LlamaAttention(nn.Module):
                 qkv[:, self.q_size:self.q_size + self.kv_size].view(tokens, self.num_kv_heads, self.head_dim))
             q, k = apply_rotary(q, rope, meta.native), apply_rotary(k, rope, meta.native)
         out = self.attn(q, k, v, kv_cache, meta)
-        return self.o_proj.forward(out.reshape(tokens, self.q_size))
+        return self.o_proj.forward(out.reshape(tokens, self.q_size)), residual
 
 
 class LlamaMLP(nn.Module):
@@ -67,11 +69,18 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.act_and_mul = ActivationAndMul(cfg.hidden_act)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return in_row_chunks(self._rows_forward, x)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MLP on norm(x), x added into the residual stream first; returns (output, stream).
+        Rows the C matmul takes go through two calls, the norm and the activation each folded into
+        the matmul after it; larger batches (prefill) run the MLP in row chunks."""
+        if norm.native and self.gate_up_proj.takes_native_rows(x.shape[0]):
+            gate_up, residual = self.gate_up_proj.forward_normed(x, norm, residual)
+            return self.down_proj.forward_activated(gate_up, self.act_and_mul), residual
+        h, residual = norm.add_and_norm(x, residual)
+        return in_row_chunks(self._rows_forward, h), residual
 
     def _rows_forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward(self.act_and_mul.forward(self.gate_up_proj.forward(x)))
+        return self.down_proj.forward_activated(self.gate_up_proj.forward(x), self.act_and_mul)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -86,13 +95,8 @@ class LlamaDecoderLayer(nn.Module):
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's MLP output (the embeddings at the first layer); residual: the
         stream it is added to (None at the first layer). Returns this layer's (MLP output, stream)."""
-        if residual is None:
-            residual, h = x, self.input_layernorm.forward(x)
-        else:
-            h, residual = self.input_layernorm.forward(x, residual)
-        h = self.self_attn.forward(rope, h, kv_cache, meta)
-        h, residual = self.post_attention_layernorm.forward(h, residual)
-        return self.mlp.forward(h), residual
+        h, residual = self.self_attn.forward(rope, x, residual, self.input_layernorm, kv_cache, meta)
+        return self.mlp.forward(h, residual, self.post_attention_layernorm)
 
 
 class LlamaModel(nn.Module):

@@ -10,32 +10,22 @@
 
 #define PARALLEL_MIN_FLOATS 65536
 
-/* out = weight * x / sqrt(mean(x^2) + eps) row by row, as LlamaRMSNorm computes it. With a
- * residual, x + residual is written back to residual first and normalised (vLLM's fused add). */
+/* RMSNorm row by row (rms_norm_row in simd.h); with a residual, x + residual is written back to
+ * residual first and normalised. */
 void rms_norm_f32(const float *x, int64_t x_row_stride, float *residual, const float *weight, float *out,
                   int64_t n, int64_t dim, float eps, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (n * dim >= PARALLEL_MIN_FLOATS)
-    for (int64_t i = 0; i < n; i++) {
-        const float *row = x + i * x_row_stride;
-        if (residual != NULL) {
-            float *r = residual + i * dim;
-            for (int64_t d = 0; d < dim; d++) r[d] += row[d];
-            row = r;
-        }
-        const float inv = 1.0f / sqrtf(dot(row, row, dim) / (float)dim + eps);
-        float *o = out + i * dim;
-        for (int64_t d = 0; d < dim; d++) o[d] = weight[d] * (row[d] * inv);
-    }
+    for (int64_t i = 0; i < n; i++)
+        rms_norm_row(x + i * x_row_stride, residual != NULL ? residual + i * dim : NULL, weight, out + i * dim, dim,
+                     eps);
 }
 
 /* out[i] = silu(gate[i]) * up[i], where gate_up row i is [gate | up], each `width` floats */
 void silu_mul_f32(const float *gate_up, float *out, int64_t n, int64_t width, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (n * width >= PARALLEL_MIN_FLOATS)
     for (int64_t i = 0; i < n; i++) {
-        const float *gate = gate_up + i * 2 * width, *up = gate + width;
-        float *o = out + i * width;
-#pragma omp simd
-        for (int64_t d = 0; d < width; d++) o[d] = gate[d] / (1.0f + exp_f32(-gate[d])) * up[d];
+        const float *gate = gate_up + i * 2 * width;
+        silu_mul_row(gate, gate + width, out + i * width, width);
     }
 }
 

@@ -10,8 +10,14 @@
  *
  * With few rows this streams the weights at close to what two cores can read, where oneDNN's fp32
  * matmul ran well below it; up to a few hundred rows it was still ahead (layers/linear.py has the
- * measurements). */
+ * measurements).
+ *
+ * Two entry points also compute the matmul's input from the rows they are given, in the same
+ * parallel region: RMSNorm (with the residual add) before q/k/v and gate/up, SiLU * up before down.
+ * In a decode step those were 3 of a layer's ~6 Python-to-C crossings, and their small passes ran
+ * 2-4x slower between matmuls than in a loop, the weights having evicted their rows. */
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "simd.h"
 
@@ -37,13 +43,14 @@ static inline __attribute__((always_inline)) void group_times_block(const float 
     }
 }
 
-/* x: [m, k] rows x_stride floats apart; packed: W [n, k] in 64-row blocks; bias: [n] or NULL;
- * out: [m, n] contiguous. */
-void packed_matmul_f32(const float *x, int64_t x_stride, const float *packed, const float *bias, float *out,
-                       int64_t m, int64_t n, int64_t k, int num_threads) {
+/* The matmul's tasks, shared out over the threads of the enclosing parallel region. x: [m, k] rows
+ * x_stride floats apart; packed: W [n, k] in 64-row blocks; bias: [n] or NULL; out: [m, n]
+ * contiguous. */
+static void matmul_tasks(const float *x, int64_t x_stride, const float *packed, const float *bias, float *out,
+                         int64_t m, int64_t n, int64_t k) {
     const int64_t blocks = (n + BLOCK - 1) / BLOCK, groups = (m + GROUP - 1) / GROUP;
     /* consecutive tasks share a block, so a thread's later groups find it in L2 */
-#pragma omp parallel for collapse(2) num_threads(num_threads) schedule(static)
+#pragma omp for collapse(2) schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
         for (int64_t g = 0; g < groups; g++) {
             vec16 acc[GROUP][4];
@@ -67,4 +74,49 @@ void packed_matmul_f32(const float *x, int64_t x_stride, const float *packed, co
             }
         }
     }
+}
+
+/* out [m, n] = x [m, k] W^T (+ bias) */
+void packed_matmul_f32(const float *x, int64_t x_stride, const float *packed, const float *bias, float *out,
+                       int64_t m, int64_t n, int64_t k, int num_threads) {
+#pragma omp parallel num_threads(num_threads)
+    matmul_tasks(x, x_stride, packed, bias, out, m, n, k);
+}
+
+/* out = rms_norm(x (+ residual)) W^T (+ bias), with rms_norm_f32's rounding (rms_norm_row). residual:
+ * [m, k] contiguous or NULL; given, it is updated in place to x + residual, as rms_norm_f32 does.
+ * Returns nonzero where the normalised rows' buffer could not be allocated (nothing is written). */
+int rms_norm_packed_matmul_f32(const float *x, int64_t x_stride, float *residual, const float *norm_weight, float eps,
+                               const float *packed, const float *bias, float *out, int64_t m, int64_t n, int64_t k,
+                               int num_threads) {
+    float *normed = malloc((size_t)(m * k) * sizeof(float));
+    if (normed == NULL) return 1;
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < m; i++)
+            rms_norm_row(x + i * x_stride, residual != NULL ? residual + i * k : NULL, norm_weight, normed + i * k, k,
+                         eps);
+        /* the loop above ends in a barrier: every normalised row is written before a task reads it */
+        matmul_tasks(normed, k, packed, bias, out, m, n, k);
+    }
+    free(normed);
+    return 0;
+}
+
+/* out = (silu(gate) * up) W^T (+ bias), where gate_up row i is [gate | up], each k floats, rows
+ * contiguous: silu_mul_f32 and packed_matmul_f32 in one call. Returns nonzero where the activation's
+ * buffer could not be allocated (nothing is written). */
+int silu_mul_packed_matmul_f32(const float *gate_up, const float *packed, const float *bias, float *out, int64_t m,
+                               int64_t n, int64_t k, int num_threads) {
+    float *act = malloc((size_t)(m * k) * sizeof(float));
+    if (act == NULL) return 1;
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < m; i++) silu_mul_row(gate_up + i * 2 * k, gate_up + i * 2 * k + k, act + i * k, k);
+        matmul_tasks(act, k, packed, bias, out, m, n, k);
+    }
+    free(act);
+    return 0;
 }

@@ -1,8 +1,9 @@
-/* Helpers shared by roseinfer's C kernels: 16-float vectors, a vectorizable exp, the rotary pair
- * rotation, and a sequence's row offsets in the paged cache. */
+/* Helpers shared by roseinfer's C kernels: 16-float vectors, a vectorizable exp, one row of RMSNorm
+ * and of SiLU * up, the rotary pair rotation, and a sequence's row offsets in the paged cache. */
 #ifndef ROSEINFER_SIMD_H
 #define ROSEINFER_SIMD_H
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -58,6 +59,25 @@ static inline float exp_f32(float x) {
     p = p * r + 1.0f;
     union { int32_t i; float f; } two_n = {.i = ((int32_t)n + 127) << 23};
     return p * two_n.f;
+}
+
+/* out = weight * row / sqrt(mean(row^2) + eps), as LlamaRMSNorm computes it. With a residual row,
+ * row + residual is written back to residual first and that sum is normalised (vLLM's fused add).
+ * One copy for the norm kernel and the matmul that normalises its input rows, so both round alike. */
+static inline void rms_norm_row(const float *row, float *residual, const float *weight, float *out, int64_t dim,
+                                float eps) {
+    if (residual != NULL) {
+        for (int64_t d = 0; d < dim; d++) residual[d] += row[d];
+        row = residual;
+    }
+    const float inv = 1.0f / sqrtf(dot(row, row, dim) / (float)dim + eps);
+    for (int64_t d = 0; d < dim; d++) out[d] = weight[d] * (row[d] * inv);
+}
+
+/* out = silu(gate) * up over `width` floats each */
+static inline void silu_mul_row(const float *gate, const float *up, float *out, int64_t width) {
+#pragma omp simd
+    for (int64_t d = 0; d < width; d++) out[d] = gate[d] / (1.0f + exp_f32(-gate[d])) * up[d];
 }
 
 /* Rotates one token's heads in place: pairs (x[2i], x[2i+1]) times angle[i] = (cos, sin), a complex
