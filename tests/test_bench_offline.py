@@ -272,6 +272,40 @@ def test_matmul_floor_runs_the_models_own_linear_layers(tiny_model_factory, arch
         matmul_floor(m, 0)
 
 
+def test_matmul_floor_runs_from_c_where_the_engines_decode_layers_do(tiny_model_factory, monkeypatch) -> None:
+    """Where every matmul of a decode step runs in csrc/packed_matmul.c (so the engine runs its layers
+    in one C call), the floor runs every layer's packed weight, in order, from one C loop per sample:
+    Python between the matmuls would slow the floor and not the engine. Above the C kernel's row
+    limit it calls the layers from Python."""
+    from roseinfer.bench.floor import matmul_floor
+    from roseinfer.layers import native
+    from roseinfer.layers.linear import Linear, linear_layers
+    from roseinfer.loader.model_loader import load_model, load_model_config
+
+    if not native.native_kernels_available(torch.float32, torch.device("cpu")):
+        pytest.skip("needs the C kernels")
+    folder = tiny_model_factory("llama")
+    m = load_model(folder, load_model_config(folder), torch.float32, torch.device("cpu"), native=True)
+    layers = linear_layers(m)
+    if any(layer.native_weights is None for layer in layers):
+        pytest.skip("the packed matmul kernel does not run here (needs AVX-512 and oneDNN's 64-row blocks)")
+    c_steps: list[tuple[list, int, int]] = []
+    real_steps = native.packed_matmul_steps
+    monkeypatch.setattr(native, "packed_matmul_steps",
+                        lambda weights, x, steps: c_steps.append((weights, x.shape[0], steps)) or
+                        real_steps(weights, x, steps))
+    python_calls: list[int] = []
+    real_forward = Linear.forward
+    monkeypatch.setattr(Linear, "forward", lambda self, x: python_calls.append(x.shape[0]) or real_forward(self, x))
+    assert matmul_floor(m, 3, steps=4, warmup=1) > 0
+    expected = [(layer.native_weights, layer.bias, layer.out_features, layer.in_features) for layer in layers]
+    assert [(w, rows, steps) for w, rows, steps in c_steps] == [(expected, 3, 1), (expected, 3, 4)]
+    assert python_calls == []
+    monkeypatch.setattr(native, "PACKED_MATMUL_MAX_ROWS", 2)
+    matmul_floor(m, 3, steps=1, warmup=0)
+    assert len(c_steps) == 2 and python_calls == [3] * len(layers)
+
+
 def test_prefill_floor_runs_every_layer_on_each_steps_rows_and_the_head_once_per_prompt(tiny_model_factory,
                                                                                         monkeypatch) -> None:
     from roseinfer.bench.floor import prefill_matmul_floor

@@ -87,3 +87,27 @@ def test_logits_in_row_chunks_match_hf(tiny_model_dir, references, monkeypatch):
     assert len(prompts) % 3
     outs = LLM(model=str(tiny_model_dir), num_kv_blocks=128).generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == refs
+
+
+def test_decode_layers_in_one_c_call_match_hf_and_the_layer_by_layer_path(tiny_model_dir, references, monkeypatch):
+    """Where every part of a Llama-style layer runs in C, a decode step runs all layers in one call
+    (csrc/decode_layers.c): tokens equal HF's, and logprobs equal the layer-by-layer path's bit for
+    bit. GPT-2 and Qwen3's q/k norms keep the layer-by-layer path."""
+    from roseinfer.layers import native
+    from roseinfer.models.llama import LlamaModel
+
+    prompts, refs = references
+    calls = []
+    real_decode_layers = native.decode_layers
+    monkeypatch.setattr(native, "decode_layers", lambda *args: calls.append(args[1].shape[0]) or real_decode_layers(*args))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+    in_c = LLM(model=str(tiny_model_dir), num_kv_blocks=128).generate(prompts, params)
+    assert [o.token_ids for o in in_c] == refs
+    runner = LLM(model=str(tiny_model_dir), num_kv_blocks=128).engine.runner
+    eligible = isinstance(getattr(runner.model, "model", None), LlamaModel) and NATIVE and not runner.model.cfg.qk_norm
+    if eligible and runner.model.model.native_decode_layers(runner.kv_caches) is None:
+        pytest.skip("the packed matmul kernel does not run here (needs AVX-512 and oneDNN's 64-row blocks)")
+    assert (len(calls) > 0) == eligible and (not calls or max(calls) == len(prompts))
+    monkeypatch.setattr(LlamaModel, "native_decode_layers", lambda self, kv_caches: None)
+    layer_by_layer = LLM(model=str(tiny_model_dir), num_kv_blocks=128).generate(prompts, params)
+    assert [o.logprobs for o in in_c] == [o.logprobs for o in layer_by_layer]

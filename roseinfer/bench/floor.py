@@ -2,7 +2,13 @@
 norms, engine or sampling), through the model's own linear layers (so with the same prepacked
 oneDNN weights the engine uses, layers/linear.py), same shapes, same threads. Their tokens/s are
 the ceiling an engine can approach on this machine; the engine's ratio to them is the efficiency
-claim."""
+claim.
+
+Where every layer's matmul runs in csrc/packed_matmul.c at the batch size, the engine's decode
+layers run from C in one call (csrc/decode_layers.c), with no Python between matmuls; the decode
+floor then runs its matmuls from one C loop too. Called one by one from Python they would pay ~8 us
+of cache-cold Python each (121 calls a step for the default model) that the engine no longer pays,
+and the engine would beat its own floor."""
 from __future__ import annotations
 
 import time
@@ -11,6 +17,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from roseinfer.layers import native
 from roseinfer.layers.linear import Linear, linear_layers
 
 
@@ -39,11 +46,17 @@ def matmul_floor(model: nn.Module, batch_size: int, steps: int = 20, warmup: int
     layers = linear_layers(model)
     reference = next(model.parameters())
     inputs = _inputs(layers, batch_size, reference)
+    if all(layer.takes_native_rows(batch_size) for layer in layers):
+        weights = [(layer.native_weights, layer.bias, layer.out_features, layer.in_features) for layer in layers]
+        widest = inputs[max(inputs)]
 
-    def decode_steps(count: int) -> None:
-        for _ in range(count):
-            for layer in layers:
-                layer(inputs[layer.in_features])
+        def decode_steps(count: int) -> None:
+            native.packed_matmul_steps(weights, widest, count)
+    else:
+        def decode_steps(count: int) -> None:
+            for _ in range(count):
+                for layer in layers:
+                    layer(inputs[layer.in_features])
 
     decode_steps(warmup)
     return batch_size * steps / _timed(lambda: decode_steps(steps), reference.device.type == "cuda")

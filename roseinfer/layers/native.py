@@ -126,10 +126,13 @@ def _declare(library: ctypes.CDLL) -> None:
         "packed_matmul_f32": [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i32],
         "rms_norm_packed_matmul_f32": [ptr, i64, ptr, ptr, f32, ptr, ptr, ptr, i64, i64, i64, i32],
         "silu_mul_packed_matmul_f32": [ptr, ptr, ptr, ptr, i64, i64, i64, i32],
+        "packed_matmul_steps_f32": [ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, i64, i64, i32],
+        "decode_layers_f32": [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, f32, f32,
+                              i32],
     }
     # these return nonzero where they could not allocate their scratch
     allocating = ("paged_decode_attention_f32", "paged_prefill_attention_f32", "rms_norm_packed_matmul_f32",
-                  "silu_mul_packed_matmul_f32")
+                  "silu_mul_packed_matmul_f32", "decode_layers_f32")
     for name, argtypes in signatures.items():
         function = getattr(library, name)
         function.argtypes = argtypes
@@ -332,3 +335,48 @@ def silu_mul_packed_matmul(gate_up: torch.Tensor, packed_ptr: int, out_features:
     if failed:
         raise MemoryError("silu_mul_packed_matmul could not allocate the activation")
     return out
+
+
+class DecodeLayer(ctypes.Structure):
+    """One decoder layer as decode_layers_f32 reads it (decode_layer_t in csrc/decode_layers.c): the
+    norms' weights, the packed matmul weights (64-row blocks) and biases (NULL for none), and the
+    layer's K/V cache."""
+    _fields_ = [(name, ctypes.c_void_p) for name in ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias",
+                                                     "gate_up", "down", "k_cache", "v_cache")]
+
+
+def decode_layers(layers: ctypes.Array, x: torch.Tensor, rotations: torch.Tensor, slots: torch.Tensor,
+                  block_tables: torch.Tensor, kv_lens: torch.Tensor, block_size: int, num_heads: int,
+                  num_kv_heads: int, head_dim: int, intermediate: int, eps: float, scale: float) -> torch.Tensor:
+    """Every decoder layer of a decode step where each row decodes, in one call: the results of
+    norm + q/k/v, decode_attention_qkv, o_proj, norm + gate/up and SiLU + down layer after layer.
+    x: the embeddings [n, hidden], contiguous; it becomes the residual stream, updated in place.
+    Returns the last layer's MLP output [n, hidden]."""
+    if not x.is_contiguous():
+        raise ValueError("decode_layers updates x in place and needs it contiguous")
+    n, hidden = x.shape
+    angles = torch.view_as_real(rotations).contiguous()
+    out = torch.empty_like(x)
+    failed = native_library().decode_layers_f32(
+        ctypes.addressof(layers), len(layers), x.data_ptr(), out.data_ptr(), angles.data_ptr(), slots.data_ptr(),
+        block_tables.data_ptr(), kv_lens.data_ptr(), n, hidden, intermediate, num_heads, num_kv_heads, head_dim,
+        block_size, block_tables.shape[1], eps, scale, torch.get_num_threads())
+    if failed:
+        raise MemoryError("decode_layers could not allocate its buffers")
+    return out
+
+
+def packed_matmul_steps(weights: list[tuple[int, torch.Tensor | None, int, int]], x: torch.Tensor, steps: int) -> None:
+    """`steps` times, x's rows times every packed weight (address, bias, out_features, in_features) in
+    turn, all in one call: the matmul floor of a decode step that runs in C (decode_layers)."""
+    count = len(weights)
+    pointers = ctypes.c_void_p * count
+    sizes = ctypes.c_int64 * count
+    x = _rows(x)
+    if any(in_features > x.shape[1] for _, _, _, in_features in weights):
+        raise ValueError("packed_matmul_steps needs x as wide as the widest input")
+    out = torch.empty(x.shape[0], max(w[2] for w in weights), dtype=x.dtype)
+    native_library().packed_matmul_steps_f32(
+        pointers(*(w[0] for w in weights)), pointers(*(None if w[1] is None else w[1].data_ptr() for w in weights)),
+        sizes(*(w[2] for w in weights)), sizes(*(w[3] for w in weights)), count, x.data_ptr(), x.stride(0),
+        out.data_ptr(), x.shape[0], steps, torch.get_num_threads())

@@ -6,14 +6,19 @@ separate tensors into them, and reorders q/k rows for the adjacent-pair rotary (
 Inside a forward, submodules are called through `.forward`: nn.Module.__call__'s hook bookkeeping
 runs ~300 times a decode step here, and skipping it made batch-1 and batch-16 steps 1-2 % faster
 (interleaved A/B on this CPU). Nothing registers hooks on these modules.
+
+A decode step whose layers all run in C (CPU fp32, packed weights the C matmul reads, no q/k norm)
+goes through every decoder layer in one call (csrc/decode_layers.c), with the Python path's results.
 """
 from __future__ import annotations
 
+import ctypes
 from typing import Iterable
 
 import torch
 from torch import nn
 
+from roseinfer.layers import native
 from roseinfer.layers.activation import ActivationAndMul
 from roseinfer.layers.attention import AttentionMetadata, PagedAttention
 from roseinfer.layers.embedding import VocabEmbedding
@@ -98,6 +103,24 @@ class LlamaDecoderLayer(nn.Module):
         h, residual = self.self_attn.forward(rope, x, residual, self.input_layernorm, kv_cache, meta)
         return self.mlp.forward(h, residual, self.post_attention_layernorm)
 
+    def native_decode_layer(self, kv_cache: KVCache) -> native.DecodeLayer | None:
+        """This layer as csrc/decode_layers.c reads it, or None where a part of it has no C path there."""
+        attn, mlp = self.self_attn, self.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if (attn.q_norm is not None or any(layer.native_weights is None for layer in linears)
+                or mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None or not mlp.act_and_mul.native
+                or not (self.input_layernorm.native and self.post_attention_layernorm.native)):
+            return None
+
+        def bias(layer: Linear) -> int | None:
+            return None if layer.bias is None else layer.bias.data_ptr()
+
+        return native.DecodeLayer(
+            self.input_layernorm.weight.data_ptr(), self.post_attention_layernorm.weight.data_ptr(),
+            attn.qkv_proj.native_weights, bias(attn.qkv_proj), attn.o_proj.native_weights, bias(attn.o_proj),
+            mlp.gate_up_proj.native_weights, mlp.down_proj.native_weights, kv_cache[0].data_ptr(),
+            kv_cache[1].data_ptr())
+
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
@@ -106,6 +129,17 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.raw_config)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self._native_decode: tuple[list[KVCache], ctypes.Array | None] | None = None
+
+    def native_decode_layers(self, kv_caches: list[KVCache]) -> ctypes.Array | None:
+        """Every layer for csrc/decode_layers.c, or None where one of them cannot run there. Built once
+        for the runner's list of caches, which it keeps for its life (the reference held here keeps
+        the pointers valid)."""
+        if self._native_decode is None or self._native_decode[0] is not kv_caches:
+            layers = [layer.native_decode_layer(cache) for layer, cache in zip(self.layers, kv_caches)]
+            table = None if None in layers else (native.DecodeLayer * len(layers))(*layers)
+            self._native_decode = (kv_caches, table)
+        return self._native_decode[1]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -128,10 +162,22 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         x = self.model.embed_tokens.forward(input_ids)
         rope = self.model.rotary.lookup(positions)
+        if meta.fused_decode and x.shape[0] <= native.PACKED_MATMUL_MAX_ROWS:
+            table = self.model.native_decode_layers(kv_caches)
+            if table is not None:
+                return self._native_decode(table, x.contiguous(), rope, meta)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x, residual = layer.forward(rope, x, residual, kv_cache, meta)
         return self.model.norm.forward(x, residual)[0]
+
+    def _native_decode(self, table: ctypes.Array, x: torch.Tensor, rope: torch.Tensor,
+                       meta: AttentionMetadata) -> torch.Tensor:
+        cfg, group = self.cfg, meta.groups[0]
+        out = native.decode_layers(table, x, rope, meta.slot_mapping, group.block_tables, group.kv_lens,
+                                   group.block_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                   cfg.intermediate_size, cfg.norm_eps, cfg.head_dim ** -0.5)
+        return self.model.norm.forward(out, x)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.forward(hidden).float()

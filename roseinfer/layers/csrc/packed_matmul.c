@@ -120,3 +120,14 @@ int silu_mul_packed_matmul_f32(const float *gate_up, const float *packed, const 
     free(act);
     return 0;
 }
+
+/* The matmul floor's decode steps (bench/floor.py): `steps` times, each of `count` packed weights
+ * times the same m rows, back to back, with no Python between them: the matmuls as
+ * decode_layers_f32 runs them and nothing else. Weight i is [n[i], k[i]] with bias[i] or NULL;
+ * x: [m, x_stride] (x_stride >= every k); out: [m, max n] scratch. */
+void packed_matmul_steps_f32(const float *const *packed, const float *const *bias, const int64_t *n, const int64_t *k,
+                             int64_t count, const float *x, int64_t x_stride, float *out, int64_t m, int64_t steps,
+                             int num_threads) {
+    for (int64_t s = 0; s < steps; s++)
+        for (int64_t i = 0; i < count; i++) packed_matmul_f32(x, x_stride, packed[i], bias[i], out, m, n[i], k[i], num_threads);
+}
