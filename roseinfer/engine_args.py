@@ -17,7 +17,8 @@ HELP = {
                        "F.linear/MKL; --no-prepack-weights uses F.linear)",
     "native_kernels": "CPU fp32: C kernels (built once with the system C compiler) for decode attention over the "
                       "paged KV cache, KV writes, RMSNorm, SiLU, rotary, the greedy argmax and (with prepacked weights) "
-                      "matmuls of up to 256 rows (with the norm or SiLU before them in the same call); "
+                      "matmuls of up to 256 rows (with the norm or SiLU before them in the same call; a decode step's "
+                      "layers in one call); "
                       "--no-native-kernels runs torch ops only",
     "mmap_embeddings": "CPU: untied embedding tables are read from the checkpoint's memory map, only the rows "
                        "looked up becoming resident (a tied table is looked up in the LM head's prepacked copy); "

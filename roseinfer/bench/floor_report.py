@@ -122,7 +122,8 @@ def format_floor_table(rows: list[dict[str, Any]], threads: int, steps: int) -> 
             cells += [_cell(r.get("peak_rss_mb"), ".0f"), _cell(r.get("rss_budget_mb"), ".0f")]
         out.append("| " + " | ".join(cells) + " |")
     notes = [f"floor: tokens/s of a decode step doing only the model's matmuls (LM head included) on its own "
-             f"weights, {steps} steps per sample, sampled before and after every measured run; "
+             f"weights (from one C loop where the engine's decode layers run in C), {steps} steps per sample, "
+             "sampled before and after every measured run; "
              "engine decode: tokens after every request's first token / decode time; "
              "e2e: all completion tokens / total time (prefill included); "
              "run floor: the same completion tokens over the time of only the run's matmuls, its prompt "
