@@ -129,17 +129,17 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.raw_config)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self._native_decode: tuple[list[KVCache], ctypes.Array | None] | None = None
+        self._decode_table: tuple[list[KVCache], ctypes.Array | None] | None = None
 
     def native_decode_layers(self, kv_caches: list[KVCache]) -> ctypes.Array | None:
         """Every layer for csrc/decode_layers.c, or None where one of them cannot run there. Built once
         for the runner's list of caches, which it keeps for its life (the reference held here keeps
         the pointers valid)."""
-        if self._native_decode is None or self._native_decode[0] is not kv_caches:
+        if self._decode_table is None or self._decode_table[0] is not kv_caches:
             layers = [layer.native_decode_layer(cache) for layer, cache in zip(self.layers, kv_caches)]
             table = None if None in layers else (native.DecodeLayer * len(layers))(*layers)
-            self._native_decode = (kv_caches, table)
-        return self._native_decode[1]
+            self._decode_table = (kv_caches, table)
+        return self._decode_table[1]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -176,7 +176,7 @@ class LlamaForCausalLM(nn.Module):
         cfg, group = self.cfg, meta.groups[0]
         out = native.decode_layers(table, x, rope, meta.slot_mapping, group.block_tables, group.kv_lens,
                                    group.block_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                   cfg.intermediate_size, cfg.norm_eps, cfg.head_dim ** -0.5)
+                                   cfg.intermediate_size, cfg.norm_eps, self.model.layers[0].self_attn.attn.scale)
         return self.model.norm.forward(out, x)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
