@@ -105,7 +105,7 @@ def test_paged_prefill_attention_matches_sdpa_under_a_causal_mask(heads: int, kv
 def test_attention_kernels_stay_inside_their_buffers_under_address_sanitizer(tmp_path) -> None:
     """Prefill's lane blocks that run past a tile's last lane once read past the scores scratch (head
     dim 128, 64 lanes) while results stayed right, so only a sanitizer saw it; decode (rotary and K/V
-    write fused in) runs there too."""
+    write fused in) runs there too, and so does a whole decode step through csrc/decode_layers.c."""
     compiler = shutil.which("gcc") or shutil.which("clang")
     if compiler is None:
         pytest.skip("no gcc or clang to build the AddressSanitizer harness")
@@ -129,6 +129,12 @@ def test_attention_kernels_stay_inside_their_buffers_under_address_sanitizer(tmp
     run = build_and_run("attention_asan", pathlib.Path(__file__).with_name("attention_kernels_asan.c"),
                         native.CSRC / "prefill_attention.c", native.CSRC / "paged_attention.c")
     assert run is not None, "the harness did not build although an empty ASan program did"
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr
+    # a whole decode step in one call: the norm and SiLU matmul calls and decode attention together
+    run = build_and_run("decode_layers_asan", pathlib.Path(__file__).with_name("decode_layers_asan.c"),
+                        native.CSRC / "decode_layers.c", native.CSRC / "packed_matmul.c",
+                        native.CSRC / "paged_attention.c")
+    assert run is not None, "the decode-step harness did not build although an empty ASan program did"
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr
 
 

@@ -1,0 +1,68 @@
+/* Runs a whole decode step through csrc/decode_layers.c (and so the norm and SiLU matmul calls of
+ * csrc/packed_matmul.c and decode attention) for tests/test_native_kernels.py, built with
+ * AddressSanitizer: any read or write outside a buffer aborts with a report. Shapes with a partial
+ * last weight block, a partial last row group and widths that are not whole vectors. */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+typedef struct {
+    const float *input_norm, *post_norm, *qkv, *qkv_bias, *o, *o_bias, *gate_up, *down;
+    float *k_cache, *v_cache;
+} decode_layer_t;
+
+int decode_layers_f32(const decode_layer_t *layers, int64_t num_layers, float *x, float *out, const float *rope,
+                      const int64_t *new_slots, const int64_t *block_tables, const int64_t *kv_lens, int64_t n,
+                      int64_t hidden, int64_t intermediate, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                      int64_t block_size, int64_t max_blocks, float eps, float scale, int num_threads);
+
+static float *randoms(int64_t count) {
+    float *p = malloc(sizeof(float) * (size_t)count);
+    for (int64_t i = 0; i < count; i++) p[i] = (float)rand() / RAND_MAX - 0.5f;
+    return p;
+}
+
+/* a weight [rows, k] as the packed layout holds it: whole 64-row blocks */
+static float *packed(int64_t rows, int64_t k) { return randoms((rows + 63) / 64 * 64 * k); }
+
+static void run(int64_t n, int64_t hidden, int64_t intermediate, int64_t H, int64_t Hkv, int64_t D, int with_bias) {
+    const int64_t layers_count = 2, bs = 4, max_blocks = 5, slots = n * max_blocks * bs;
+    const int64_t q_size = H * D, qkv_size = q_size + 2 * Hkv * D;
+    decode_layer_t layers[2];
+    for (int64_t l = 0; l < layers_count; l++) {
+        layers[l] = (decode_layer_t){randoms(hidden), randoms(hidden), packed(qkv_size, hidden),
+                                     with_bias ? randoms(qkv_size) : NULL, packed(hidden, q_size),
+                                     with_bias ? randoms(hidden) : NULL, packed(2 * intermediate, hidden),
+                                     packed(hidden, intermediate), randoms(slots * Hkv * D), randoms(slots * Hkv * D)};
+    }
+    float *x = randoms(n * hidden), *out = randoms(n * hidden), *rope = randoms(n * D);
+    int64_t *tables = malloc(sizeof(int64_t) * (size_t)(n * max_blocks)), *lens = malloc(sizeof(int64_t) * (size_t)n);
+    int64_t *new_slots = malloc(sizeof(int64_t) * (size_t)n);
+    for (int64_t i = 0; i < n; i++) {
+        for (int64_t b = 0; b < max_blocks; b++) tables[i * max_blocks + b] = i * max_blocks + (max_blocks - 1 - b);
+        lens[i] = 1 + (i * 7) % (max_blocks * bs);  /* 1 .. a full table, the new token included */
+        const int64_t t = lens[i] - 1;
+        new_slots[i] = tables[i * max_blocks + t / bs] * bs + t % bs;
+    }
+    if (decode_layers_f32(layers, layers_count, x, out, rope, new_slots, tables, lens, n, hidden, intermediate, H, Hkv,
+                          D, bs, max_blocks, 1e-5f, 0.25f, 2) != 0) {
+        printf("n=%ld hidden=%ld: decode_layers_f32 returned nonzero\n", (long)n, (long)hidden);
+        exit(1);
+    }
+    for (int64_t l = 0; l < layers_count; l++) {
+        free((void *)layers[l].input_norm); free((void *)layers[l].post_norm); free((void *)layers[l].qkv);
+        free((void *)layers[l].qkv_bias); free((void *)layers[l].o); free((void *)layers[l].o_bias);
+        free((void *)layers[l].gate_up); free((void *)layers[l].down); free(layers[l].k_cache);
+        free(layers[l].v_cache);
+    }
+    free(x); free(out); free(rope); free(tables); free(lens); free(new_slots);
+}
+
+int main(void) {
+    run(1, 80, 100, 4, 2, 16, 0);   /* one row; 80 and 100 end in partial blocks and partial vectors */
+    run(7, 80, 100, 4, 2, 16, 1);   /* a partial row group of 1 after one of 6, with biases */
+    run(13, 96, 200, 6, 1, 16, 0);  /* multi-query attention */
+    run(3, 64, 96, 2, 2, 32, 1);
+    printf("ok\n");
+    return 0;
+}
