@@ -4,16 +4,9 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
-int paged_prefill_attention_f32(const float *q, int64_t q_row_stride, const float *k_cache, const float *v_cache,
-                                float *out, const int64_t *block_tables, const int64_t *q_starts,
-                                const int64_t *q_lens, const int64_t *kv_lens, int64_t n, int64_t num_heads,
-                                int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
-                                float scale, int num_threads);
-int paged_decode_attention_f32(float *q, int64_t q_row_stride, const float *rope, const int64_t *new_slots,
-                               float *k_cache, float *v_cache, float *out, const int64_t *block_tables,
-                               const int64_t *kv_lens, int64_t n, int64_t num_heads, int64_t num_kv_heads,
-                               int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale,
-                               int num_threads);
+
+#include "kernels.h"
+
 static void run(int64_t H, int64_t Hkv, int64_t D, int64_t qlen, int64_t ctx) {
     int64_t bs = 4, kv = ctx + qlen, nb = (kv + bs - 1) / bs;
     float *q = malloc(sizeof(float) * qlen * H * D), *out = malloc(sizeof(float) * qlen * H * D);

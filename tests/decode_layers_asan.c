@@ -6,15 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-typedef struct {
-    const float *input_norm, *post_norm, *qkv, *qkv_bias, *o, *o_bias, *gate_up, *down;
-    float *k_cache, *v_cache;
-} decode_layer_t;
-
-int decode_layers_f32(const decode_layer_t *layers, int64_t num_layers, float *x, float *out, const float *rope,
-                      const int64_t *new_slots, const int64_t *block_tables, const int64_t *kv_lens, int64_t n,
-                      int64_t hidden, int64_t intermediate, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                      int64_t block_size, int64_t max_blocks, float eps, float scale, int num_threads);
+#include "kernels.h"
 
 static float *randoms(int64_t count) {
     float *p = malloc(sizeof(float) * (size_t)count);

@@ -338,7 +338,7 @@ def silu_mul_packed_matmul(gate_up: torch.Tensor, packed_ptr: int, out_features:
 
 
 class DecodeLayer(ctypes.Structure):
-    """One decoder layer as decode_layers_f32 reads it (decode_layer_t in csrc/decode_layers.c): the
+    """One decoder layer as decode_layers_f32 reads it (decode_layer_t in csrc/kernels.h): the
     norms' weights, the packed matmul weights (64-row blocks) and biases (NULL for none), and the
     layer's K/V cache."""
     _fields_ = [(name, ctypes.c_void_p) for name in ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias",

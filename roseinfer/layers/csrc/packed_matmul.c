@@ -19,6 +19,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "kernels.h"
 #include "simd.h"
 
 #define BLOCK 64
@@ -83,42 +84,48 @@ void packed_matmul_f32(const float *x, int64_t x_stride, const float *packed, co
     matmul_tasks(x, x_stride, packed, bias, out, m, n, k);
 }
 
-/* out = rms_norm(x (+ residual)) W^T (+ bias), with rms_norm_f32's rounding (rms_norm_row). residual:
- * [m, k] contiguous or NULL; given, it is updated in place to x + residual, as rms_norm_f32 does.
- * Returns nonzero where the normalised rows' buffer could not be allocated (nothing is written). */
-int rms_norm_packed_matmul_f32(const float *x, int64_t x_stride, float *residual, const float *norm_weight, float eps,
-                               const float *packed, const float *bias, float *out, int64_t m, int64_t n, int64_t k,
-                               int num_threads) {
-    float *normed = malloc((size_t)(m * k) * sizeof(float));
-    if (normed == NULL) return 1;
+enum prologue { NORM_ROWS, SILU_MUL_ROWS };
+
+/* The matmul on rows computed first from x, in one parallel region: the `omp for` over the rows
+ * ends in a barrier, so every row is written before a matmul task reads it. NORM_ROWS: x [m, k]
+ * rows x_stride floats apart through rms_norm_row; SILU_MUL_ROWS: x rows [gate | up] of 2k floats
+ * through silu_mul_row. Returns nonzero where the rows' buffer could not be allocated (nothing is
+ * written). */
+static int prologue_matmul(enum prologue kind, const float *x, int64_t x_stride, float *residual,
+                           const float *norm_weight, float eps, const float *packed, const float *bias, float *out,
+                           int64_t m, int64_t n, int64_t k, int num_threads) {
+    float *rows = malloc((size_t)(m * k) * sizeof(float));
+    if (rows == NULL) return 1;
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < m; i++)
-            rms_norm_row(x + i * x_stride, residual != NULL ? residual + i * k : NULL, norm_weight, normed + i * k, k,
-                         eps);
-        /* the loop above ends in a barrier: every normalised row is written before a task reads it */
-        matmul_tasks(normed, k, packed, bias, out, m, n, k);
+        for (int64_t i = 0; i < m; i++) {
+            const float *row = x + i * x_stride;
+            if (kind == NORM_ROWS)
+                rms_norm_row(row, residual != NULL ? residual + i * k : NULL, norm_weight, rows + i * k, k, eps);
+            else
+                silu_mul_row(row, row + k, rows + i * k, k);
+        }
+        matmul_tasks(rows, k, packed, bias, out, m, n, k);
     }
-    free(normed);
+    free(rows);
     return 0;
 }
 
+/* out = rms_norm(x (+ residual)) W^T (+ bias), with rms_norm_f32's rounding (rms_norm_row). residual:
+ * [m, k] contiguous or NULL; given, it is updated in place to x + residual, as rms_norm_f32 does. */
+int rms_norm_packed_matmul_f32(const float *x, int64_t x_stride, float *residual, const float *norm_weight, float eps,
+                               const float *packed, const float *bias, float *out, int64_t m, int64_t n, int64_t k,
+                               int num_threads) {
+    return prologue_matmul(NORM_ROWS, x, x_stride, residual, norm_weight, eps, packed, bias, out, m, n, k,
+                           num_threads);
+}
+
 /* out = (silu(gate) * up) W^T (+ bias), where gate_up row i is [gate | up], each k floats, rows
- * contiguous: silu_mul_f32 and packed_matmul_f32 in one call. Returns nonzero where the activation's
- * buffer could not be allocated (nothing is written). */
+ * contiguous: silu_mul_f32 and packed_matmul_f32 in one call. */
 int silu_mul_packed_matmul_f32(const float *gate_up, const float *packed, const float *bias, float *out, int64_t m,
                                int64_t n, int64_t k, int num_threads) {
-    float *act = malloc((size_t)(m * k) * sizeof(float));
-    if (act == NULL) return 1;
-#pragma omp parallel num_threads(num_threads)
-    {
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < m; i++) silu_mul_row(gate_up + i * 2 * k, gate_up + i * 2 * k + k, act + i * k, k);
-        matmul_tasks(act, k, packed, bias, out, m, n, k);
-    }
-    free(act);
-    return 0;
+    return prologue_matmul(SILU_MUL_ROWS, gate_up, 2 * k, NULL, NULL, 0.0f, packed, bias, out, m, n, k, num_threads);
 }
 
 /* The matmul floor's decode steps (bench/floor.py): `steps` times, each of `count` packed weights

@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
 #include "simd.h"
 
 static inline void axpy(float *y, float a, const float *x, int64_t n) {

@@ -26,6 +26,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "kernels.h"
 #include "simd.h"
 
 /* Query vectors of one task: four 16-float chunks. Six keys at a time make 24 accumulators, so each
