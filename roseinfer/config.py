@@ -18,6 +18,9 @@ class EngineConfig:
     prepack_weights: bool = True  # CPU fp32: linear weights reordered once for oneDNN (layers/linear.py)
     native_kernels: bool = True  # CPU fp32: C kernels for attention, KV writes, norms, rotary... (layers/native.py)
     mmap_embeddings: bool = True  # CPU: embedding tables stay in the checkpoint's memory map (models/weights.py)
+    # sampling defaults for requests that leave a field unset (loader/generation_config.py)
+    generation_config: str = "auto"  # auto: the model's generation_config.json; vllm: none; else a folder
+    override_generation_config: dict[str, Any] | None = None  # generation_config.json keys that win
     # KV cache
     block_size: int = 16
     num_kv_blocks: int | None = None  # None = sized from kv_cache_memory_gb / gpu_memory_utilization

@@ -38,7 +38,7 @@ class LLM:
                 raise ValueError("give one SamplingParams, or one per prompt")
             params_list = list(sampling_params)
         else:
-            params_list = [sampling_params or SamplingParams()] * len(prompts)
+            params_list = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         engine = self.engine
         ids: list[str] = []
         requests = {}
@@ -67,6 +67,10 @@ class LLM:
             text=self.tokenizer.decode(out_ids), finish_reason=req.finish_reason,
             logprobs=req.logprobs if req.sampling_params.logprobs is not None else None,
             num_cached_tokens=req.num_cached_tokens, metrics=metrics)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a call without SamplingParams uses: the model's generation-config defaults (vLLM's name)."""
+        return self.engine.default_sampling_params()
 
     def kv_cache_stats(self) -> dict[str, int]:
         return self.engine.kv_cache_stats()

@@ -19,6 +19,7 @@ from roseinfer.engine.request import Request, RequestOutput
 from roseinfer.engine.sampler import Sampler
 from roseinfer.engine.scheduler import Scheduler
 from roseinfer.layers.native import native_kernels_available
+from roseinfer.loader.generation_config import sampling_defaults
 from roseinfer.loader.model_loader import load_model, load_model_config, resolve_model_folder
 from roseinfer.sampling_params import SamplingParams
 from roseinfer.tokenizer import Tokenizer
@@ -41,6 +42,12 @@ class LLMEngine:
         self.model_folder = resolve_model_folder(config.model)
         self.model_config = load_model_config(self.model_folder)
         self.tokenizer = Tokenizer(self.model_folder)
+        self.sampling_defaults = sampling_defaults(self.model_folder, config.generation_config,
+                                                   config.override_generation_config)
+        try:
+            self.default_sampling_params()
+        except ValueError as exc:
+            raise ValueError(f"the generation config's sampling defaults: {exc}") from None
         self.native_kernels = config.native_kernels and native_kernels_available(self.dtype, self.device)
         model = load_model(self.model_folder, self.model_config, self.dtype, self.device, config.prepack_weights,
                            self.native_kernels, config.mmap_embeddings)
@@ -75,10 +82,14 @@ class LLMEngine:
             raise ValueError("the KV cache budget is too small for even one block")
         return blocks
 
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the model's generation-config defaults applied (vLLM's behaviour)."""
+        return SamplingParams(**self.sampling_defaults)
+
     # ---- lifecycle -----------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.default_sampling_params()
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate(prompt_ids, params)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"

@@ -49,6 +49,7 @@ class OpenAIServing:
         self.manager = manager
         self.model_name = model_name
         self.tokenizer = engine.tokenizer
+        self.defaults = engine.sampling_defaults  # the model's generation config, for fields a request leaves unset
         # what one request can hold: the context, or the whole KV pool if that is smaller
         self.context_limit = min(engine.max_model_len, engine.num_kv_blocks * engine.config.block_size)
 
@@ -61,7 +62,8 @@ class OpenAIServing:
         if body.echo and body.logprobs is not None:
             raise APIError(400, "echo together with logprobs is not supported (no prompt logprobs)", "echo")
         prompts = self._completion_prompts(body.prompt)
-        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        max_tokens = self.defaults.get("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS) if body.max_tokens is None \
+            else body.max_tokens
         params = self._sampling_params(body, max_tokens, body.logprobs)
         streams = self._submit([ids for ids, _ in prompts], body, params, start)
         echoes = [(text if text is not None else self.tokenizer.decode(ids)) if body.echo else ""
@@ -90,9 +92,9 @@ class OpenAIServing:
                 raise APIError(400, f"top_logprobs must be between 0 and {MAX_LOGPROBS}", "top_logprobs")
         ids = self.chat_prompt(body.messages)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        # OpenAI's chat default: whatever room the context has left
-        params = self._sampling_params(body, max(1, self.context_limit - len(ids)) if max_tokens is None
-                                       else max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+        if max_tokens is None:  # OpenAI's chat default: whatever room the context has left
+            max_tokens = min(max(1, self.context_limit - len(ids)), self.defaults.get("max_tokens", self.context_limit))
+        params = self._sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
         streams = self._submit([ids], body, params, start)
         reply = _Reply(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name, "chat.completion",
                        [len(ids)], body.include_usage)
@@ -144,7 +146,7 @@ class OpenAIServing:
                   "min_p": body.min_p, "repetition_penalty": body.repetition_penalty, "ignore_eos": body.ignore_eos,
                   "min_tokens": body.min_tokens, "stop_token_ids": body.stop_token_ids, "logprobs": logprobs}
         try:
-            return SamplingParams(**{k: v for k, v in values.items() if v is not None})
+            return SamplingParams(**{**self.defaults, **{k: v for k, v in values.items() if v is not None}})
         except ValueError as exc:
             raise _bad_value(exc, body) from None
 
