@@ -64,14 +64,18 @@ def cmd_chat(args: argparse.Namespace) -> int:
         ids = _prompt_ids(llm, text, not args.no_chat_template, history)
         request_id = engine.add_request(ids, _sampling_params(args))
         detok = IncrementalDetokenizer(llm.tokenizer, ids)
+        finish_reason = None
         try:
             while engine.has_unfinished():
                 for out in engine.step():
                     print(detok.add(out.new_token_ids), end="", flush=True)
+                    finish_reason = out.finish_reason
         except KeyboardInterrupt:
             engine.abort_request(request_id)
         engine.pop_finished_ids()
         print(detok.flush())
+        if finish_reason == "length":  # a cut reply must not pass for a whole one
+            print(f"[reply cut at --max-tokens {args.max_tokens}]", file=sys.stderr)
         history += [{"role": "user", "content": text}, {"role": "assistant", "content": detok.text}]
 
 

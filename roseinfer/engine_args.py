@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import fields
 
 from roseinfer.config import ADMISSION_POLICIES, EngineConfig
@@ -24,21 +25,28 @@ HELP = {
                        "looked up becoming resident (a tied table is looked up in the LM head's prepacked copy); "
                        "--no-mmap-embeddings copies them into memory, for checkpoint files that may be "
                        "rewritten while the engine runs",
+    "generation_config": "sampling defaults for request fields left unset: auto (the model's "
+                         "generation_config.json, where it has one), vllm (none: the API's defaults), or a folder "
+                         "holding a generation_config.json",
+    "override_generation_config": "JSON of generation_config.json keys that win over the model's, e.g. "
+                                  "'{\"temperature\": 0.7, \"max_new_tokens\": 512}' (temperature, top_p, top_k, "
+                                  "min_p, repetition_penalty, max_new_tokens) (default: none)",
     "block_size": "tokens per KV block",
     "num_kv_blocks": "KV pool size in blocks (default: sized from memory)",
-    "kv_cache_memory_gb": "CPU memory for the KV pool when --num-kv-blocks is not given",
+    "kv_cache_memory_gb": "CPU memory for the KV pool when --num-kv-blocks is not given "
+                          "(default: 1 GiB or 10%% of RAM, whichever is less)",
     "gpu_memory_utilization": "fraction of GPU memory for weights + KV pool",
     "enable_prefix_caching": "reuse cached KV blocks of shared prefixes",
     "max_num_seqs": "most sequences in one step",
     "max_num_batched_tokens": "token budget of one step (decodes + prefill chunks)",
     "enable_chunked_prefill": "split long prompts over several steps",
-    "prefill_max_batch_size": "most new requests admitted per step",
-    "prefill_max_tokens": "most prompt tokens computed per step",
+    "prefill_max_batch_size": "most new requests admitted per step (default: no limit)",
+    "prefill_max_tokens": "most prompt tokens computed per step (default: the step's token budget)",
     "prefill_admission_policy": "fifo, or pack (smallest prompts first within a lookahead window)",
     "pack_lookahead": "waiting requests the pack policy looks at",
     "pack_fifo_every": "pack's starvation guard: every Nth admitting step is FIFO",
     "decode_first": "alternate decode-only and prefill-only steps instead of mixing them",
-    "max_active_requests": "most admitted (running) requests at once",
+    "max_active_requests": "most admitted (running) requests at once (default: no limit)",
 }
 
 
@@ -53,10 +61,22 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
         if f.type in ("bool", bool):
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=HELP[f.name])
             continue
-        kind = {"int": int, "int | None": int, "float": float, "float | None": float}.get(str(f.type), str)
+        kind = {"int": int, "int | None": int, "float": float, "float | None": float,
+                "dict[str, Any] | None": _json_object}.get(str(f.type), str)
         choices = ADMISSION_POLICIES if f.name == "prefill_admission_policy" else None
-        group.add_argument(flag, type=kind, default=default, choices=choices,
-                           help=f"{HELP[f.name]} (default: {default})")
+        # a help text that explains its own default (None rarely says what happens) keeps it
+        shown = "" if "(default" in HELP[f.name] else f" (default: {default})"
+        group.add_argument(flag, type=kind, default=default, choices=choices, help=HELP[f.name] + shown)
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object, e.g. '{\"temperature\": 0.7}'")
+    return value
 
 
 def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:

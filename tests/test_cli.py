@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import io
+import re
+import socket
 import subprocess
 import sys
 
@@ -16,27 +18,32 @@ def model_dir(tiny_model_factory) -> str:
     return str(tiny_model_factory("llama"))
 
 
-def _expected(model_dir: str, messages: list[dict]) -> str:
+def _expected(model_dir: str, messages: list[dict]) -> tuple[str, str]:
+    """The greedy reply and its finish reason."""
     llm = LLM(model=model_dir, num_kv_blocks=32)
     ids = llm.apply_chat_template(messages)
-    return llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=6))[0].text
+    out = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=6))[0]
+    return out.text, out.finish_reason
 
 
 def test_generate_prints_the_greedy_completion(model_dir, capsys):
     assert main(["generate", "hello there", "--model", model_dir, "--max-tokens", "6", "--num-kv-blocks", "32"]) == 0
     out = capsys.readouterr()
-    assert out.out.rstrip("\n") == _expected(model_dir, [{"role": "user", "content": "hello there"}])
+    assert out.out.rstrip("\n") == _expected(model_dir, [{"role": "user", "content": "hello there"}])[0]
     assert "finish_reason=" in out.err
 
 
 def test_chat_streams_each_turn_and_keeps_the_history(model_dir, capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO("hello there\nand again\n"))
     assert main(["chat", "--model", model_dir, "--max-tokens", "6", "--num-kv-blocks", "32"]) == 0
-    first = _expected(model_dir, [{"role": "user", "content": "hello there"}])
-    second = _expected(model_dir, [{"role": "user", "content": "hello there"},
-                                   {"role": "assistant", "content": first},
-                                   {"role": "user", "content": "and again"}])
-    assert capsys.readouterr().out == f"> {first}\n> {second}\n> "
+    first, first_reason = _expected(model_dir, [{"role": "user", "content": "hello there"}])
+    second, second_reason = _expected(model_dir, [{"role": "user", "content": "hello there"},
+                                                  {"role": "assistant", "content": first},
+                                                  {"role": "user", "content": "and again"}])
+    out = capsys.readouterr()
+    assert out.out == f"> {first}\n> {second}\n> "
+    # a reply cut at --max-tokens says so, one that ended on its own does not
+    assert out.err.count("[reply cut at --max-tokens 6]") == [first_reason, second_reason].count("length")
 
 
 def test_bad_input_is_one_line_and_exit_code_2(model_dir, capsys):
@@ -45,13 +52,36 @@ def test_bad_input_is_one_line_and_exit_code_2(model_dir, capsys):
     assert err.startswith("roseinfer: error: max_tokens") and err.count("\n") == 1
 
 
+def test_serve_on_a_port_in_use_fails_before_loading_the_model(capsys):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        # a model that does not exist: the port must be the first thing checked
+        assert main(["serve", "--model", "/nonexistent/model", "--port", str(port)]) == 2
+    assert capsys.readouterr().err == f"roseinfer: error: cannot listen on 127.0.0.1:{port}: Address already in use\n"
+
+
+def test_a_mistyped_local_path_is_not_reported_as_a_hub_failure_alone(capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["generate", "hi", "--model", "nope_dir"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("roseinfer: error: nope_dir: no such file or folder here, and no Hugging Face hub repo")
+    assert err.count("\n") == 1
+
+
 @pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["chat", "--help"], ["serve", "--help"],
                                   ["bench", "offline", "--help"]])
 def test_help_is_useful_on_its_own(argv, capsys):
     with pytest.raises(SystemExit) as info:
         main(argv)
     assert info.value.code == 0
-    assert "usage: roseinfer" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "usage: roseinfer" in out
+    # each flag states its default once, and never as a bare None
+    flat = " ".join(out.split())
+    assert "(default: None)" not in flat
+    assert not re.search(r"\(default[^)]*\)\s*\(default", flat)
 
 
 def test_building_the_parser_leaves_the_server_and_http_client_unimported():

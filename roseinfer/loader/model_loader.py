@@ -54,8 +54,9 @@ def _download(repo_id: str) -> Path:
             "*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"])
     except Exception as exc:  # noqa: BLE001 -- any hub failure becomes one actionable line
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelLoadError(f"could not fetch {repo_id!r} from the Hugging Face hub ({reason}); "
-                             f"pass a local folder or .gguf file instead") from None
+        # a bare name may be a mistyped local path as well as a hub id: say both
+        raise ModelLoadError(f"{repo_id}: no such file or folder here, and no Hugging Face hub repo of that id "
+                             f"could be fetched ({reason}); pass a local folder or .gguf file") from None
     return Path(folder)
 
 

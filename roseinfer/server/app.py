@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import socket
 import time
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
@@ -136,6 +137,7 @@ def run_server(args: argparse.Namespace) -> int:
         raise ValueError("--max-inflight-requests must be >= 1")
     level = "DEBUG" if args.log_level == "trace" else args.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sock = listening_socket(args.host, args.port)  # a port in use fails now, not after the model loads
     engine = LLMEngine(engine_config_from_args(args))
     name = served_name(args)
     logger.info("loaded %s in %.1fs (%d KV blocks); serving it as %r", engine.model_folder, engine.load_seconds,
@@ -147,6 +149,19 @@ def run_server(args: argparse.Namespace) -> int:
     # handler was there before; a do-nothing one lets the process exit 0 after a clean stop.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    server.run()
+    server.run(sockets=[sock])
     app.state.manager.shutdown()  # no-op after the lifespan did it; needed after a forced exit
     return 0 if server.started else 1
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before anything slow happens (vLLM binds first too)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: restart over TIME_WAIT
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
