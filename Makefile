@@ -2,21 +2,24 @@
 # Both create or reuse .venv. torch is installed first, pinned, from PyTorch's CPU wheel index:
 # on Linux a plain `pip install torch` brings the CUDA build and ~3 GB of CUDA libraries.
 # `make install TORCH_INDEX_URL=` takes PyPI's default build instead (for --device cuda).
-# Every other package must come as a wheel (--only-binary): the install compiles nothing.
+# torch alone comes from that index (--no-deps: its own dependencies come from PyPI with ours).
+# Every package must come as a wheel (--only-binary): the install compiles nothing.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.roseinfer-installed
 TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
+TORCH_INSTALL = -m pip install -q --only-binary=:all: --no-deps torch==2.13.0 \
+	$(if $(TORCH_INDEX_URL),--extra-index-url $(TORCH_INDEX_URL))
+CHECK_DIR ?= build/check-install
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --only-binary=:all: torch==2.13.0 \
-		$(if $(TORCH_INDEX_URL),--extra-index-url $(TORCH_INDEX_URL))
+	$(PY) -c "import torch" 2>/dev/null || $(PY) $(TORCH_INSTALL)
 	$(PY) -m pip install -q --only-binary=:all: -e '.[test]'
 	$(PY) -c "from roseinfer.loader.default_model import default_model_path; default_model_path()"
 	touch $(STAMP)
 
-.PHONY: install serve generate test
+.PHONY: install serve generate test check-install
 install: $(STAMP)
 
 serve: $(STAMP)
@@ -27,3 +30,12 @@ generate: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(ARGS)
+
+# What `pip install roseinfer` does on a new machine: the built wheel into an empty venv with no
+# pip cache, torch first as above; fails if any package would have to be built from source.
+check-install:
+	rm -rf $(CHECK_DIR)
+	python3 -m pip wheel -q --no-cache-dir --no-deps -w $(CHECK_DIR)/dist .
+	python3 -m venv $(CHECK_DIR)/venv
+	$(CHECK_DIR)/venv/bin/python $(TORCH_INSTALL) --no-cache-dir
+	$(CHECK_DIR)/venv/bin/python -m pip install -q --no-cache-dir --only-binary=:all: $(CHECK_DIR)/dist/*.whl

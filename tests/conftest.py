@@ -15,6 +15,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # Also declared in pyproject.toml; repeated here so the markers exist under any rootdir.
     config.addinivalue_line("markers", "cuda: needs a CUDA device")
     config.addinivalue_line("markers", "slow: loads the default model")
+    config.addinivalue_line("markers", "install: builds the wheel and installs it into an empty venv from PyPI")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
