@@ -327,6 +327,30 @@ def test_prefill_floor_runs_every_layer_on_each_steps_rows_and_the_head_once_per
         prefill_matmul_floor(m, 0, 5, 6)
 
 
+def test_do_sample_and_pack_flags() -> None:
+    """Greedy stays the default; --do-sample samples at the blog's temperature 1.0 unless
+    --temperature says otherwise; the blog's pack-policy flags reach the engine."""
+    import argparse
+
+    from roseinfer.bench.engine_flags import (add_engine_flags, add_sampling_flags, engine_config_from_flags,
+                                              sampling_params_from_flags)
+
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    add_sampling_flags(parser)
+    assert sampling_params_from_flags(parser.parse_args([])).greedy
+    assert sampling_params_from_flags(parser.parse_args(["--do-sample"])).temperature == 1.0
+    assert sampling_params_from_flags(parser.parse_args(["--do-sample", "--temperature", "0.5"])).temperature == 0.5
+    assert sampling_params_from_flags(parser.parse_args(["--temperature", "0.7"])).temperature == 0.7
+    with pytest.raises(ValueError, match="--do-sample"):
+        sampling_params_from_flags(parser.parse_args(["--do-sample", "--temperature", "0"]))
+    config = engine_config_from_flags(parser.parse_args(["--prefill-admission-lookahead", "5",
+                                                         "--prefill-force-fifo-every", "3"]))
+    assert (config.pack_lookahead, config.pack_fifo_every) == (5, 3)
+    with pytest.raises(ValueError, match="pack_fifo_every"):
+        engine_config_from_flags(parser.parse_args(["--prefill-force-fifo-every", "0"]))
+
+
 def test_no_prepack_weights_and_no_native_kernels_flags_reach_the_engine() -> None:
     import argparse
 
