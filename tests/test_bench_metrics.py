@@ -134,9 +134,11 @@ def test_parse_goodput_and_errors() -> None:
 
 
 def test_format_p50_p95_p99() -> None:
+    """The blog's lines: seconds in, ms out, two decimals, 0.00 for no values."""
     line = format_p50_p95_p99("TTFT", [0.001, 0.002, 0.004, 0.010])
-    assert line == "TTFT: p50=3.00ms p95=9.10ms p99=9.82ms"
-    assert format_p50_p95_p99("ITL", []) == "ITL: p50=n/a p95=n/a p99=n/a"
+    assert line == "TTFT p50/p95/p99: 3.00/9.10/9.82 ms"
+    assert format_p50_p95_p99("TPOT", [0.5], "ms/token") == "TPOT p50/p95/p99: 500.00/500.00/500.00 ms/token"
+    assert format_p50_p95_p99("ITL", []) == "ITL p50/p95/p99: 0.00/0.00/0.00 ms"
 
 
 # --- schedules ----------------------------------------------------------------------------
