@@ -70,6 +70,70 @@ Latency p50/p95/p99: 1509.76/1672.10/1738.46 ms
 Throughput (completion,total): 3210.51 tokens/s
 """
 
+# benchmark_scheduler --mode online --warmup-runs 0 --repeat-runs 1 (the post on lazy deletion
+# from the active queue).
+SCHEDULER_ONLINE = """\
+=== online summary ===
+Warmup runs: 0
+Measured runs: 1
+Decode time p50/mean: 0.172318/0.172318 s
+Total time p50/mean: 0.194708/0.194708 s
+Throughput(completion,decode) p50/mean: 371.41/371.41 tokens/s
+Throughput(completion,total) p50/mean: 328.70/328.70 tokens/s
+TTFT p50/mean: 0.25/0.25 ms
+TPOT p50/mean: 24.69/24.69 ms/token
+Latency p50/mean: 173.08/173.08 ms
+
+"""
+
+# One measured online run's block, as the script's report_stats prints it (--print-per-run, before
+# the summary), with the first run's numbers of the summary below (the post on batched KV
+# writes, "Before").
+_SCHEDULER_RUN = """\
+=== online ===
+Requests: 64
+Elapsed (prefill/add): 0.173094 seconds
+Elapsed (decode/run): 7.643991 seconds
+Elapsed (total): 7.817085 seconds
+Prompt tokens: 64
+Completion tokens: 32768
+Total tokens: 32832
+Throughput (completion,total): 4191.84 tokens/s
+Throughput (completion,decode): 4286.77 tokens/s
+Throughput (total,total): 4200.03 tokens/s
+
+"""
+
+# --warmup-runs 1 --repeat-runs 3 --print-per-run.
+SCHEDULER_PER_RUN = _SCHEDULER_RUN * 3 + """\
+=== online summary ===
+Warmup runs: 1
+Measured runs: 3
+Decode time p50/mean: 7.643991/7.639430 s
+Total time p50/mean: 7.817085/7.813045 s
+Throughput(completion,decode) p50/mean: 4286.77/4289.33 tokens/s
+Throughput(completion,total) p50/mean: 4191.84/4194.01 tokens/s
+TTFT p50/mean: 2.68/2.70 ms
+TPOT p50/mean: 14.99/14.98 ms/token
+Latency p50/mean: 7661.28/7659.60 ms
+
+"""
+
+
+# A naive run (each request alone): no post prints one, so this is what the script's report_stats
+# prints for it, already masked.
+SCHEDULER_NAIVE = """\
+=== naive ===
+Requests: N
+Elapsed: N.dddddd seconds
+Prompt tokens: N
+Completion tokens: N
+Total tokens: N
+Throughput (completion,total): N.dd tokens/s
+Throughput (total,total): N.dd tokens/s
+
+"""
+
 
 def _number(match: re.Match[str]) -> str:
     frac = match.group(1)
