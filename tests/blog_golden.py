@@ -37,38 +37,15 @@ Latency p50/p95/p99: 2687.46/2815.67/2821.78 ms
 Throughput (completion,total): 2150.25 tokens/s
 """
 
-# The same command line with --paged-attn --cuda-graph (the post on pinned host buffers, "After"),
-# NVTX on too, and --max-inflight-requests, whose two lines join the block where the post on
-# backpressure prints them.
-STREAMING_INFLIGHT = """\
-=== warmup 1/1 ===
-=== streaming benchmark ===
-Model: gpt2
-Device: cuda
-Pretok: True
-Tokenize workers: 0
-Stream interval: 8
-Paged attention: True
-CUDA Graph: True
-NVTX: True
-Requests: 64
-Rejected: 192
-Prompt tokens (total): 64
-Completion tokens (total): 8192
-Submit wall: 1.296431 s
-Submit interval/schedule: 20.000 ms / absolute
-Submit lag p50/p95/p99: 23.90/55.74/57.10 ms
-add_request latency p50/p95/p99: 0.02/0.07/0.08 ms
-reject latency p50/p95/p99: 0.00/0.00/0.00 ms
-Tokenize p50/p95/p99: 0.00/0.00/0.00 ms
-Queue wait (post-tok) p50/p95/p99: 7.43/77.83/78.57 ms
-Prefill->first token p50/p95/p99: 4.70/5.01/5.90 ms
-TTFT p50/p95/p99: 12.21/82.61/83.27 ms
-TPOT p50/p95/p99: 11.77/13.08/13.63 ms/token
-ITL p50/p95/p99: 4.02/78.46/80.44 ms
-Latency p50/p95/p99: 1509.76/1672.10/1738.46 ms
-Throughput (completion,total): 3210.51 tokens/s
-"""
+# The same command line with --paged-attn --cuda-graph --nvtx, which print True, and
+# --max-inflight-requests, whose two lines join the block where the post on backpressure prints them
+# (Rejected after Requests, reject latency after add_request latency).
+STREAMING_INFLIGHT = (
+    STREAMING.replace("Paged attention: False\nCUDA Graph: False\nNVTX: False\n",
+                      "Paged attention: True\nCUDA Graph: True\nNVTX: True\n")
+    .replace("Requests: 64\n", "Requests: 64\nRejected: 192\n")
+    .replace("Tokenize p50/p95/p99", "reject latency p50/p95/p99: 0.00/0.00/0.00 ms\nTokenize p50/p95/p99")
+)
 
 # benchmark_scheduler --mode online --warmup-runs 0 --repeat-runs 1 (the post on lazy deletion
 # from the active queue).
