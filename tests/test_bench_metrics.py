@@ -11,6 +11,7 @@ from roseinfer.bench.datasets import BenchRequest, jsonl_requests, random_reques
 from roseinfer.bench.metrics import (
     RequestTiming,
     aggregate,
+    format_p50_mean,
     format_p50_p95_p99,
     goodput,
     parse_goodput,
@@ -134,9 +135,17 @@ def test_parse_goodput_and_errors() -> None:
 
 
 def test_format_p50_p95_p99() -> None:
+    """The blog's lines: seconds in, ms out, two decimals, 0.00 for no values."""
     line = format_p50_p95_p99("TTFT", [0.001, 0.002, 0.004, 0.010])
-    assert line == "TTFT: p50=3.00ms p95=9.10ms p99=9.82ms"
-    assert format_p50_p95_p99("ITL", []) == "ITL: p50=n/a p95=n/a p99=n/a"
+    assert line == "TTFT p50/p95/p99: 3.00/9.10/9.82 ms"
+    assert format_p50_p95_p99("TPOT", [0.5], "ms/token") == "TPOT p50/p95/p99: 500.00/500.00/500.00 ms/token"
+    assert format_p50_p95_p99("ITL", []) == "ITL p50/p95/p99: 0.00/0.00/0.00 ms"
+
+
+def test_format_p50_mean() -> None:
+    """Median and mean over runs, as given (no unit conversion), at the blog's decimals."""
+    assert format_p50_mean("Total time", [1.0, 2.0, 6.0], "s", 6) == "Total time p50/mean: 2.000000/3.000000 s"
+    assert format_p50_mean("TTFT", [1.0, 2.0], "ms") == "TTFT p50/mean: 1.50/1.50 ms"
 
 
 # --- schedules ----------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """``roseinfer bench offline`` (the blog's benchmark_scheduler) on the tiny llama checkpoint:
-every mode on both backends, the blog's summary lines, warmup exclusion, --batch-sizes,
-the stand-alone ``python -m roseinfer.benchmark_scheduler`` entry point, and --floor (the
-matmul floor table) with its helpers."""
+every mode on both backends, the blog's blocks (golden, numbers masked, through the stand-alone
+``python -m roseinfer.benchmark_scheduler``), warmup exclusion, --batch-sizes, the blog's flags
+(--prompts, --do-sample, --keep-prefix-cache-across-runs...), and --floor (the matmul floor
+table) with its helpers."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import sys
 
 import pytest
 import torch
+from blog_golden import SCHEDULER_NAIVE, SCHEDULER_ONLINE, SCHEDULER_PER_RUN, mask
 
 from roseinfer.cli import main
 
@@ -38,28 +40,38 @@ def _value(text: str, label: str) -> list[float]:
 def test_all_modes_both_backends(model: str, tmp_path, capsys) -> None:
     out_json = tmp_path / "offline.json"
     rc = main(["bench", "offline", "--hf-model-id", model, "--mode", "all", "--backend", "roseinfer,hf",
-                                "--num-requests", str(N), "--prompt-len", str(PROMPT_LEN),
-                                "--max-new-tokens", str(NEW), "--no-stop-on-eos", "--max-batch-size", "4",
-                                "--warmup-runs", "1", "--repeat-runs", "2", "--json", str(out_json), *ONE_THREAD])
+               "--num-requests", str(N), "--prompt-len", str(PROMPT_LEN), "--max-new-tokens", str(NEW),
+               "--no-stop-on-eos", "--max-batch-size", "4", "--warmup-runs", "1", "--repeat-runs", "2",
+               "--print-per-run", "--json", str(out_json), *ONE_THREAD])
     text = capsys.readouterr().out
     assert rc == 0
-    # 3 modes x 2 backends x 2 measured runs; the warmup run is neither printed nor stored
-    headers = re.findall(r"^=== (\w+) \| backend=(\w+) \| batch_size=4 \| run (\d)/2 ===$", text, flags=re.M)
-    assert len(headers) == 12 and not any(run == "0" or run == "3" for *_, run in headers)
+    # 3 modes x 2 backends x 2 measured runs, then a summary per batched mode and backend; the
+    # warmup run is neither printed nor stored
+    titles = re.findall(r"^=== (\w+)( summary)? \| backend=(\w+) \| batch_size=4 ===$", text, flags=re.M)
+    expected = []
     for backend in ("roseinfer", "hf"):
         for mode in ("naive", "offline", "online"):
-            assert sum(h[:2] == (mode, backend) for h in headers) == 2
-    assert _value(text, "Completion tokens (total)") == [N * NEW] * 12
-    assert _value(text, "Prompt tokens (total)") == [N * PROMPT_LEN] * 12
-    for prefill, decode, total in zip(_value(text, "Prefill time"), _value(text, "Decode time"),
-                                      _value(text, "Total time")):
-        assert 0 < prefill < total and decode == pytest.approx(total - prefill, abs=2e-3)
-    for label in ("Throughput(completion,decode)", "Throughput(completion,total)"):
-        assert len(re.findall(rf"^{re.escape(label)}: [0-9.]+ tokens/s$", text, flags=re.M)) == 12
-    # percentile lines for online runs only: 2 backends x 2 runs
-    for label in ("TTFT", "TPOT", "Latency"):
-        assert len(re.findall(rf"^{label}: p50=[0-9.]+ms p95=[0-9.]+ms p99=[0-9.]+ms$", text, flags=re.M)) == 4
-    assert "=== summary (mean over repeat runs) ===" in text
+            expected += [(mode, "", backend)] * 2 + ([(mode, " summary", backend)] if mode != "naive" else [])
+    assert titles == expected
+    assert _value(text, "Completion tokens") == [N * NEW] * 12
+    assert _value(text, "Prompt tokens") == [N * PROMPT_LEN] * 12
+    assert _value(text, "Total tokens") == [N * (PROMPT_LEN + NEW)] * 12
+    assert len(_value(text, "Elapsed")) == 4  # naive runs: no prefill/decode split
+    for prefill, decode, total in zip(_value(text, "Elapsed (prefill/add)"), _value(text, "Elapsed (decode/run)"),
+                                      _value(text, "Elapsed (total)")):
+        assert 0 < prefill < total and decode == pytest.approx(total - prefill, abs=2e-6)
+    assert len(_value(text, "Throughput (completion,total)")) == len(_value(text, "Throughput (total,total)")) == 12
+    assert len(_value(text, "Throughput (completion,decode)")) == 8
+    # each summary is the median and mean of its runs' blocks (two runs: both the mean)
+    runs_total = _value(text, "Elapsed (total)")
+    for i, summary in enumerate(re.findall(r"^Total time p50/mean: ([0-9.]+)/([0-9.]+) s$", text, flags=re.M)):
+        assert [float(x) for x in summary] == pytest.approx([statistics.fmean(runs_total[2 * i:2 * i + 2])] * 2,
+                                                            abs=2e-6)
+    # latency lines in online summaries only: one per backend
+    for label, unit in (("TTFT", "ms"), ("TPOT", "ms/token"), ("Latency", "ms")):
+        assert len(re.findall(rf"^{label} p50/mean: [0-9.]+/[0-9.]+ {unit}$", text, flags=re.M)) == 2
+    # --backend with hf: roseinfer's side-by-side table follows the blog's blocks
+    assert text.index("=== summary (mean over repeat runs) ===") > text.rindex("=== online summary")
 
     report = json.loads(out_json.read_text())
     assert len(report["runs"]) == 12 and len(report["summary"]) == 6
@@ -74,18 +86,23 @@ def test_all_modes_both_backends(model: str, tmp_path, capsys) -> None:
         # batch); one at a time, every request has its own
         distinct = len(set(run["ttft_s"]))
         assert distinct == (N if run["mode"] == "naive" else 2), run["mode"]
+    online = [run for run in report["runs"] if run["mode"] == "online"]
+    ttft_p50s = [statistics.median(run["ttft_s"]) * 1000 for run in online]
+    ttft = [float(x) for x in re.findall(r"^TTFT p50/mean: ([0-9.]+)/", text, flags=re.M)]
+    assert ttft == pytest.approx([statistics.fmean(ttft_p50s[:2]), statistics.fmean(ttft_p50s[2:])], abs=0.006)
 
 def test_batch_sizes_and_stop_on_eos(model: str, capsys) -> None:
     rc = main(["bench", "offline", "--hf-model-id", model, "--mode", "online", "--batch-sizes", "1,3",
-                                "--num-requests", "3", "--prompt-len", "8", "--max-new-tokens", "4",
-                                "--warmup-runs", "0", *ONE_THREAD])
+               "--num-requests", "3", "--prompt-len", "8", "--max-new-tokens", "4", "--warmup-runs", "0",
+               "--print-per-run", *ONE_THREAD])
     text = capsys.readouterr().out
     assert rc == 0
-    assert re.findall(r"^=== online \| backend=roseinfer \| batch_size=(\d) ", text, flags=re.M) == ["1", "3"]
+    assert re.findall(r"^=== online summary \| backend=roseinfer \| batch_size=(\d) ===$", text, flags=re.M) == [
+        "1", "3"]
     rows = re.findall(r"^roseinfer\s+online\s+(\d)\s+1\s", text, flags=re.M)
     assert rows == ["1", "3"]
     # stopping on EOS: never more than max_new_tokens per request
-    assert all(0 < c <= 3 * 4 for c in _value(text, "Completion tokens (total)"))
+    assert all(0 < c <= 3 * 4 for c in _value(text, "Completion tokens"))
 
 
 def test_bad_flags_are_one_line_errors(model: str, capsys) -> None:
@@ -95,14 +112,71 @@ def test_bad_flags_are_one_line_errors(model: str, capsys) -> None:
         main(["bench", "offline", "--backend", "vllm"])
 
 
-def test_python_dash_m_entry_point(model: str) -> None:
-    proc = subprocess.run([sys.executable, "-m", "roseinfer.benchmark_scheduler", "--hf-model-id", model,
-                           "--mode", "offline", "--num-requests", "2", "--prompt-len", "4",
-                           "--max-new-tokens", "3", "--no-stop-on-eos", "--warmup-runs", "0", *ONE_THREAD],
-                          capture_output=True, text=True, timeout=120)
+def _blog_command_line(tiny_model: str, *extra: str) -> list[str]:
+    """The blog's scheduler command line, scaled down to the tiny checkpoint on one CPU thread."""
+    return [sys.executable, "-m", "roseinfer.benchmark_scheduler", "--hf-model-id", tiny_model, "--device", "cpu",
+            "--prompt", "Hello", "--num-requests", "4", "--max-new-tokens", "8", *extra, *ONE_THREAD]
+
+
+@pytest.mark.parametrize("extra,golden", [
+    (("--mode", "online", "--warmup-runs", "0", "--repeat-runs", "1"), SCHEDULER_ONLINE),
+    (("--mode", "online", "--max-batch-size", "64", "--no-stop-on-eos", "--no-prefix-cache", "--pretok",
+      "--warmup-runs", "1", "--repeat-runs", "3", "--paged-attn", "--cuda-graph", "--print-per-run"),
+     SCHEDULER_PER_RUN),
+    (("--mode", "naive", "--warmup-runs", "0", "--repeat-runs", "1", "--do-sample",
+      "--keep-prefix-cache-across-runs"), SCHEDULER_NAIVE),
+], ids=["online", "per-run", "naive"])
+def test_python_dash_m_prints_the_blogs_lines(model: str, extra: tuple[str, ...], golden: str) -> None:
+    """`python -m roseinfer.benchmark_scheduler` with the blog's command lines prints the blog's
+    blocks, character for character but the numbers."""
+    proc = subprocess.run(_blog_command_line(model, *extra), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "Completion tokens (total): 6" in proc.stdout
-    assert "Throughput(completion,total):" in proc.stdout
+    assert mask(proc.stdout) == mask(golden)
+    if "--no-stop-on-eos" in extra:  # 4 requests of 8 tokens in each run's block
+        assert _value(proc.stdout, "Completion tokens") == [32] * 3
+
+
+def test_prompts_flag_and_hf_refuses_to_sample(model: str, tmp_path, capsys) -> None:
+    """--prompts gives one request per text, cycled to --num-requests; HF's reference runs greedy
+    only, so it refuses --do-sample rather than run greedy under a sampling flag."""
+    from roseinfer.tokenizer import Tokenizer
+
+    assert main(["bench", "offline", "--hf-model-id", model, "--backend", "hf", "--do-sample", *ONE_THREAD]) == 2
+    assert "greedy only" in capsys.readouterr().err
+
+    out_json = tmp_path / "prompts.json"
+    texts = ["Hello", "Hello Hello Hello"]
+    short, long = (len(Tokenizer(model).encode(t)) for t in texts)
+    assert short < long
+    for extra, lengths in (([], [short, long]), (["--num-requests", "3"], [short, long, short])):
+        rc = main(["bench", "offline", "--hf-model-id", model, "--mode", "offline", "--prompt", "ignored",
+                   "--prompts", *texts, *extra, "--max-new-tokens", "2", "--warmup-runs", "0",
+                   "--json", str(out_json), *ONE_THREAD])
+        assert rc == 0
+        (run,) = json.loads(out_json.read_text())["runs"]
+        assert run["num_requests"] == len(lengths) and run["prompt_tokens"] == sum(lengths)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_prefix_cache_is_emptied_between_runs_unless_kept(model: str, keep: bool, capsys) -> None:
+    """As in the blog, each run starts from an empty prefix cache; with
+    --keep-prefix-cache-across-runs the second run reuses the first one's blocks."""
+    import argparse
+
+    from roseinfer.bench.engine_flags import sampling_params_from_flags
+    from roseinfer.bench.offline import RoseinferRunner, _run_modes, add_offline_args
+
+    parser = argparse.ArgumentParser()
+    add_offline_args(parser)
+    # one request per run, its prompt two full KV blocks long: a hit can only come from the run before
+    args = parser.parse_args(["--hf-model-id", model, "--prompt", " ".join(["Hello"] * 40), "--num-requests", "1",
+                              "--max-new-tokens", "2", "--warmup-runs", "0", "--repeat-runs", "2", *ONE_THREAD,
+                              *(["--keep-prefix-cache-across-runs"] if keep else [])])
+    runner = RoseinferRunner(args, 1)
+    _run_modes(args, runner, 1, ["offline"], runner.llm.tokenizer, sampling_params_from_flags(args), "")
+    assert "=== offline summary ===" in capsys.readouterr().out
+    hits = runner.engine.block_manager.stats.hits
+    assert hits >= 32 if keep else hits == 0
 
 
 # --------------------------------------------------------------------------- --floor
@@ -123,12 +197,12 @@ def test_floor_table(model: str, tmp_path, capsys) -> None:
     out_json = tmp_path / "floor.json"
     rc = main(["bench", "offline", "--hf-model-id", model, "--mode", "offline", "--floor", "--batch-sizes", "1,2",
                "--backend", "both", "--prompt-len", "8", "--max-new-tokens", "6", "--no-stop-on-eos",
-               "--warmup-runs", "1", "--repeat-runs", "2", "--floor-steps", "4", "--json", str(out_json),
-               *ONE_THREAD])
+               "--warmup-runs", "1", "--repeat-runs", "2", "--floor-steps", "4", "--print-per-run",
+               "--json", str(out_json), *ONE_THREAD])
     text = capsys.readouterr().out
     assert rc == 0
     # one batch of B requests per batch size; a floor sample before and after each measured run
-    assert _value(text, "Completion tokens (total)") == [1 * 6] * 4 + [2 * 6] * 4
+    assert _value(text, "Completion tokens") == [1 * 6] * 4 + [2 * 6] * 4
     samples = re.findall(r"^Matmul floor \(batch_size=(\d), sample (\d)\): ([0-9.]+) tokens/s$", text, flags=re.M)
     assert [(b, s) for b, s, _ in samples] == [("1", "1"), ("1", "2"), ("1", "3"), ("2", "1"), ("2", "2"), ("2", "3")]
     assert all(float(v) > 0 for *_, v in samples)
@@ -325,6 +399,30 @@ def test_prefill_floor_runs_every_layer_on_each_steps_rows_and_the_head_once_per
     assert calls == [(layer, rows) for rows in (6, 6, 6, 3) for layer in body] + [(m.lm_head, 3)]
     with pytest.raises(ValueError):
         prefill_matmul_floor(m, 0, 5, 6)
+
+
+def test_do_sample_and_pack_flags() -> None:
+    """Greedy stays the default; --do-sample samples at the blog's temperature 1.0 unless
+    --temperature says otherwise; the blog's pack-policy flags reach the engine."""
+    import argparse
+
+    from roseinfer.bench.engine_flags import (add_engine_flags, add_sampling_flags, engine_config_from_flags,
+                                              sampling_params_from_flags)
+
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    add_sampling_flags(parser)
+    assert sampling_params_from_flags(parser.parse_args([])).greedy
+    assert sampling_params_from_flags(parser.parse_args(["--do-sample"])).temperature == 1.0
+    assert sampling_params_from_flags(parser.parse_args(["--do-sample", "--temperature", "0.5"])).temperature == 0.5
+    assert sampling_params_from_flags(parser.parse_args(["--temperature", "0.7"])).temperature == 0.7
+    with pytest.raises(ValueError, match="--do-sample"):
+        sampling_params_from_flags(parser.parse_args(["--do-sample", "--temperature", "0"]))
+    config = engine_config_from_flags(parser.parse_args(["--prefill-admission-lookahead", "5",
+                                                         "--prefill-force-fifo-every", "3"]))
+    assert (config.pack_lookahead, config.pack_fifo_every) == (5, 3)
+    with pytest.raises(ValueError, match="pack_fifo_every"):
+        engine_config_from_flags(parser.parse_args(["--prefill-force-fifo-every", "0"]))
 
 
 def test_no_prepack_weights_and_no_native_kernels_flags_reach_the_engine() -> None:

@@ -1,6 +1,7 @@
 """``roseinfer bench streaming`` (the blog's benchmark_streaming) end to end on the tiny llama
-checkpoint, through the real SchedulerManager: the blog's lines and flags, every submit
-schedule, both consumers, tokenize workers, rejections, --json and warmup exclusion."""
+checkpoint, through the real SchedulerManager: the blog's lines (golden, numbers masked) and
+flags, every submit schedule, both consumers, tokenize workers, rejections, --json, --detailed
+and warmup exclusion."""
 
 from __future__ import annotations
 
@@ -10,12 +11,15 @@ import subprocess
 import sys
 
 import pytest
+from blog_golden import STREAMING, STREAMING_INFLIGHT, mask
 
 from roseinfer.cli import main
 
 N, NEW = 8, 6
-METRICS = ("add_request latency", "Tokenize", "Queue wait", "Prefill->first token", "TTFT", "TPOT", "ITL",
-           "Latency")
+METRICS = ("add_request latency", "Tokenize", "Queue wait (post-tok)", "Prefill->first token", "TTFT", "TPOT",
+           "ITL", "Latency")
+SWITCHES = ("Model", "Device", "Pretok", "Tokenize workers", "Stream interval", "Paged attention", "CUDA Graph",
+            "NVTX")
 
 
 pytestmark = pytest.mark.usefixtures("restore_torch_threads")
@@ -32,8 +36,8 @@ def blog_flags(tiny_model_factory) -> list[str]:
 
 def _p50s(text: str) -> dict[str, list[float]]:
     found: dict[str, list[float]] = {}
-    for name, p50, p95, p99 in re.findall(r"^(.+): p50=([0-9.]+)ms p95=([0-9.]+)ms p99=([0-9.]+)ms$", text,
-                                          flags=re.M):
+    for name, p50, p95, p99 in re.findall(r"^(.+) p50/p95/p99: ([0-9.]+)/([0-9.]+)/([0-9.]+) ms(?:/token)?$",
+                                          text, flags=re.M):
         assert float(p50) <= float(p95) <= float(p99)
         found.setdefault(name, []).append(float(p50))
     return found
@@ -55,30 +59,35 @@ def _check_requests(requests: list[dict], new_tokens: int = NEW) -> None:
 def test_blog_command_line_each_schedule(blog_flags: list[str], schedule: str, tmp_path, capsys) -> None:
     out_json = tmp_path / "s.json"
     rc = main(["bench", "streaming", *blog_flags, "--submit-interval-ms", "1", "--submit-schedule", schedule,
-                                  "--warmup-runs", "1", "--repeat-runs", "2", "--json", str(out_json)])
+               "--warmup-runs", "1", "--repeat-runs", "2", "--detailed", "--json", str(out_json)])
     text = capsys.readouterr().out
     assert rc == 0
-    # warmup excluded: two measured runs and a summary over both, nothing else
-    titles = re.findall(r"^=== streaming benchmark \((.+)\) ===$", text, flags=re.M)
-    assert titles == ["run 1/2", "run 2/2", "summary over 2 runs"]
-    first_block = text.split("=== streaming benchmark (run 2/2)")[0]
-    labels = re.findall(r"^([A-Za-z_>\- ()/,]+?):", first_block, flags=re.M)
+    # warmup announced but not reported: two measured runs, then --detailed's summary over both
+    titles = re.findall(r"^=== (.+) ===$", text, flags=re.M)
+    assert titles == ["warmup 1/1", "run 1/2", "streaming benchmark", "run 2/2", "streaming benchmark",
+                      "streaming benchmark (summary over 2 runs)"]
+    first_block = text.split("=== run 2/2 ===")[0].split("=== streaming benchmark ===")[1]
+    labels = re.findall(r"^([^:\n]+):", first_block, flags=re.M)
     lag = ["Submit lag"] if schedule != "relative" else []
-    assert labels == ["Model", "Device", "Requests", "Prompt tokens (total)", "Completion tokens (total)",
-                      "Submit wall", "Submit interval/schedule", *lag, *METRICS, "Throughput (completion,total)"]
+    assert labels == [*SWITCHES, "Requests", "Prompt tokens (total)", "Completion tokens (total)", "Submit wall",
+                      "Submit interval/schedule", *(f"{m} p50/p95/p99" for m in (*lag, *METRICS)),
+                      "Throughput (completion,total)", "Throughput (total,total)"]
     assert re.findall(r"^Requests: (\d+)$", text, flags=re.M) == [str(N), str(N), str(2 * N)]
     assert re.findall(r"^Completion tokens \(total\): (\d+)$", text, flags=re.M) == [str(N * NEW)] * 2 + [
         str(2 * N * NEW)]
-    assert f"Submit interval/schedule: 1 ms / {schedule}" in text
+    assert f"Submit interval/schedule: 1.000 ms / {schedule}" in text
     p50 = _p50s(text)
     assert set(p50) == set(METRICS) | set(lag)
     assert all(len(v) == 3 for v in p50.values())
     for i in range(3):
         assert p50["TTFT"][i] <= p50["Latency"][i]
         assert 0 < p50["TPOT"][i] <= p50["Latency"][i]
-    comp, total = (float(x) for x in re.search(r"^Throughput \(completion,total\): ([0-9.]+), ([0-9.]+) tokens/s$",
-                                               text, flags=re.M).groups())
-    assert 0 < comp < total
+    completion = [float(x) for x in re.findall(r"^Throughput \(completion,total\): ([0-9.]+) tokens/s$", text,
+                                               flags=re.M)]
+    total = [float(x) for x in re.findall(r"^Throughput \(total,total\): ([0-9.]+) tokens/s$", text, flags=re.M)]
+    assert len(completion) == len(total) == 3 and all(0 < c < t for c, t in zip(completion, total))
+    # the summary's throughput is the mean of the runs'
+    assert completion[2] == pytest.approx((completion[0] + completion[1]) / 2, abs=0.011)
 
     report = json.loads(out_json.read_text())
     assert report["args"]["submit_schedule"] == schedule and len(report["runs"]) == 2
@@ -124,8 +133,9 @@ def test_pretok_and_rejections(blog_flags: list[str], tmp_path, capsys) -> None:
     ok = [r for r in requests if r["error"] is None]
     # a burst of 8 against a limit of 3: the first 3 get in, the rest cannot
     assert len(ok) >= 3 and rejected and len(ok) + len(rejected) == N
-    assert f"Rejected: {len(rejected)}/{N} " in text
+    assert f"Requests: {len(ok)}\nRejected: {len(rejected)}\n" in text
     assert f"Completion tokens (total): {len(ok) * 200}" in text
+    assert re.search(r"^reject latency p50/p95/p99: [0-9.]+/[0-9.]+/[0-9.]+ ms$", text, flags=re.M)
     _check_requests(ok, 200)
     # pre-tokenized: the prompt was ready from the start, and its encode time is still reported
     assert all(r["tokenized"] is None and r["tokenize_s"] > 0 for r in ok)
@@ -143,16 +153,35 @@ def test_bad_flags_and_failed_requests(blog_flags: list[str], capsys) -> None:
         main(["bench", "streaming", "--submit-schedule", "bursty"])
 
 
-def test_entry_points(blog_flags: list[str], capsys) -> None:
-    """`python -m roseinfer.benchmark_streaming` is the blog's spelling of `roseinfer bench streaming`;
-    `roseinfer bench` lists all three benchmarks and `bench serve` is wired to the HTTP client."""
-    proc = subprocess.run([sys.executable, "-m", "roseinfer.benchmark_streaming", *blog_flags,
-                           "--paged-attn", "--cuda-graph", "--nvtx", "--submit-interval-ms", "0",
-                           "--warmup-runs", "1", "--repeat-runs", "1"],
+def _blog_command_line(tiny_model: str, *extra: str) -> list[str]:
+    """The blog's streaming command line, scaled down to the tiny checkpoint on one CPU thread."""
+    return ["--hf-model-id", tiny_model, "--device", "cpu", "--prompt", "Hello", "--pretok", "--tokenize-workers",
+            "0", "--stream-interval", "8", "--num-requests", "4", "--warmup-runs", "1", "--repeat-runs", "1",
+            "--submit-interval-ms", "20", "--submit-schedule", "absolute", "--max-batch-size", "4",
+            "--prefill-max-batch-size", "4", "--max-new-tokens", "16", "--no-stop-on-eos", "--no-prefix-cache",
+            *extra, "--num-threads", "1"]
+
+
+@pytest.mark.parametrize("extra,golden", [
+    ((), STREAMING),
+    (("--unique-prompts", "--prompt-repeats", "8", "--max-inflight-requests", "2", "--paged-attn", "--cuda-graph",
+      "--nvtx"), STREAMING_INFLIGHT),
+], ids=["blog", "inflight"])
+def test_python_dash_m_prints_the_blogs_lines(tiny_model_factory, extra: tuple[str, ...], golden: str) -> None:
+    """`python -m roseinfer.benchmark_streaming` with the blog's command lines prints the blog's
+    lines, character for character but the numbers."""
+    proc = subprocess.run([sys.executable, "-m", "roseinfer.benchmark_streaming",
+                           *_blog_command_line(str(tiny_model_factory("llama")), *extra)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert f"Completion tokens (total): {N * NEW}" in proc.stdout
-    assert proc.stdout.count("=== streaming benchmark") == 1
+    assert mask(proc.stdout) == mask(golden)
+    # 4 requests of 16 tokens (the inflight limit may turn some away)
+    requests = int(re.search(r"^Requests: (\d+)$", proc.stdout, flags=re.M).group(1))
+    assert re.search(rf"^Completion tokens \(total\): {requests * 16}$", proc.stdout, flags=re.M)
+
+
+def test_bench_help_lists_every_benchmark(capsys) -> None:
+    """`roseinfer bench` lists all three benchmarks and `bench serve` is wired to the HTTP client."""
     with pytest.raises(SystemExit) as exc:
         main(["bench", "--help"])
     assert exc.value.code == 0

@@ -42,6 +42,11 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-max-tokens", type=int, default=None, help="most prompt tokens computed per step")
     g.add_argument("--prefill-admission-policy", choices=ADMISSION_POLICIES, default="fifo",
                    help="fifo (default), or pack: smallest prompts first within a lookahead window")
+    g.add_argument("--prefill-admission-lookahead", type=int, default=EngineConfig.pack_lookahead,
+                   help=HELP["pack_lookahead"] + " (default: %(default)s)")
+    g.add_argument("--prefill-force-fifo-every", type=int, default=EngineConfig.pack_fifo_every,
+                   help=HELP["pack_fifo_every"] + " (default: %(default)s; the engine keeps this guard, "
+                                                  "so the blog's 0 = never is refused)")
     g.add_argument("--max-active-requests", type=int, default=None, help="most admitted (running) requests at once")
     g.add_argument("--decode-first", action="store_true",
                    help="alternate decode-only and prefill-only steps instead of mixing them")
@@ -58,7 +63,10 @@ def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per request (default: 64)")
     g.add_argument("--no-stop-on-eos", action="store_true",
                    help="keep generating past EOS, so every request makes exactly --max-new-tokens")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--temperature", type=float, default=None,
+                   help="sampling temperature; 0 = greedy (default: 0, or 1.0 with --do-sample)")
+    g.add_argument("--do-sample", action="store_true",
+                   help="sample instead of greedy decoding, at --temperature (1.0 unless given), as in the blog")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
     g.add_argument("--top-k", type=int, default=-1, help="-1 = off (default)")
     g.add_argument("--seed", type=int, default=0,
@@ -78,6 +86,7 @@ def engine_config_from_flags(args: argparse.Namespace, **overrides: object) -> E
         max_num_seqs=args.max_batch_size, max_num_batched_tokens=args.max_num_batched_tokens,
         prefill_max_batch_size=args.prefill_max_batch_size, prefill_max_tokens=args.prefill_max_tokens,
         prefill_admission_policy=args.prefill_admission_policy,
+        pack_lookahead=args.prefill_admission_lookahead, pack_fifo_every=args.prefill_force_fifo_every,
         decode_first=args.decode_first, max_active_requests=args.max_active_requests,
     )
     values.update(overrides)
@@ -85,10 +94,15 @@ def engine_config_from_flags(args: argparse.Namespace, **overrides: object) -> E
 
 
 def sampling_params_from_flags(args: argparse.Namespace) -> SamplingParams:
+    # The blog samples only with --do-sample, at its default temperature 1.0; an explicit
+    # --temperature keeps its meaning here (0 greedy, above 0 sampling).
+    temperature = args.temperature if args.temperature is not None else (1.0 if args.do_sample else 0.0)
+    if args.do_sample and temperature == 0.0:
+        raise ValueError("--do-sample samples: give it a --temperature above 0 (or leave it out for 1.0)")
     # No per-request seed: one shared seed would make every request sample alike. --seed
     # seeds the engine's sampling generator instead (EngineConfig.seed), which keeps a
     # whole run reproducible.
-    return SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+    return SamplingParams(max_tokens=args.max_new_tokens, temperature=temperature, top_p=args.top_p,
                           top_k=args.top_k, ignore_eos=args.no_stop_on_eos)
 
 

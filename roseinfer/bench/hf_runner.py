@@ -53,6 +53,9 @@ class HFRunner:
         self.pad_id = pad if isinstance(pad, int) else (self.eos_token_ids[0] if self.eos_token_ids else 0)
         self.batch_size = batch_size
 
+    def reset_prefix_cache(self) -> None:
+        """Nothing to reset: each ``generate`` call starts from an empty cache."""
+
     def run(self, mode: str, prompts: list[list[int]], params: SamplingParams) -> list[RequestTiming]:
         """``naive`` generates one prompt at a time; ``offline`` and ``online`` are the same
         batched run here (HF has no engine to step), chunked by ``batch_size``."""

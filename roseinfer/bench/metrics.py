@@ -232,10 +232,23 @@ def parse_goodput(items: Sequence[str] | None) -> dict[str, float]:
     return slo
 
 
-def format_p50_p95_p99(name: str, values_seconds: Iterable[float]) -> str:
-    """One line like ``TTFT: p50=12.34ms p95=20.00ms p99=25.10ms`` (input in seconds)."""
-    vals = list(values_seconds)
-    if not vals:
-        return f"{name}: p50=n/a p95=n/a p99=n/a"
-    p50, p95, p99 = (percentile(vals, q) * 1000.0 for q in (50.0, 95.0, 99.0))
-    return f"{name}: p50={p50:.2f}ms p95={p95:.2f}ms p99={p99:.2f}ms"
+def percentiles_ms(values_seconds: Iterable[float], qs: Sequence[float] = (50.0, 95.0, 99.0)) -> list[float]:
+    """Percentiles of ``values_seconds`` in ms, 0.0 each when there are none: the blog prints
+    ``0.00/0.00/0.00`` e.g. for TPOT when every request made a single token."""
+    arr = np.asarray(list(values_seconds), dtype=np.float64)
+    if arr.size == 0:
+        return [0.0] * len(qs)
+    return [float(x) * 1000.0 for x in np.percentile(arr, list(qs))]
+
+
+def format_p50_p95_p99(name: str, values_seconds: Iterable[float], unit: str = "ms") -> str:
+    """The blog's line, e.g. ``TTFT p50/p95/p99: 7.60/18.62/24.86 ms`` (input in seconds)."""
+    p50, p95, p99 = percentiles_ms(values_seconds)
+    return f"{name} p50/p95/p99: {p50:.2f}/{p95:.2f}/{p99:.2f} {unit}"
+
+
+def format_p50_mean(name: str, values: Sequence[float], unit: str, decimals: int = 2) -> str:
+    """The blog's line over repeat runs, e.g. ``Total time p50/mean: 7.817085/7.813045 s`` (values
+    as printed: no unit conversion)."""
+    p50, mean = float(np.median(values)), float(np.mean(values))
+    return f"{name} p50/mean: {p50:.{decimals}f}/{mean:.{decimals}f} {unit}"

@@ -16,8 +16,14 @@ request has its first token (for ``naive``: the sum of each request's own time t
 token). Both throughputs count all completion tokens: ``completion,decode`` divides them by
 the decode time, ``completion,total`` by the total time.
 
-Each result is one ``RunResult``; the summary table is built from plain row dicts
-(``summary_rows``).
+Each result is one ``RunResult``. What is printed (``offline_report``) is the blog's: per mode a
+``=== MODE summary ===`` block over the measured runs (naive: each run's own block), with
+``--print-per-run`` each run's block first; roseinfer's side-by-side table follows only when
+asked for (``--detailed``, ``--backend`` with hf, ``--batch-sizes``).
+
+By default the prefix cache is emptied before every run, as the blog does, so that no run reuses
+what the one before cached; ``--keep-prefix-cache-across-runs`` keeps it (and gives every run the
+same generated prompts, so that there is something to reuse).
 
 ``--floor`` puts the engine beside the matmul floor (``bench/floor.py``): a decode step that
 does only the model's matmuls, LM head included, on the engine's own loaded weights, with the
@@ -43,7 +49,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,7 +63,8 @@ from .engine_flags import (add_engine_flags, add_sampling_flags, engine_config_f
                            sampling_params_from_flags)
 from .floor_report import floor_mode_for, floor_rows, floor_sampler, format_floor_table
 from .memory import EnginePeakRss, engine_memory
-from .metrics import RequestTiming, format_p50_p95_p99
+from .metrics import RequestTiming
+from .offline_report import format_stats, format_summary, format_table, summary_rows
 
 MODES: tuple[str, ...] = ("naive", "offline", "online")
 BACKENDS: tuple[str, ...] = ("roseinfer", "hf")
@@ -71,6 +77,8 @@ class Runner(Protocol):
     name: str
 
     def run(self, mode: str, prompts: list[list[int]], params: SamplingParams) -> list[RequestTiming]: ...
+
+    def reset_prefix_cache(self) -> None: ...
 
 
 @dataclass
@@ -148,6 +156,9 @@ class RoseinferRunner:
         self.llm = LLM(**vars(engine_config_from_flags(args, max_num_seqs=batch_size)))
         self.engine = self.llm.engine
 
+    def reset_prefix_cache(self) -> None:
+        self.engine.block_manager.reset_prefix_cache()
+
     def run(self, mode: str, prompts: list[list[int]], params: SamplingParams) -> list[RequestTiming]:
         if mode == "naive":
             return [t for ids in prompts for t in self._step_all([ids], params)]
@@ -199,21 +210,27 @@ def prefill_phase(mode: str, timings: list[RequestTiming], t0: float) -> float:
 
 
 def num_requests_for(args: argparse.Namespace, batch_size: int) -> int:
-    """Requests per run: --num-requests, else the batch size under --floor (one full batch,
-    submitted at once), else 16."""
+    """Requests per run: --num-requests, else one per --prompts text, else the batch size under
+    --floor (one full batch, submitted at once), else 16."""
     if args.num_requests is not None:
         return args.num_requests
+    if args.prompts:
+        return len(args.prompts)
     return batch_size if getattr(args, "floor", False) else DEFAULT_NUM_REQUESTS
 
 
 def build_prompts(args: argparse.Namespace, tokenizer: Any, run_index: int,
                   num_requests: int | None = None) -> list[list[int]]:
-    """Token-id prompts for one run. Generated prompts are drawn afresh per run (seed +
-    run index) so that a run cannot hit prefix-cache blocks left by the one before."""
-    n = num_requests if num_requests is not None else (args.num_requests or DEFAULT_NUM_REQUESTS)
+    """Token-id prompts for one run: --prompts cycled to the run's size, else --prompt n times, else
+    generated. Generated prompts are drawn afresh per run (seed + run index), the same in every
+    run with --keep-prefix-cache-across-runs."""
+    n = num_requests if num_requests is not None else num_requests_for(args, args.max_batch_size)
+    if args.prompts:
+        return [tokenizer.encode(args.prompts[i % len(args.prompts)]) for i in range(n)]
     if args.prompt is not None:
         return [tokenizer.encode(args.prompt)] * n
-    reqs = random_requests(n, args.prompt_len, 1, seed=args.seed + run_index, tokenizer=tokenizer)
+    seed = args.seed + (0 if args.keep_prefix_cache_across_runs else run_index)
+    reqs = random_requests(n, args.prompt_len, 1, seed=seed, tokenizer=tokenizer)
     return [tokenizer.encode(r.prompt)[: args.prompt_len] for r in reqs]
 
 
@@ -224,53 +241,6 @@ def run_once(runner: Runner, mode: str, batch_size: int, prompts: list[list[int]
     total = time.perf_counter() - t0
     return RunResult(runner.name, mode, batch_size, sum(map(len, prompts)), total,
                      prefill_phase(mode, timings, t0), timings)
-
-
-def format_run(r: RunResult, header: str) -> str:
-    lines = [
-        f"=== {header} ===",
-        f"Requests: {len(r.timings)}",
-        f"Prompt tokens (total): {r.prompt_tokens}",
-        f"Completion tokens (total): {r.completion_tokens}",
-        f"Prefill time: {r.prefill_time:.3f} s",
-        f"Decode time: {r.decode_time:.3f} s",
-        f"Total time: {r.total_time:.3f} s",
-        f"Throughput(completion,decode): {r.throughput(r.decode_time):.2f} tokens/s",
-        f"Throughput(completion,total): {r.throughput(r.total_time):.2f} tokens/s",
-    ]
-    if r.mode == "online":
-        lines += [format_p50_p95_p99("TTFT", [t.ttft for t in r.timings if t.ttft is not None]),
-                  format_p50_p95_p99("TPOT", [t.tpot for t in r.timings if t.tpot is not None]),
-                  format_p50_p95_p99("Latency", [t.latency for t in r.timings])]
-    return "\n".join(lines)
-
-
-def summary_rows(results: list[RunResult]) -> list[dict[str, Any]]:
-    """One row per (backend, mode, batch size): means over its repeat runs."""
-    groups: dict[tuple[str, str, int], list[RunResult]] = {}
-    for r in results:
-        groups.setdefault((r.backend, r.mode, r.batch_size), []).append(r)
-    rows = []
-    for (backend, mode, bs), runs in groups.items():
-        rows.append({
-            "backend": backend, "mode": mode, "batch_size": bs, "runs": len(runs),
-            "total_time_s": statistics.fmean(r.total_time for r in runs),
-            "decode_time_s": statistics.fmean(r.decode_time for r in runs),
-            "throughput_completion_decode": statistics.fmean(r.throughput(r.decode_time) for r in runs),
-            "throughput_completion_total": statistics.fmean(r.throughput(r.total_time) for r in runs),
-        })
-    return rows
-
-
-def format_table(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'backend':<10} {'mode':<8} {'batch':>5} {'runs':>4} {'total s':>9} {'decode s':>9} "
-            f"{'tok/s (compl,decode)':>21} {'tok/s (compl,total)':>20}")
-    out = ["=== summary (mean over repeat runs) ===", head]
-    for r in rows:
-        out.append(f"{r['backend']:<10} {r['mode']:<8} {r['batch_size']:>5} {r['runs']:>4} "
-                   f"{r['total_time_s']:>9.3f} {r['decode_time_s']:>9.3f} "
-                   f"{r['throughput_completion_decode']:>21.2f} {r['throughput_completion_total']:>20.2f}")
-    return "\n".join(out)
 
 
 def _csv_list(text: str, kind: type, choices: tuple[str, ...] | None = None) -> list:
@@ -295,8 +265,20 @@ def add_offline_args(parser: argparse.ArgumentParser) -> None:
                    help=f"requests per run (default: {DEFAULT_NUM_REQUESTS}; with --floor, the batch size)")
     p.add_argument("--prompt-len", type=int, default=32, help="tokens per generated prompt (default: 32)")
     p.add_argument("--prompt", default=None, help="use this text for every request instead of generated prompts")
+    p.add_argument("--prompts", nargs="+", default=None, metavar="TEXT",
+                   help="one request per text (cycled when --num-requests is given); overrides --prompt")
+    p.add_argument("--pretok", action="store_true",
+                   help="accepted for the blog's command lines: prompts are always tokenized before the timed runs")
+    p.add_argument("--keep-prefix-cache-across-runs", action="store_true",
+                   help="keep the prefix cache between runs (default: emptied before each) and give every run "
+                        "the same generated prompts")
     p.add_argument("--warmup-runs", type=int, default=1, help="unreported runs before the measured ones (default: 1)")
     p.add_argument("--repeat-runs", type=int, default=1, help="measured runs per mode (default: 1)")
+    p.add_argument("--print-per-run", action="store_true",
+                   help="print each measured run's block before its mode's summary (naive runs always are)")
+    p.add_argument("--detailed", action="store_true",
+                   help="after the blog's blocks, a table of every backend, mode and batch size (also printed "
+                        "with --backend hf/both or --batch-sizes)")
     p.add_argument("--json", default=None, metavar="PATH", help="write every run and the summary as JSON")
     g = p.add_argument_group("matmul floor")
     g.add_argument("--floor", action="store_true",
@@ -312,27 +294,34 @@ def add_offline_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_modes(args: argparse.Namespace, runner: Runner, batch_size: int, modes: list[str],
-               tokenizer: Any, params: SamplingParams,
+               tokenizer: Any, params: SamplingParams, tag: str,
                around_measured: Callable[[str], None] | None = None) -> list[RunResult]:
-    """Warmup then measured runs of each mode. ``around_measured(mode)``, when given, is
-    called before a mode's first measured run and after each measured run (the floor)."""
+    """Warmup then measured runs of each mode, each mode's blocks printed as it ends; ``tag``
+    follows the mode in their titles. ``around_measured(mode)``, when given, is called before a
+    mode's first measured run and after each measured run (the floor)."""
     results = []
     n = num_requests_for(args, batch_size)
     for mode in modes:
+        measured_runs = []
         for k in range(args.warmup_runs + args.repeat_runs):
             measured = k - args.warmup_runs
             if measured == 0 and around_measured is not None:
                 around_measured(mode)
             prompts = build_prompts(args, tokenizer, k, n)
+            if not args.keep_prefix_cache_across_runs:
+                runner.reset_prefix_cache()
             with nvtx_range(args, f"{runner.name}/{mode}/bs{batch_size}/run{k}"):
                 result = run_once(runner, mode, batch_size, prompts, params)
             if measured < 0:
                 continue  # warmup: JIT, allocator and cache growth stay out of the numbers
-            results.append(result)
-            print(format_run(result, f"{mode} | backend={runner.name} | batch_size={batch_size} | "
-                                     f"run {measured + 1}/{args.repeat_runs}"), flush=True)
+            measured_runs.append(result)
+            if mode == "naive" or args.print_per_run:
+                print(format_stats(result, f"{mode}{tag}"), flush=True)
             if around_measured is not None:
                 around_measured(mode)
+        if mode != "naive":
+            print(format_summary(f"{mode} summary{tag}", measured_runs, args.warmup_runs), flush=True)
+        results += measured_runs
     return results
 
 
@@ -362,13 +351,16 @@ def run_offline_bench(args: argparse.Namespace) -> dict[str, Any]:
         torch.set_num_threads(args.num_threads)
     folder = resolve_model_folder(args.model)
     params = sampling_params_from_flags(args)
+    if "hf" in backends and not params.greedy:
+        raise ValueError("--backend hf runs transformers' generate greedy only: drop --do-sample/--temperature")
+    # The blog's titles name the mode only; other backends or several batch sizes need theirs too.
+    several = backends != ["roseinfer"] or len(batch_sizes) > 1
     hf = hf_tokenizer = None
     if "hf" in backends:
         from .hf_runner import HFRunner
 
         hf_tokenizer = Tokenizer(folder)
         hf = HFRunner(folder, args.device, args.dtype, hf_tokenizer.eos_token_ids, batch_sizes[0])
-    print(f"Model: {args.model or DEFAULT_MODEL_NAME}\nDevice: {args.device}", flush=True)
     results: list[RunResult] = []
     floors: dict[int, list[float]] = {}
     prefill_floors: dict[int, list[float]] = {}
@@ -393,7 +385,8 @@ def run_offline_bench(args: argparse.Namespace) -> dict[str, Any]:
             else:
                 hf.batch_size = bs
                 runner, tokenizer = hf, hf_tokenizer
-            results += _run_modes(args, runner, bs, modes, tokenizer, params, around)
+            tag = f" | backend={backend} | batch_size={bs}" if several else ""
+            results += _run_modes(args, runner, bs, modes, tokenizer, params, tag, around)
             if backend == "roseinfer" and hf is None:  # with HF's model in the process the peak is not ours
                 memory[bs] = engine_memory(runner.engine, peak_rss.bytes())
             # Drop this engine's KV pool (and tokenizer) before the next one sizes its own from free memory.
@@ -402,7 +395,8 @@ def run_offline_bench(args: argparse.Namespace) -> dict[str, Any]:
             if args.device.startswith("cuda"):
                 torch.cuda.empty_cache()
     rows = summary_rows(results)
-    print(format_table(rows), flush=True)
+    if args.detailed or "hf" in backends or args.batch_sizes is not None:
+        print(format_table(rows, args.model or DEFAULT_MODEL_NAME, args.device), flush=True)
     report = {"args": {k: v for k, v in vars(args).items() if k != "func"},
               "runs": [r.to_dict() for r in results], "summary": rows}
     if floor:

@@ -8,17 +8,22 @@ time is stamped where the consumer receives its delta.
 
 Per request (seconds on one perf_counter clock, printed as ms percentiles):
 
-* Submit lag = actual submit start - scheduled time (absolute / poisson schedules only)
-* add_request latency = how long ``SchedulerManager.submit`` took
+* Submit lag = actual submit start - scheduled time (absolute / poisson schedules, interval > 0)
+* add_request latency = how long ``SchedulerManager.submit`` took; reject latency = the same
+  for the submissions it refused (``--max-inflight-requests``)
 * Tokenize = time to encode the prompt (measured before the run with ``--pretok``)
-* Queue wait = admitted - max(submit end, tokenized); submit end is when the manager
+* Queue wait (post-tok) = admitted - max(submit end, tokenized); submit end is when the manager
   queued the request (the client's submit() may return after the worker admitted it)
 * Prefill->first token = first token - admitted
 * TTFT = first token - submit start; TPOT = (last - first) / (n - 1)
 * ITL = every gap between consecutive deltas, pooled; Latency = stream end - submit start
 
-Throughput divides completion tokens (and prompt + completion tokens) by the wall time
-from the first submission to the last stream's end.
+Throughput divides completion tokens (and, with ``--detailed``, prompt + completion tokens) by
+the wall time from the first submission to the last stream's end.
+
+The lines printed are the blog's, character for character but the numbers: a
+``=== warmup i/n ===`` marker before each warmup run, ``=== run i/n ===`` before each measured
+run when there are several, then one ``=== streaming benchmark ===`` block per measured run.
 """
 
 from __future__ import annotations
@@ -157,10 +162,12 @@ def run_once(args: argparse.Namespace, engine: Any, run_index: int) -> RunReport
     return RunReport(records, wall, max(submit_ends, default=t0) - t0, lags)
 
 
-def format_report(args: argparse.Namespace, title: str, reports: list[RunReport]) -> str:
-    """The blog's block of lines; several reports are pooled (percentiles over all their
-    requests, throughput and walls averaged)."""
+def format_report(args: argparse.Namespace, reports: list[RunReport], title: str = "streaming benchmark") -> str:
+    """The blog's block of lines. Several reports are pooled (percentiles over all their requests,
+    throughput and submit wall averaged), for --detailed's summary over the repeat runs."""
     records = [r for rep in reports for r in rep.records]
+    rejected = [r for r in records if r.error == "rejected"]
+    failed = [r for r in records if r.error not in (None, "rejected")]
     ok = [r for r in records if r.error is None]
     timings = [r.timing() for r in ok]
     comp, total = (statistics.fmean(x) for x in zip(*(rep.throughput() for rep in reports)))
@@ -168,33 +175,45 @@ def format_report(args: argparse.Namespace, title: str, reports: list[RunReport]
         f"=== {title} ===",
         f"Model: {args.model or DEFAULT_MODEL_NAME}",
         f"Device: {args.device}",
-        f"Requests: {len(records)}",
+        f"Pretok: {args.pretok}",
+        f"Tokenize workers: {args.tokenize_workers}",
+        f"Stream interval: {args.stream_interval}",
+        f"Paged attention: {args.paged_attn}",
+        f"CUDA Graph: {args.cuda_graph}",
+        f"NVTX: {args.nvtx}",
+        f"Requests: {len(records) - len(rejected)}",
+    ]
+    if args.max_inflight_requests is not None:
+        lines.append(f"Rejected: {len(rejected)}")
+    if failed:  # never silent; a blog run has none, so its lines stay the blog's
+        lines.append(f"Failed: {len(failed)} (first error: {failed[0].error})")
+    lines += [
         f"Prompt tokens (total): {sum(r.prompt_tokens for r in ok)}",
         f"Completion tokens (total): {sum(r.num_tokens for r in ok)}",
-        f"Submit wall: {statistics.fmean(rep.submit_wall_s for rep in reports):.4f} s",
-        f"Submit interval/schedule: {args.submit_interval_ms:g} ms / {args.submit_schedule}",
+        f"Submit wall: {statistics.fmean(rep.submit_wall_s for rep in reports):.6f} s",
     ]
-    rejected = sum(r.error == "rejected" for r in records)
-    failed = sum(r.error not in (None, "rejected") for r in records)
-    if args.max_inflight_requests is not None or rejected:
-        lines.append(f"Rejected: {rejected}/{len(records)} ({100.0 * rejected / max(len(records), 1):.1f}%)")
-    if failed:
-        first = next(r.error for r in records if r.error not in (None, "rejected"))
-        lines.append(f"Failed: {failed} (first error: {first})")
-    if args.submit_schedule != "relative":
-        lines.append(format_p50_p95_p99("Submit lag", [x for rep in reports for x in rep.submit_lags_s or []]))
+    if args.submit_interval_ms > 0:
+        lines.append(f"Submit interval/schedule: {args.submit_interval_ms:.3f} ms / {args.submit_schedule}")
+        if args.submit_schedule != "relative":
+            lines.append(format_p50_p95_p99("Submit lag", [x for rep in reports for x in rep.submit_lags_s or []]))
+    lines.append(format_p50_p95_p99("add_request latency",
+                                    [r.submit_call_s for r in ok if r.submit_call_s is not None]))
+    if args.max_inflight_requests is not None:
+        lines.append(format_p50_p95_p99("reject latency",
+                                        [r.submit_call_s for r in rejected if r.submit_call_s is not None]))
     lines += [
-        format_p50_p95_p99("add_request latency", [r.submit_call_s for r in ok if r.submit_call_s is not None]),
         format_p50_p95_p99("Tokenize", [r.tokenize_s for r in ok if r.tokenize_s is not None]),
-        format_p50_p95_p99("Queue wait", [t.queue_wait for t in timings if t.queue_wait is not None]),
+        format_p50_p95_p99("Queue wait (post-tok)", [t.queue_wait for t in timings if t.queue_wait is not None]),
         format_p50_p95_p99("Prefill->first token",
                            [t.prefill_to_first_token for t in timings if t.prefill_to_first_token is not None]),
         format_p50_p95_p99("TTFT", [t.ttft for t in timings if t.ttft is not None]),
-        format_p50_p95_p99("TPOT", [t.tpot for t in timings if t.tpot is not None]),
+        format_p50_p95_p99("TPOT", [t.tpot for t in timings if t.tpot is not None], "ms/token"),
         format_p50_p95_p99("ITL", [x for t in timings for x in t.itls]),
         format_p50_p95_p99("Latency", [t.latency for t in timings]),
-        f"Throughput (completion,total): {comp:.2f}, {total:.2f} tokens/s",
+        f"Throughput (completion,total): {comp:.2f} tokens/s",
     ]
+    if args.detailed:
+        lines.append(f"Throughput (total,total): {total:.2f} tokens/s")
     return "\n".join(lines)
 
 
@@ -232,9 +251,11 @@ def add_streaming_args(parser: argparse.ArgumentParser) -> None:
                    help="seconds before a stalled request is counted as failed and aborted (default: %(default)s)")
     p.add_argument("--warmup-runs", type=int, default=0,
                    help="unreported runs first: JIT, allocator, caches (default: %(default)s)")
-    p.add_argument("--repeat-runs", type=int, default=1,
-                   help="measured runs; with several, a pooled summary too (default: %(default)s)")
+    p.add_argument("--repeat-runs", type=int, default=1, help="measured runs (default: %(default)s)")
     p.add_argument("--json", default=None, metavar="PATH", help="write every run's per-request records as JSON")
+    p.add_argument("--detailed", action="store_true",
+                   help="beyond the blog's lines: Throughput (total,total), prompt + completion tokens/s, in "
+                        "each block, and with several --repeat-runs a summary pooled over them")
     add_sampling_flags(parser)
     add_engine_flags(parser)
 
@@ -249,16 +270,20 @@ def run_streaming_bench(args: argparse.Namespace) -> dict[str, Any]:
     engine = LLMEngine(engine_config_from_flags(args))
     reports: list[RunReport] = []
     for k in range(args.warmup_runs + args.repeat_runs):
+        measured = k - args.warmup_runs
+        # the blog's markers: every warmup run is announced, measured runs only when there are several
+        if measured < 0:
+            print(f"=== warmup {k + 1}/{args.warmup_runs} ===", flush=True)
+        elif args.repeat_runs > 1:
+            print(f"=== run {measured + 1}/{args.repeat_runs} ===", flush=True)
         with nvtx_range(args, f"streaming/run{k}"):
             report = run_once(args, engine, k)
-        measured = k - args.warmup_runs
         if measured < 0:
-            continue  # warmup runs are neither printed nor summarized
+            continue  # warmup runs are neither reported nor summarized
         reports.append(report)
-        print(format_report(args, f"streaming benchmark (run {measured + 1}/{args.repeat_runs})", [report]),
-              flush=True)
-    if len(reports) > 1:
-        print(format_report(args, f"streaming benchmark (summary over {len(reports)} runs)", reports), flush=True)
+        print(format_report(args, [report]), flush=True)
+    if args.detailed and len(reports) > 1:
+        print(format_report(args, reports, f"streaming benchmark (summary over {len(reports)} runs)"), flush=True)
     result = {"args": {k: v for k, v in vars(args).items() if k != "func"},
               "runs": [{"completed": len(rep.ok), "wall_s": rep.wall_s, "submit_wall_s": rep.submit_wall_s,
                         "throughput_completion": rep.throughput()[0], "throughput_total": rep.throughput()[1],
