@@ -22,6 +22,8 @@ class CompletionOutput:
     text: str
     finish_reason: str | None
     logprobs: list[TokenLogprobs] | None = None
+    # with SamplingParams.prompt_logprobs: one entry per prompt token, the first None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
 
@@ -88,6 +90,7 @@ class LLM:
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, token_ids=out_ids,
             text=self.tokenizer.decode(out_ids), finish_reason=req.finish_reason,
             logprobs=req.logprobs if params.logprobs is not None else None,
+            prompt_logprobs=req.prompt_logprobs if params.prompt_logprobs is not None else None,
             num_cached_tokens=req.num_cached_tokens, metrics=metrics)
 
     def kv_cache_stats(self) -> dict[str, int]:
