@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from roseinfer import LLM, SamplingParams
+from roseinfer.engine.request import Request
 from tiny_models import hf_prompt_logprobs, sample_prompts
 
 TOP = 3
@@ -76,6 +77,17 @@ def test_prompt_logprobs_survive_a_preemption_without_being_taken_twice(model_di
     for prompt, out in zip(long_prompts, outs):
         assert_matches_hf(model_dir, prompt, out.prompt_logprobs)
     assert llm.kv_cache_stats()["used_blocks"] == 0
+
+
+def test_the_prefix_cache_serves_only_positions_whose_prompt_logprobs_are_taken():
+    req = Request("r", list(range(40)), PARAMS)
+    assert req.max_prefix_hit == 0 and list(req.prompt_logprob_positions(16)) == list(range(16))
+    req.prompt_logprobs += [None] * 20  # positions 0..19 taken (entries 1..20), then preempted
+    assert req.max_prefix_hit == 20 and list(req.prompt_logprob_positions(32)) == list(range(20, 32))
+    req.prompt_logprobs += [None] * 19  # the whole prompt, then 5 generated tokens
+    req.token_ids += [1, 2, 3, 4, 5]
+    assert req.max_prefix_hit == 44 and len(req.prompt_logprob_positions(45)) == 0
+    assert Request("s", list(range(40)), SamplingParams()).max_prefix_hit == 39
 
 
 def test_bad_prompt_logprobs_are_refused(model_dir):

@@ -3,7 +3,6 @@ sends it), echo with max_tokens 0, and vLLM's prompt_logprobs field, against the
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
@@ -20,19 +19,15 @@ PROMPT = "The cat sees a red apple and the old teacher paints the quiet house"
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model_factory) -> Path:
-    return tiny_model_factory("llama")
+def llm(tiny_model_factory) -> LLM:
+    """The offline engine, the reference for the server's logprobs."""
+    return LLM(str(tiny_model_factory("llama")))
 
 
 @pytest.fixture(scope="module")
-def llm(model_dir: Path) -> LLM:
-    return LLM(str(model_dir))
-
-
-@pytest.fixture(scope="module")
-def http(model_dir: Path) -> Iterator[httpx.Client]:
+def http(llm: LLM) -> Iterator[httpx.Client]:
     # a small token budget: the prompts below are prefilled in several chunks
-    engine = LLMEngine(EngineConfig(model=str(model_dir), max_num_batched_tokens=8))
+    engine = LLMEngine(EngineConfig(model=str(llm.engine.model_folder), max_num_batched_tokens=8))
     with serve_app(build_app(engine, MODEL)) as url, httpx.Client(base_url=url, trust_env=False, timeout=60) as c:
         yield c
 

@@ -83,10 +83,9 @@ class Request:
     def max_prefix_hit(self) -> int:
         """Tokens the prefix cache may serve: never the last (its logits pick the next token), nor
         a position whose logits still owe a prompt logprob (cached positions are never computed)."""
-        limit = self.num_tokens - 1
-        if self.sampling_params.prompt_logprobs is not None:
-            limit = min(limit, len(self.prompt_logprobs) - 1)
-        return limit
+        if len(self.prompt_logprobs) < self.num_prompt_tokens and self.sampling_params.prompt_logprobs is not None:
+            return len(self.prompt_logprobs) - 1
+        return self.num_tokens - 1
 
     def prompt_logprob_positions(self, num_new_tokens: int) -> range:
         """Positions among the next num_new_tokens to compute whose logits give a prompt logprob
