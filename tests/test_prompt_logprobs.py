@@ -38,9 +38,15 @@ def assert_matches_hf(model_dir, prompt: list[int], entries) -> None:
 
 @pytest.mark.parametrize("options", [{}, {"max_num_batched_tokens": 8}, {"enable_prefix_caching": False}],
                          ids=["whole", "chunked", "no_prefix_cache"])
-def test_prompt_logprobs_match_hf(model_dir, prompts, options):
+def test_prompt_logprobs_match_hf(model_dir, prompts, options, monkeypatch):
+    from roseinfer.engine.model_runner import LOGITS_CHUNK_ROWS
+
     llm = LLM(model=str(model_dir), num_kv_blocks=64, **options)
+    model, rows = llm.engine.runner.model, []
+    real_logits = model.compute_logits
+    monkeypatch.setattr(model, "compute_logits", lambda hidden: rows.append(hidden.shape[0]) or real_logits(hidden))
     outs = llm.generate(prompts, PARAMS, use_tqdm=False)
+    assert max(rows) <= LOGITS_CHUNK_ROWS < max(len(p) for p in prompts)  # a long prompt's logits in pieces
     assert max(len(p) for p in prompts) > 2 * llm.engine.config.max_num_batched_tokens or "max_num_batched_tokens" not in options
     for prompt, out in zip(prompts, outs):
         assert_matches_hf(model_dir, prompt, out.prompt_logprobs)
