@@ -38,7 +38,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     llm = LLM(**vars(engine_config_from_args(args, seed=0)))
     loaded = time.perf_counter()
-    out = llm.generate([_prompt_ids(llm, args.prompt, not args.no_chat_template)], _sampling_params(args))[0]
+    out = llm.generate([_prompt_ids(llm, args.prompt, not args.no_chat_template)], _sampling_params(args),
+                       use_tqdm=False)[0]
     print(out.text)
     print(f"[load {loaded - start:.2f}s, generate {time.perf_counter() - loaded:.2f}s, "
           f"{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]", file=sys.stderr)

@@ -4,10 +4,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from tqdm import tqdm
+
 from roseinfer.config import EngineConfig
 from roseinfer.engine.llm_engine import LLMEngine
-from roseinfer.engine.request import TokenLogprobs
+from roseinfer.engine.request import Request, TokenLogprobs
 from roseinfer.sampling_params import SamplingParams
+
+Conversation = list[dict[str, Any]]
 
 
 @dataclass
@@ -18,6 +22,8 @@ class CompletionOutput:
     text: str
     finish_reason: str | None
     logprobs: list[TokenLogprobs] | None = None
+    # with SamplingParams.prompt_logprobs: one entry per prompt token, the first None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
 
@@ -28,8 +34,10 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[CompletionOutput]:
-        """Run prompts (strings or token-id lists, mixed is fine) to completion, in order."""
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[CompletionOutput]:
+        """Run prompts (strings or token-id lists, mixed is fine) to completion, in order; with
+        use_tqdm, a progress bar on stderr counts finished requests (vLLM's)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -41,7 +49,7 @@ class LLM:
             params_list = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         engine = self.engine
         ids: list[str] = []
-        requests = {}
+        requests: dict[str, Request] = {}
         try:
             # add_request validates; if a later prompt is bad, the finally below withdraws the
             # ones already submitted, so a failed call leaves nothing behind
@@ -49,23 +57,40 @@ class LLM:
                 rid = engine.add_request(prompt, params)
                 ids.append(rid)
                 requests[rid] = engine.get_request(rid)
-            while engine.has_unfinished():
-                engine.step()
+            with _Progress(len(ids), use_tqdm) as progress:
+                while engine.has_unfinished():
+                    for out in engine.step():
+                        if out.finished:
+                            progress.finished(requests[out.request_id])
         finally:
             for rid in ids:
                 engine.abort_request(rid)  # no-op for finished ones; frees blocks if interrupted
             engine.pop_finished_ids()
         return [self._output(requests[rid]) for rid in ids]
 
-    def _output(self, req) -> CompletionOutput:
+    def chat(self, messages: Conversation | Sequence[Conversation],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+             chat_template_kwargs: dict[str, Any] | None = None,
+             add_generation_prompt: bool = True) -> list[CompletionOutput]:
+        """Generate a reply to one conversation (a list of {"role", "content"} messages) or to each
+        of a list of them, templated with the model's chat template; one output per conversation.
+        chat_template_kwargs are extra template variables (e.g. enable_thinking)."""
+        conversations = [messages] if not messages or isinstance(messages[0], dict) else list(messages)
+        template_kwargs = {"add_generation_prompt": add_generation_prompt, **(chat_template_kwargs or {})}
+        prompts = [self.tokenizer.apply_chat_template(list(c), **template_kwargs) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _output(self, req: Request) -> CompletionOutput:
         out_ids = req.output_token_ids
+        params = req.sampling_params
         metrics = {"arrival": req.arrival_time, "admitted": req.admitted_time or 0.0,
                    "first_token": req.first_token_time or 0.0, "finished": req.finished_time or 0.0,
                    "num_preemptions": req.num_preemptions}
         return CompletionOutput(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, token_ids=out_ids,
             text=self.tokenizer.decode(out_ids), finish_reason=req.finish_reason,
-            logprobs=req.logprobs if req.sampling_params.logprobs is not None else None,
+            logprobs=req.logprobs if params.logprobs is not None else None,
+            prompt_logprobs=req.prompt_logprobs if params.prompt_logprobs is not None else None,
             num_cached_tokens=req.num_cached_tokens, metrics=metrics)
 
     def get_default_sampling_params(self) -> SamplingParams:
@@ -75,5 +100,35 @@ class LLM:
     def kv_cache_stats(self) -> dict[str, int]:
         return self.engine.kv_cache_stats()
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        return self.tokenizer.apply_chat_template(messages)
+    def apply_chat_template(self, messages: Conversation, add_generation_prompt: bool = True,
+                            **template_kwargs: Any) -> list[int]:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt, **template_kwargs)
+
+
+class _Progress:
+    """vLLM's progress bar: finished requests, and the input / output tokens per second so far."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True, disable=not enabled,
+                        postfix=_speeds(0.0, 0.0))
+        self.input_tokens = 0
+        self.output_tokens = 0
+
+    def __enter__(self) -> "_Progress":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.close()
+
+    def finished(self, req: Request) -> None:
+        if self.bar.disable:
+            return
+        self.input_tokens += req.num_prompt_tokens
+        self.output_tokens += req.num_output_tokens
+        elapsed = max(self.bar.format_dict["elapsed"], 1e-9)
+        self.bar.postfix = _speeds(self.input_tokens / elapsed, self.output_tokens / elapsed)
+        self.bar.update(1)
+
+
+def _speeds(input_per_s: float, output_per_s: float) -> str:
+    return f"est. speed input: {input_per_s:.2f} toks/s, output: {output_per_s:.2f} toks/s"

@@ -20,6 +20,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None  # None: no logprobs; N >= 0: chosen token plus N alternatives
+    prompt_logprobs: int | None = None  # the same for every prompt token (the first gets None)
 
     def __post_init__(self) -> None:
         self.stop_token_ids = list(self.stop_token_ids or [])
@@ -50,8 +51,10 @@ class SamplingParams:
             raise bad("presence_penalty", "in [-2, 2]")
         if not -2 <= self.frequency_penalty <= 2:
             raise bad("frequency_penalty", "in [-2, 2]")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            raise bad("logprobs", "None or an integer >= 0")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise bad(name, "None or an integer >= 0")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "None or an integer")
 
@@ -73,3 +76,7 @@ class SamplingParams:
             bad_ids = [i for i in ids if not 0 <= i < vocab_size]
             if bad_ids:
                 raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab_size}): {bad_ids[:5]}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value > vocab_size:
+                raise ValueError(f"{name} asks for {value} alternatives but the vocabulary has {vocab_size} tokens")

@@ -80,20 +80,25 @@ class Tokenizer:
         text = self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return _clean_up_tokenization(text) if self._clean_up_spaces else text
 
-    def render_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The conversation as text, rendered the way transformers' apply_chat_template does."""
+    def render_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                             **template_kwargs: Any) -> str:
+        """The conversation as text, rendered the way transformers' apply_chat_template does;
+        template_kwargs are extra template variables (e.g. enable_thinking), as there."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; send a plain prompt instead")
         if not messages:
             raise ValueError("Cannot apply chat template to an empty conversation. Provide at least one message.")
         if self._compiled is None:
             self._compiled = compile_template(self.chat_template)
-        return self._compiled.render(messages=template_messages(messages), tools=None, documents=None,
-                                     add_generation_prompt=add_generation_prompt, **self.special_tokens)
+        variables = {"tools": None, "documents": None, **self.special_tokens, **template_kwargs}
+        return self._compiled.render(messages=template_messages(messages), add_generation_prompt=add_generation_prompt,
+                                     **variables)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            **template_kwargs: Any) -> list[int]:
         # The template writes the special tokens itself, so none are added (as in transformers).
-        return self.encode(self.render_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        text = self.render_chat_template(messages, add_generation_prompt, **template_kwargs)
+        return self.encode(text, add_special_tokens=False)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -53,8 +53,7 @@ def test_chunked_prefill_respects_the_token_budget(model_dir):
     for _ in range(5):
         out = engine.scheduler.schedule()
         assert out.num_tokens <= 8
-        sampled, logprobs = engine.runner.execute(out)
-        engine.scheduler.update(out, sampled, logprobs)
+        engine.scheduler.update(out, *engine.runner.execute(out))
     assert engine.get_request("req-0").num_computed_tokens == 40
     _run(engine)
     assert engine.kv_cache_stats()["used_blocks"] == 0

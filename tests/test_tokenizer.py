@@ -104,11 +104,12 @@ def _assert_same(folder: Path, conversations: list[list[dict[str, Any]]] = CONVE
     assert tok.eos_token_ids == {*gen_eos, hf.eos_token_id}
     assert tok.has_chat_template
     for messages in conversations:
-        for gen_prompt in (True, False):
-            text = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen_prompt)
-            assert tok.render_chat_template(messages, add_generation_prompt=gen_prompt) == text
-            ids = hf.apply_chat_template(messages, add_generation_prompt=gen_prompt, return_dict=False)
-            assert tok.apply_chat_template(messages, add_generation_prompt=gen_prompt) == list(ids)
+        # extra keyword arguments are template variables in both (TRICKY_TEMPLATE reads this one)
+        for gen_prompt, kwargs in ((True, {}), (False, {}), (True, {"enable_thinking": False})):
+            text = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen_prompt, **kwargs)
+            assert tok.render_chat_template(messages, add_generation_prompt=gen_prompt, **kwargs) == text
+            ids = hf.apply_chat_template(messages, add_generation_prompt=gen_prompt, return_dict=False, **kwargs)
+            assert tok.apply_chat_template(messages, add_generation_prompt=gen_prompt, **kwargs) == list(ids)
 
 
 def test_matches_transformers(folder: Path):
@@ -127,6 +128,7 @@ TRICKY_TEMPLATE = (
     "{% if m['role'] == 'assistant' %}{% generation %}{{ m.get('content', 'NONE') }}{% endgeneration %}"
     "{% else %}{{ m['content'] | tojson }}{% endif %}{{ eos_token }}\n"
     "{% endfor %}{{ ns.n }}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
 )
 TRICKY_CONVERSATIONS = CONVERSATIONS + [
     [{"role": "user", "content": "x"}, {"role": "skip", "content": "y"},

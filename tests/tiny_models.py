@@ -264,6 +264,14 @@ def hf_greedy(model_dir: str | pathlib.Path, prompt_ids: list[int], max_new_toke
     return new
 
 
+@torch.no_grad()
+def hf_prompt_logprobs(model_dir: str | pathlib.Path, prompt_ids: list[int]) -> torch.Tensor:
+    """[len(prompt_ids), vocab] log-softmax of HF's logits over the prompt: row p is the
+    distribution of token p + 1."""
+    logits = load_hf_model(model_dir)(torch.tensor([prompt_ids])).logits[0]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
 # --------------------------------------------------------------------------- prompts
 
 def sample_prompts(tokenizer_dir: str | pathlib.Path, n: int, seed: int, max_len: int = 100) -> list[list[int]]:

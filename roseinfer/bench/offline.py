@@ -168,7 +168,7 @@ class RoseinferRunner:
 
     def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[RequestTiming]:
         t0 = time.perf_counter()
-        outs = self.llm.generate(prompts, params)
+        outs = self.llm.generate(prompts, params, use_tqdm=False)  # no bar drawn inside the timed run
         timings = []
         for out in outs:
             # LLM.generate keeps only the first and the finishing token's times; with the

@@ -74,14 +74,15 @@ class BlockManager:
     def allocate_cached_prefix(self, req: Request) -> int:
         """Give a request with no blocks every cached block of its longest cached prefix.
 
-        The last token is never served from cache: its forward pass produces the logits.
+        The last token is never served from cache (its forward pass produces the logits), nor are
+        positions that still owe prompt logprobs (Request.max_prefix_hit).
         Returns the number of tokens covered (a multiple of block_size).
         """
         assert not req.block_table, "request already holds blocks"
         if not self.enable_prefix_caching:
             return 0
         parent: int | None = None
-        for i in range((req.num_tokens - 1) // self.block_size):
+        for i in range(req.max_prefix_hit // self.block_size):
             tokens = tuple(req.token_ids[i * self.block_size:(i + 1) * self.block_size])
             block_id = self._lookup(parent, tokens)
             if block_id is None:

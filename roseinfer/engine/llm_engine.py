@@ -123,8 +123,7 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
-        sampled, logprobs = self.runner.execute(out)
-        return self.scheduler.update(out, sampled, logprobs)
+        return self.scheduler.update(out, *self.runner.execute(out))
 
     def abort_request(self, request_id: str) -> bool:
         """Abort a waiting or running request and free its blocks at once; False if unknown or done."""

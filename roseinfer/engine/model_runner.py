@@ -8,14 +8,15 @@ import torch
 from torch import nn
 
 from roseinfer.engine.request import TokenLogprobs
-from roseinfer.engine.sampler import Sampler
+from roseinfer.engine.sampler import Sampler, token_logprobs
 from roseinfer.engine.scheduler import ScheduledRequest, SchedulerOutput
 from roseinfer.layers.attention import AttentionGroup, AttentionMetadata
 from roseinfer.layers.native import prefill_attention_supported
 from roseinfer.models.config import ModelConfig
 
 
-LOGITS_CHUNK_ROWS = 64  # rows of logits per LM-head pass on CPU (see execute)
+LOGITS_CHUNK_ROWS = 64  # rows of logits per LM-head pass on CPU, and for prompt logprobs anywhere (see execute)
+PromptLogprobs = list[list[TokenLogprobs]]  # per scheduled request, the prompt logprobs this step took
 
 
 class ModelRunner:
@@ -39,8 +40,9 @@ class ModelRunner:
         return 2 * model_config.num_layers * block_size * model_config.num_kv_heads * model_config.head_dim * dtype.itemsize
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[list[int | None], list[TokenLogprobs | None]]:
-        """Run one forward over the scheduled tokens; returns a token (or None) per scheduled request."""
+    def execute(self, out: SchedulerOutput) -> tuple[list[int | None], list[TokenLogprobs | None], PromptLogprobs]:
+        """Run one forward over the scheduled tokens; returns a token (or None) per scheduled request,
+        its logprobs, and the prompt logprobs of the prompt positions this step computed."""
         items = out.scheduled
         input_ids, positions, meta, sample_rows = self._prepare(items)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
@@ -59,7 +61,27 @@ class ModelRunner:
             tokens, lps = self.sampler(logits, [items[i].request for i in part])
             for i, token, lp in zip(part, tokens, lps):
                 sampled[i], logprobs[i] = token, lp
-        return sampled, logprobs
+        return sampled, logprobs, self._prompt_logprobs(items, hidden)
+
+    def _prompt_logprobs(self, items: list[ScheduledRequest], hidden: torch.Tensor) -> PromptLogprobs:
+        """For requests with prompt_logprobs, the logits at every prompt position this step computes
+        (but the last, which samples) give the next prompt token's logprob; a chunk's last row gives
+        the next chunk's first. LOGITS_CHUNK_ROWS rows at a time on every device: a long prompt's
+        whole logits block would be the step's largest allocation, and only the entries are kept."""
+        result: PromptLogprobs = [[] for _ in items]
+        offset = 0  # the request's first row in the flat batch
+        for i, item in enumerate(items):
+            req = item.request
+            positions = req.prompt_logprob_positions(item.num_tokens)
+            first_row = offset + positions.start - req.num_computed_tokens
+            for start in range(0, len(positions), LOGITS_CHUNK_ROWS):
+                rows = min(LOGITS_CHUNK_ROWS, len(positions) - start)
+                logits = self.model.compute_logits(hidden[first_row + start:first_row + start + rows])
+                targets = req.token_ids[positions.start + start + 1:positions.start + start + rows + 1]
+                result[i] += token_logprobs(torch.log_softmax(logits, dim=-1), targets,
+                                            req.sampling_params.prompt_logprobs)
+            offset += item.num_tokens
+        return result
 
     def _prepare(self, items: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         input_ids: list[int] = []

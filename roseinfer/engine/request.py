@@ -45,6 +45,8 @@ class Request:
     step_count: int = 0  # engine steps this request was part of
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # with prompt_logprobs: one entry per prompt token taken so far, the first None (no context)
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     generator: torch.Generator | None = None
     admitted_time: float | None = None
     first_token_time: float | None = None
@@ -54,6 +56,8 @@ class Request:
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        if self.sampling_params.prompt_logprobs is not None and not self.prompt_logprobs:
+            self.prompt_logprobs = [None]
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -74,6 +78,23 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def max_prefix_hit(self) -> int:
+        """Tokens the prefix cache may serve: never the last (its logits pick the next token), nor
+        a position whose logits still owe a prompt logprob (cached positions are never computed)."""
+        if len(self.prompt_logprobs) < self.num_prompt_tokens and self.sampling_params.prompt_logprobs is not None:
+            return len(self.prompt_logprobs) - 1
+        return self.num_tokens - 1
+
+    def prompt_logprob_positions(self, num_new_tokens: int) -> range:
+        """Positions among the next num_new_tokens to compute whose logits give a prompt logprob
+        not taken yet: the logits at position p give token p + 1's. After a preemption, the
+        positions already taken are not taken again."""
+        if self.sampling_params.prompt_logprobs is None:
+            return range(0)
+        start = self.num_computed_tokens
+        return range(max(start, len(self.prompt_logprobs) - 1), min(start + num_new_tokens, self.num_prompt_tokens - 1))
 
     @property
     def in_prefill(self) -> bool:

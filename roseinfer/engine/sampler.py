@@ -32,7 +32,7 @@ class Sampler:
         else:
             tokens = self._sample(logits.clone(), requests)
         token_list = tokens.tolist()
-        logprobs = [self._logprobs(raw_logprobs, i, tok, p.logprobs) if p.logprobs is not None else None
+        logprobs = [token_logprobs(raw_logprobs[i:i + 1], [tok], p.logprobs)[0] if p.logprobs is not None else None
                     for i, (tok, p) in enumerate(zip(token_list, params))]
         return token_list, logprobs
 
@@ -98,13 +98,15 @@ class Sampler:
             logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
         return logits.softmax(dim=-1)
 
-    @staticmethod
-    def _logprobs(raw: torch.Tensor, i: int, token: int, num_top: int) -> TokenLogprobs:
-        row = raw[i]
-        chosen = row[token]
-        rank = int((row > chosen).sum().item()) + 1
-        top: list[tuple[int, float]] = []
-        if num_top > 0:
-            values, ids = row.topk(num_top)
-            top = list(zip(ids.tolist(), values.tolist()))
-        return TokenLogprobs(token, float(chosen.item()), rank, top)
+
+def token_logprobs(logprobs: torch.Tensor, tokens: list[int], num_top: int) -> list[TokenLogprobs]:
+    """logprobs: [R, V] log-softmax rows; row i's entry for tokens[i], with its rank and the
+    num_top most likely tokens."""
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device).unsqueeze(1))
+    ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
+    tops: list[list[tuple[int, float]]] = [[] for _ in tokens]
+    if num_top > 0:
+        values, ids = logprobs.topk(num_top, dim=1)
+        tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    return [TokenLogprobs(token, value, rank, top)
+            for token, value, rank, top in zip(tokens, chosen.squeeze(1).tolist(), ranks, tops)]

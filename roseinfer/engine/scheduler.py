@@ -170,13 +170,16 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # ---- results ---------------------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: list[int | None],
-               logprobs: list[TokenLogprobs | None]) -> list[RequestOutput]:
-        """Apply one step's sampled tokens (None for rows that only computed a prompt chunk)."""
+    def update(self, out: SchedulerOutput, sampled: list[int | None], logprobs: list[TokenLogprobs | None],
+               prompt_logprobs: list[list[TokenLogprobs]] | None = None) -> list[RequestOutput]:
+        """Apply one step's sampled tokens (None for rows that only computed a prompt chunk) and
+        the prompt logprobs it took."""
         outputs: list[RequestOutput] = []
         now = time.perf_counter()
-        for item, token, logprob in zip(out.scheduled, sampled, logprobs):
+        for i, (item, token, logprob) in enumerate(zip(out.scheduled, sampled, logprobs)):
             req = item.request
+            if prompt_logprobs:
+                req.prompt_logprobs += prompt_logprobs[i]
             req.num_computed_tokens += item.num_tokens
             req.step_count += 1
             self.block_manager.cache_full_blocks(req)

@@ -57,6 +57,8 @@ class StreamDelta:
     num_output_tokens: int  # totals so far, including tokens whose text a stop string cut
     timestamp: float  # time.perf_counter() when the worker pushed it
     error: str | None = None  # the engine failed this request (finish_reason is then "abort")
+    # with prompt_logprobs, in the first delta: one entry per prompt token, the first None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class RequestStream:
@@ -291,8 +293,10 @@ class SchedulerManager:
 
     def _flush(self, tr: _Tracked, now: float, finished: bool = False, reason: str | None = None) -> StreamDelta:
         stream = tr.stream
+        # the prompt's logprobs are all taken once its first token is out
+        wants_prompt = not tr.flushed and tr.request.sampling_params.prompt_logprobs is not None
         delta = StreamDelta(tr.text, tr.token_ids, tr.logprobs, finished, reason, stream.num_prompt_tokens,
-                            tr.num_output_tokens, now, tr.error)
+                            tr.num_output_tokens, now, tr.error, list(tr.request.prompt_logprobs) if wants_prompt else None)
         tr.text, tr.token_ids, tr.logprobs = "", [], []
         if not tr.flushed or finished:
             tr.flushed = True

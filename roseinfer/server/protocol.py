@@ -42,6 +42,7 @@ class SamplingRequest(BaseModel):
     ignore_eos: bool = False
     min_tokens: StrictInt = 0
     stop_token_ids: TokenIds | None = None
+    prompt_logprobs: StrictInt | None = None  # per prompt token: its logprob and this many alternatives
 
     @property
     def include_usage(self) -> bool:
@@ -51,7 +52,7 @@ class SamplingRequest(BaseModel):
 class CompletionRequest(SamplingRequest):
     prompt: Union[StrictStr, list[StrictStr], TokenIds, list[TokenIds]]
     echo: bool = False
-    logprobs: StrictInt | None = None  # alternatives per token, OpenAI allows up to 5
+    logprobs: StrictInt | None = None  # alternatives per token, OpenAI allows up to 5; with echo, the prompt's too
 
 
 class ContentPart(BaseModel):

@@ -22,6 +22,7 @@ from jinja2 import TemplateError
 from roseinfer.engine.request import TokenLogprobs
 from roseinfer.sampling_params import SamplingParams
 from roseinfer.server.engine_loop import OverloadedError, RequestStream, SchedulerManager, StreamDelta
+from roseinfer.server.logprobs import Entry, LogprobsFormatter
 from roseinfer.server.protocol import (APIError, ChatCompletionRequest, ChatMessage, CompletionRequest,
                                        SamplingRequest, error_body)
 
@@ -38,6 +39,7 @@ class _Choice:
 
     text: str = ""
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     finish_reason: str | None = None
     num_output_tokens: int = 0
     error: str | None = None
@@ -50,6 +52,7 @@ class OpenAIServing:
         self.model_name = model_name
         self.tokenizer = engine.tokenizer
         self.defaults = engine.sampling_defaults  # the model's generation config, for fields a request leaves unset
+        self.logprobs = LogprobsFormatter(engine.tokenizer)
         # what one request can hold: the context, or the whole KV pool if that is smaller
         self.context_limit = min(engine.max_model_len, engine.num_kv_blocks * engine.config.block_size)
 
@@ -57,44 +60,54 @@ class OpenAIServing:
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
         start = time.perf_counter()
         self.check_model(body.model)
-        if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
-            raise APIError(400, f"logprobs must be between 0 and {MAX_LOGPROBS}", "logprobs")
-        if body.echo and body.logprobs is not None:
-            raise APIError(400, "echo together with logprobs is not supported (no prompt logprobs)", "echo")
+        _check_num_logprobs(body, "logprobs")
+        _check_prompt_logprobs(body)
+        # echo with logprobs: the prompt tokens' logprobs come first, as OpenAI's legacy API gave
+        # them (lm-evaluation-harness scores continuations so); max_tokens 0 then returns only
+        # the prompt: one token is generated and dropped, as vLLM does
+        echo_logprobs = body.echo and body.logprobs is not None
+        prompt_only = body.echo and body.max_tokens == 0
+        prompt_logprobs = max(body.logprobs, body.prompt_logprobs or 0) if echo_logprobs else body.prompt_logprobs
         prompts = self._completion_prompts(body.prompt)
         max_tokens = self.defaults.get("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS) if body.max_tokens is None \
             else body.max_tokens
-        params = self._sampling_params(body, max_tokens, body.logprobs)
+        params = self._sampling_params(body, 1 if prompt_only else max_tokens, body.logprobs, prompt_logprobs)
         streams = self._submit([ids for ids, _ in prompts], body, params, start)
         echoes = [(text if text is not None else self.tokenizer.decode(ids)) if body.echo else ""
                   for ids, text in prompts for _ in range(body.n)]
+        prompt_ids = [ids if echo_logprobs else [] for ids, _ in prompts for _ in range(body.n)]
         reply = _Reply(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name, "text_completion",
                        [len(ids) for ids, _ in prompts], body.include_usage)
-        want_logprobs = body.logprobs is not None
         if body.stream:
-            return _EventStream(self._stream_completion(streams, reply, echoes, want_logprobs),
+            return _EventStream(self._stream_completion(streams, reply, echoes, prompt_ids, body.logprobs, prompt_only),
                                 lambda: self.abort_unfinished(streams))
-        choices = await self._collect(streams, raw)
+        choices = await self._collect(streams, raw, prompt_only)
         if choices is None:
             return Response(status_code=CLIENT_CLOSED)
-        return JSONResponse(reply.body([{
-            "index": i, "text": echoes[i] + c.text, "finish_reason": c.finish_reason,
-            "logprobs": self._completion_logprobs(c.logprobs, len(echoes[i])) if want_logprobs else None,
-        } for i, c in enumerate(choices)], choices))
+        out = []
+        for i, c in enumerate(choices):
+            choice = {"index": i, "text": echoes[i] + c.text, "finish_reason": c.finish_reason, "logprobs": None}
+            if body.logprobs is not None:
+                entries = _prompt_entries(prompt_ids[i], c.prompt_logprobs) + [(lp.token_id, lp) for lp in c.logprobs]
+                choice["logprobs"] = self.logprobs.completion(entries, 0, body.logprobs)
+            if body.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = self.logprobs.prompt(c.prompt_logprobs or [], body.prompt_logprobs)
+            out.append(choice)
+        return JSONResponse(reply.body(out, choices))
 
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
         start = time.perf_counter()
         self.check_model(body.model)
-        if body.top_logprobs is not None:
-            if not body.logprobs:
-                raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
-            if not 0 <= body.top_logprobs <= MAX_LOGPROBS:
-                raise APIError(400, f"top_logprobs must be between 0 and {MAX_LOGPROBS}", "top_logprobs")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
+        _check_num_logprobs(body, "top_logprobs")
+        _check_prompt_logprobs(body)
         ids = self.chat_prompt(body.messages)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_tokens is None:  # OpenAI's chat default: whatever room the context has left
             max_tokens = min(max(1, self.context_limit - len(ids)), self.defaults.get("max_tokens", self.context_limit))
-        params = self._sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+        params = self._sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
+                                       body.prompt_logprobs)
         streams = self._submit([ids], body, params, start)
         reply = _Reply(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name, "chat.completion",
                        [len(ids)], body.include_usage)
@@ -103,10 +116,13 @@ class OpenAIServing:
         choices = await self._collect(streams, raw)
         if choices is None:
             return Response(status_code=CLIENT_CLOSED)
-        return JSONResponse(reply.body([{
+        response = reply.body([{
             "index": i, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason,
-            "logprobs": self._chat_logprobs(c.logprobs) if body.logprobs else None,
-        } for i, c in enumerate(choices)], choices))
+            "logprobs": self.logprobs.chat(c.logprobs) if body.logprobs else None,
+        } for i, c in enumerate(choices)], choices)
+        if body.prompt_logprobs is not None:  # vLLM's: one prompt, so once per response
+            response["prompt_logprobs"] = self.logprobs.prompt(choices[0].prompt_logprobs or [], body.prompt_logprobs)
+        return JSONResponse(response)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -132,7 +148,8 @@ class OpenAIServing:
             prompt = [prompt]
         return [(self.tokenizer.encode(p), p) if isinstance(p, str) else (list(p), None) for p in prompt]
 
-    def _sampling_params(self, body: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, body: SamplingRequest, max_tokens: int, logprobs: int | None,
+                         prompt_logprobs: int | None) -> SamplingParams:
         bias: dict[int, float] = {}
         for key, value in (body.logit_bias or {}).items():
             if not key.lstrip("-").isdigit():
@@ -144,7 +161,8 @@ class OpenAIServing:
                   "seed": body.seed, "presence_penalty": body.presence_penalty,
                   "frequency_penalty": body.frequency_penalty, "logit_bias": bias, "top_k": body.top_k,
                   "min_p": body.min_p, "repetition_penalty": body.repetition_penalty, "ignore_eos": body.ignore_eos,
-                  "min_tokens": body.min_tokens, "stop_token_ids": body.stop_token_ids, "logprobs": logprobs}
+                  "min_tokens": body.min_tokens, "stop_token_ids": body.stop_token_ids, "logprobs": logprobs,
+                  "prompt_logprobs": prompt_logprobs}
         try:
             return SamplingParams(**{**self.defaults, **{k: v for k, v in values.items() if v is not None}})
         except ValueError as exc:
@@ -178,14 +196,19 @@ class OpenAIServing:
 
     # ---- engine -> response ------------------------------------------------------------------
     async def _stream_completion(self, streams: list[RequestStream], reply: "_Reply", echoes: list[str],
-                                 want_logprobs: bool) -> AsyncIterator[str]:
-        offsets = [len(e) for e in echoes]  # text_offset of the next token, per choice
-        echoed = [not e for e in echoes]
+                                 prompt_ids: list[list[int]], num_logprobs: int | None,
+                                 prompt_only: bool) -> AsyncIterator[str]:
+        """The first chunk of each choice carries the echoed prompt (and its tokens' logprobs)."""
+        offsets = [0] * len(echoes)  # text_offset of the next token, per choice
+        echoed = [False] * len(echoes)
         async for index, delta in self._merge(streams):
-            text = delta.text
+            if prompt_only:
+                delta = _without_output(delta)
+            text, entries = delta.text, [(lp.token_id, lp) for lp in delta.logprobs]
             if not echoed[index]:
                 text, echoed[index] = echoes[index] + text, True
-            logprobs = self._completion_logprobs(delta.logprobs, offsets[index]) if want_logprobs else None
+                entries = _prompt_entries(prompt_ids[index], delta.prompt_logprobs) + entries
+            logprobs = self.logprobs.completion(entries, offsets[index], num_logprobs) if num_logprobs is not None else None
             if logprobs is not None and logprobs["tokens"]:
                 offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
             if delta.error:
@@ -203,7 +226,7 @@ class OpenAIServing:
             yield _sse(reply.chunk({"index": index, "delta": {"role": "assistant", "content": ""},
                                     "logprobs": None, "finish_reason": None}))
         async for index, delta in self._merge(streams):
-            logprobs = self._chat_logprobs(delta.logprobs) if want_logprobs and delta.logprobs else None
+            logprobs = self.logprobs.chat(delta.logprobs) if want_logprobs and delta.logprobs else None
             if delta.error:
                 yield _sse(error_body(500, delta.error))
             elif delta.text or delta.finished or logprobs:
@@ -237,15 +260,20 @@ class OpenAIServing:
             for task in tasks:
                 task.cancel()
 
-    async def _collect(self, streams: list[RequestStream], raw: Request) -> list[_Choice] | None:
+    async def _collect(self, streams: list[RequestStream], raw: Request,
+                       prompt_only: bool = False) -> list[_Choice] | None:
         """Run a non-streaming request to the end; None if the client went away first."""
         choices = [_Choice() for _ in streams]
 
         async def gather() -> None:
             async for index, delta in self._merge(streams):
+                if prompt_only:
+                    delta = _without_output(delta)
                 c = choices[index]
                 c.text += delta.text
                 c.logprobs += delta.logprobs
+                if delta.prompt_logprobs is not None:
+                    c.prompt_logprobs = delta.prompt_logprobs
                 c.num_output_tokens = delta.num_output_tokens
                 c.finish_reason, c.error = delta.finish_reason, delta.error
 
@@ -266,32 +294,6 @@ class OpenAIServing:
         for stream in streams:
             if not stream.finished:
                 self.manager.abort(stream.request_id)
-
-    def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
-
-    def _completion_logprobs(self, logprobs: list[TokenLogprobs], offset: int) -> dict[str, Any]:
-        tokens = [self._token_text(lp.token_id) for lp in logprobs]
-        offsets = []
-        for token in tokens:
-            offsets.append(offset)
-            offset += len(token)
-        tops = []
-        for lp in logprobs:
-            top: dict[str, float] = {}
-            for token_id, value in lp.top:  # ids that decode alike (partial UTF-8) keep the best value
-                top.setdefault(self._token_text(token_id), value)
-            tops.append(top)
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs], "top_logprobs": tops,
-                "text_offset": offsets}
-
-    def _chat_logprobs(self, logprobs: list[TokenLogprobs]) -> dict[str, Any]:
-        def entry(token_id: int, logprob: float) -> dict[str, Any]:
-            text = self._token_text(token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-        return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
-                            for lp in logprobs]}
 
 
 @dataclass
@@ -335,6 +337,29 @@ class _Reply:
         for i, r in enumerate(results):
             self.completion_tokens[i] = r.num_output_tokens
         return {**self._head(stream=False), "choices": choices, "usage": self.usage()}
+
+
+def _check_num_logprobs(body: SamplingRequest, name: str) -> None:
+    value = getattr(body, name)
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise APIError(400, f"{name} must be between 0 and {MAX_LOGPROBS}", name)
+
+
+def _check_prompt_logprobs(body: SamplingRequest) -> None:
+    _check_num_logprobs(body, "prompt_logprobs")
+    if body.prompt_logprobs is not None and body.stream:  # as in vLLM
+        raise APIError(400, "prompt_logprobs are not available when stream is true", "prompt_logprobs")
+
+
+def _prompt_entries(prompt_ids: list[int], logprobs: list[TokenLogprobs | None] | None) -> list[Entry]:
+    """The prompt's tokens with their logprobs (empty when the prompt is not echoed with them)."""
+    return list(zip(prompt_ids, logprobs or []))
+
+
+def _without_output(delta: StreamDelta) -> StreamDelta:
+    """An echo request with max_tokens 0: the generated token is dropped, and it ends for length."""
+    reason = "length" if delta.finish_reason in ("stop", "length") else delta.finish_reason
+    return dataclasses.replace(delta, text="", token_ids=[], logprobs=[], num_output_tokens=0, finish_reason=reason)
 
 
 def _bad_value(exc: ValueError, body: SamplingRequest) -> APIError:

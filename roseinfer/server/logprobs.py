@@ -1,0 +1,62 @@
+"""Logprobs in the response shapes clients read: OpenAI's legacy completions object, OpenAI's
+chat object, and vLLM's prompt_logprobs list."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from roseinfer.engine.request import TokenLogprobs
+from roseinfer.tokenizer import Tokenizer
+
+# (token id, its logprobs); None for a prompt's first token, which nothing predicts
+Entry = tuple[int, TokenLogprobs | None]
+
+
+class LogprobsFormatter:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def completion(self, entries: Sequence[Entry], offset: int, num_top: int) -> dict[str, Any]:
+        """OpenAI's legacy object; text_offset counts on from `offset`, the top alternatives are
+        cut to num_top (prompt entries may carry more, when prompt_logprobs asked for more)."""
+        tokens = [self.token_text(token_id) for token_id, _ in entries]
+        offsets = []
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        tops: list[dict[str, float] | None] = []
+        for _, lp in entries:
+            if lp is None:
+                tops.append(None)
+                continue
+            top: dict[str, float] = {}
+            for token_id, value in lp.top[:num_top]:  # ids that decode alike (partial UTF-8) keep the best value
+                top.setdefault(self.token_text(token_id), value)
+            tops.append(top)
+        return {"tokens": tokens, "token_logprobs": [None if lp is None else lp.logprob for _, lp in entries],
+                "top_logprobs": tops, "text_offset": offsets}
+
+    def chat(self, logprobs: list[TokenLogprobs]) -> dict[str, Any]:
+        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+            text = self.token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                            for lp in logprobs]}
+
+    def prompt(self, logprobs: list[TokenLogprobs | None], num_top: int) -> list[dict[int, dict[str, Any]] | None]:
+        """vLLM's prompt_logprobs: per prompt token, the token itself and the num_top most likely,
+        each with its logprob, rank and text; None for the first token."""
+        out: list[dict[int, dict[str, Any]] | None] = []
+        for lp in logprobs:
+            if lp is None:
+                out.append(None)
+                continue
+            ranked = [(lp.token_id, lp.logprob, lp.rank)] + [(t, v, r) for r, (t, v) in enumerate(lp.top[:num_top], 1)]
+            entry: dict[int, dict[str, Any]] = {}
+            for token_id, value, rank in ranked:
+                entry.setdefault(token_id, {"logprob": value, "rank": rank, "decoded_token": self.token_text(token_id)})
+            out.append(entry)
+        return out
