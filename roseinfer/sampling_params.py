@@ -1,12 +1,49 @@
-"""Per-request sampling settings, validated once at construction (vLLM's names)."""
+"""Per-request sampling settings, validated once at construction (vLLM's names).
+
+BOUNDS is the one statement of each numeric field's range: SamplingParams checks it, and the
+server's request models publish it in their OpenAPI schema (server/protocol.py).
+"""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Any
+
+SAMPLING_EPS = 1e-5  # a temperature below this samples greedily, as in vLLM (logits / 1e-6 is noise)
+SEED_MIN, SEED_MAX = -2**63, 2**64 - 1  # what torch.Generator.manual_seed takes
+
+
+@dataclass(frozen=True)
+class Bounds:
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+
+    def holds(self, value: float) -> bool:
+        return ((self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
+                and (self.le is None or value <= self.le))
+
+    def describe(self) -> str:
+        parts = [f"{op} {value}" for op, value in ((">=", self.ge), (">", self.gt), ("<=", self.le)) if value is not None]
+        return " and ".join(parts)
+
+    def field_kwargs(self) -> dict[str, float]:
+        """As pydantic.Field's keyword arguments."""
+        return {k: v for k, v in (("ge", self.ge), ("gt", self.gt), ("le", self.le)) if v is not None}
+
+
+BOUNDS: dict[str, Bounds] = {
+    "temperature": Bounds(ge=0), "top_p": Bounds(gt=0, le=1), "top_k": Bounds(ge=-1), "min_p": Bounds(ge=0, le=1),
+    "seed": Bounds(ge=SEED_MIN, le=SEED_MAX), "max_tokens": Bounds(ge=1), "min_tokens": Bounds(ge=0),
+    "repetition_penalty": Bounds(gt=0), "presence_penalty": Bounds(ge=-2, le=2),
+    "frequency_penalty": Bounds(ge=-2, le=2), "logprobs": Bounds(ge=0), "prompt_logprobs": Bounds(ge=0),
+}
+INT_FIELDS = ("top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs")
 
 
 @dataclass
 class SamplingParams:
-    temperature: float = 1.0
+    temperature: float = 1.0  # below SAMPLING_EPS: greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 (or 0) disables top-k
     min_p: float = 0.0
@@ -28,35 +65,25 @@ class SamplingParams:
         if self.top_k == 0:
             self.top_k = -1
         self._check()
+        if self.temperature < SAMPLING_EPS:
+            self.temperature = 0.0
 
     def _check(self) -> None:
-        def bad(name: str, rule: str) -> ValueError:
-            return ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
-
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise bad("max_tokens", "an integer >= 1")
-        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
-            raise bad("min_tokens", "an integer between 0 and max_tokens")
-        if self.temperature < 0:
-            raise bad("temperature", ">= 0")
-        if not 0 < self.top_p <= 1:
-            raise bad("top_p", "in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise bad("top_k", "-1 (disabled) or an integer >= 1")
-        if not 0 <= self.min_p <= 1:
-            raise bad("min_p", "in [0, 1]")
-        if self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", "> 0")
-        if not -2 <= self.presence_penalty <= 2:
-            raise bad("presence_penalty", "in [-2, 2]")
-        if not -2 <= self.frequency_penalty <= 2:
-            raise bad("frequency_penalty", "in [-2, 2]")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 0):
-                raise bad(name, "None or an integer >= 0")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", "None or an integer")
+        for name, bounds in BOUNDS.items():
+            value: Any = getattr(self, name)
+            if value is None and name in ("seed", "logprobs", "prompt_logprobs"):
+                continue
+            if name in INT_FIELDS:
+                if not isinstance(value, int) or isinstance(value, bool):
+                    raise ValueError(f"{name} must be an integer, got {value!r}")
+            elif not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+            if not bounds.holds(value):
+                raise ValueError(f"{name} must be {bounds.describe()}, got {value!r}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        if not all(math.isfinite(v) for v in self.logit_bias.values()):
+            raise ValueError("logit_bias values must be finite numbers")
 
     @property
     def greedy(self) -> bool:

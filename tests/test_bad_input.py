@@ -33,10 +33,25 @@ def test_bad_requests_raise_value_error(llm, prompt, params, message):
     ({"top_p": 1.5}, "top_p"),
     ({"top_k": -3}, "top_k"),
     ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ({"temperature": float("nan")}, "temperature must be a finite number"),
+    ({"temperature": float("inf")}, "temperature must be a finite number"),
+    ({"repetition_penalty": float("nan")}, "repetition_penalty must be a finite number"),
+    ({"top_p": float("nan")}, "top_p must be a finite number"),
+    ({"logit_bias": {5: float("-inf")}}, "logit_bias values must be finite"),
+    ({"seed": 2**64}, "seed must be >= -9223372036854775808 and <= 18446744073709551615"),
+    ({"seed": 1.5}, "seed must be an integer"),
+    ({"top_k": True}, "top_k must be an integer"),
 ])
 def test_bad_sampling_params(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_a_temperature_below_epsilon_is_greedy(llm):
+    assert SamplingParams(temperature=1e-45).greedy and not SamplingParams(temperature=1e-4).greedy
+    prompt = [[5, 6, 7]]
+    tiny = llm.generate(prompt, SamplingParams(temperature=1e-9, max_tokens=6, ignore_eos=True))[0].token_ids
+    assert tiny == llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0].token_ids
 
 
 def test_a_request_that_can_never_fit_the_pool_is_rejected(tiny_model_factory):
