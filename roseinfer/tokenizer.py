@@ -72,7 +72,9 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self._hf is not None:
             return list(self._hf.encode(text, add_special_tokens=add_special_tokens))
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch, not encode: only it releases the GIL, so a long prompt tokenized in a worker
+        # thread does not stall the server's event loop (same ids)
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if self._hf is not None:
