@@ -164,4 +164,5 @@ class LLMEngine:
         return len(self.scheduler.waiting)
 
     def kv_cache_stats(self) -> dict[str, int]:
-        return self.block_manager.stats_dict()
+        """The block manager's counters, and preemptions since the engine started."""
+        return {**self.block_manager.stats_dict(), "num_preemptions": self.scheduler.num_preemptions}

@@ -52,6 +52,7 @@ class Scheduler:
         self.max_running = min(config.max_num_seqs, config.max_active_requests or UNLIMITED)
         self._admitting_steps = 0
         self._decode_turn = True
+        self.num_preemptions = 0  # since the engine started (a server exports it)
 
     # ---- lifecycle -------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -166,6 +167,7 @@ class Scheduler:
         self.running.remove(req)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
+        self.num_preemptions += 1
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
 
