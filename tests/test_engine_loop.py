@@ -8,7 +8,8 @@ import pytest
 from roseinfer.config import EngineConfig
 from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.sampling_params import SamplingParams
-from roseinfer.server.engine_loop import OverloadedError, RequestStream, SchedulerManager, StreamDelta
+from roseinfer.server.engine_loop import (SHUTDOWN_MESSAGE, OverloadedError, RequestStream, SchedulerManager,
+                                         ShuttingDownError, StreamDelta)
 from roseinfer.server.stop_strings import StopStringMatcher
 from server_helpers import wait_for
 
@@ -167,8 +168,30 @@ def test_async_consumer_and_shutdown_aborts_what_is_in_flight(engine) -> None:
         return deltas
 
     deltas = asyncio.run(run())
+    # a request cut by shutdown ends with an error its client can see (HTTP 503), never silently
     assert deltas[-1].finished and deltas[-1].finish_reason == "abort"
+    assert (deltas[-1].error, deltas[-1].error_status) == (SHUTDOWN_MESSAGE, 503)
     assert not m.is_alive and not engine.has_unfinished()
     assert engine.kv_cache_stats()["used_blocks"] == 0
-    with pytest.raises(RuntimeError):
+    with pytest.raises(ShuttingDownError):
         m.submit(ids, greedy(4))
+
+
+def test_drain_refuses_new_requests_lets_short_ones_finish_and_ends_the_rest_at_the_deadline(engine) -> None:
+    m = SchedulerManager(engine)
+    m.start()
+    ids = engine.tokenizer.encode(PROMPT)
+    try:
+        short = m.submit(ids, greedy(3))
+        long = m.submit(ids, greedy(240))
+        assert long.get(timeout=30).token_ids  # both are running
+        m.drain(timeout=0.05)  # the short one needs two more steps (~10 ms), the long one ~200
+        with pytest.raises(ShuttingDownError):
+            m.submit(ids, greedy(3))
+        assert drain(short)[-1].finish_reason == "length"  # finished within the grace period
+        last = drain(long)[-1]
+        assert (last.finish_reason, last.error, last.error_status) == ("abort", SHUTDOWN_MESSAGE, 503)
+        assert last.num_output_tokens < 240 and m.is_alive is False
+        assert wait_for(lambda: engine.kv_cache_stats()["used_blocks"] == 0)
+    finally:
+        m.shutdown()

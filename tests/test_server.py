@@ -22,6 +22,7 @@ from roseinfer import LLM, SamplingParams
 from roseinfer.config import EngineConfig
 from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.server.app import build_app
+from roseinfer.server.args import ServerOptions
 from server_helpers import free_port, metric, serve_app, wait_for
 
 MODEL = "tiny-llama"
@@ -220,7 +221,7 @@ def test_429_past_max_inflight_and_400_without_a_chat_template(model_dir: Path, 
     config = json.loads((plain / "tokenizer_config.json").read_text())
     del config["chat_template"]
     (plain / "tokenizer_config.json").write_text(json.dumps(config))
-    app = build_app(LLMEngine(EngineConfig(model=str(plain))), MODEL, max_inflight_requests=1)
+    app = build_app(LLMEngine(EngineConfig(model=str(plain))), MODEL, ServerOptions(max_inflight_requests=1))
     body = {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True}
 
     async def burst(url: str) -> list[httpx.Response]:
@@ -261,7 +262,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 2}, 400, "top_logprobs"),
-    ("/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": -1}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": -1}, 400, "max_completion_tokens"),
     ("/v1/chat/completions", {"model": "nope", "messages": MESSAGES}, 404, "model"),
     ("/tokenize", {"model": "nope", "prompt": "x"}, 404, "model"),
     ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
@@ -314,6 +315,51 @@ def test_tokenize_detokenize_models_metrics(http: httpx.Client, llm: LLM) -> Non
     assert metric(http, "roseinfer_prefix_cache_hits_total") > 0
 
 
+def test_sigterm_past_the_shutdown_timeout_ends_every_request_with_an_error_and_exits_0(model_dir: Path) -> None:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "roseinfer.cli", "serve", "--model", str(model_dir),
+                             "--port", str(port), "--shutdown-timeout", "0"],
+                            env={**os.environ, "NO_PROXY": "127.0.0.1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", trust_env=False, timeout=60) as c:
+            assert wait_for(lambda: _up(c, proc), timeout=60)
+            body = {"prompt": PROMPT, "max_tokens": 230, "ignore_eos": True}
+            lines: list[str] = []
+            answers: list[httpx.Response] = []
+
+            def stream() -> None:
+                with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                    lines.extend(line for line in r.iter_lines() if line)
+
+            readers = [threading.Thread(target=stream),
+                       threading.Thread(target=lambda: answers.append(c.post("/v1/completions", json={**body, "n": 4})))]
+            for reader in readers:
+                reader.start()
+            assert wait_for(lambda: metric(c, "roseinfer_num_requests_running") == 5.0 and lines)
+            proc.send_signal(signal.SIGTERM)
+            for reader in readers:
+                reader.join(timeout=30)
+            output = proc.communicate(timeout=30)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, output
+    assert "Traceback" not in output and "CancelledError" not in output, output
+    # the stream ends with an error event and the end marker, not a torn body
+    assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["error"]["code"] == 503
+    assert answers[0].status_code == 503 and answers[0].json()["error"]["message"] == "the server is shutting down"
+
+
+def _up(c: httpx.Client, proc: subprocess.Popen) -> bool:
+    assert proc.poll() is None, proc.stdout.read()
+    try:
+        return c.get("/health").status_code == 200
+    except httpx.TransportError:
+        return False
+
+
 def test_sigterm_stops_roseinfer_serve_cleanly(model_dir: Path) -> None:
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "roseinfer.cli", "serve", "--model", str(model_dir),
@@ -322,15 +368,7 @@ def test_sigterm_stops_roseinfer_serve_cleanly(model_dir: Path) -> None:
                             stderr=subprocess.STDOUT, text=True)
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", trust_env=False, timeout=30) as c:
-
-            def up() -> bool:
-                assert proc.poll() is None, proc.stdout.read()
-                try:
-                    return c.get("/health").status_code == 200
-                except httpx.TransportError:
-                    return False
-
-            assert wait_for(up, timeout=60)
+            assert wait_for(lambda: _up(c, proc), timeout=60)
             assert [m["id"] for m in c.get("/v1/models").json()["data"]] == [model_dir.name]
             chunks: list[str] = []
             body = {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True}

@@ -3,39 +3,71 @@ from __future__ import annotations
 
 import argparse
 import logging
+import secrets
 import signal
 import socket
 import time
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
-from fastapi import FastAPI, Request
+import uvicorn
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from roseinfer.engine.llm_engine import LLMEngine
-from roseinfer.server.args import served_name
+from roseinfer.loader.default_model import DEFAULT_MODEL_NAME
+from roseinfer.server.args import ServerOptions, served_name, server_options
+from roseinfer.server.body_limit import BodyLimit
 from roseinfer.server.engine_loop import SchedulerManager
 from roseinfer.server.metrics import ServerMetrics
+from roseinfer.server.openapi import GENERATION_ERRORS, GENERATION_OK, TOKENIZER_ERRORS, error_responses, install_openapi
 from roseinfer.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        TokenizeRequest, error_body)
 from roseinfer.server.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
-# In-flight streams get this long to finish after SIGINT/SIGTERM; then they are cancelled (and
-# aborted in the engine) so shutdown never hangs on a long generation.
-GRACEFUL_SHUTDOWN_S = 5
+# uvicorn waits this much longer than --shutdown-timeout, so the error chunks that end cut streams go out
+SHUTDOWN_MARGIN_S = 5.0
 
 
-def build_app(engine: LLMEngine, served_model_name: str, stream_interval: int = 1,
-              max_inflight_requests: int | None = None) -> FastAPI:
+class ModelCard(BaseModel):
+    id: str
+    object: str = "model"
+    created: int
+    owned_by: str = "roseinfer"
+    root: str  # the model as the user named it (a path, a hub id, or the default model)
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: str = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+def build_app(engine: LLMEngine, served_model_name: str, options: ServerOptions | None = None) -> FastAPI:
     """The app owns a SchedulerManager over `engine`, started and shut down by its lifespan."""
+    options = options or ServerOptions()
     metrics = ServerMetrics()
     started = int(time.time())  # /v1/models reports when this server started serving the model
-    manager = SchedulerManager(engine, stream_interval, max_inflight_requests, on_finished=metrics.observe_finished)
-    serving = OpenAIServing(manager, served_model_name)
+    manager = SchedulerManager(engine, options.stream_interval, options.max_inflight_requests,
+                               on_finished=metrics.observe_finished)
+    serving = OpenAIServing(manager, served_model_name, options.max_sequences_per_request)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -44,76 +76,115 @@ def build_app(engine: LLMEngine, served_model_name: str, stream_interval: int = 
             yield
         finally:
             manager.shutdown()
+            serving.close()
 
     app = FastAPI(title="roseinfer", summary="OpenAI-compatible LLM server", lifespan=lifespan)
     app.state.manager = manager
     app.state.metrics = metrics
-    _add_error_handlers(app)
+    _add_error_handlers(app, metrics)
+    app.add_middleware(BodyLimit, max_bytes=options.max_request_body_bytes,
+                       on_reject=lambda: metrics.rejected.labels("too_large").inc())
+    if options.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=options.allowed_origins, allow_methods=["*"],
+                           allow_headers=["*"])
+    install_openapi(app)
+    guarded = _api_key_check(options.api_key)
+    unauthorized = (401,) if options.api_key else ()
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=guarded, responses={**GENERATION_OK, **error_responses(*GENERATION_ERRORS)})
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         return await serving.completions(body, raw)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=guarded,
+              responses={**GENERATION_OK, **error_responses(*GENERATION_ERRORS)})
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await serving.chat(body, raw)
 
-    @app.get("/v1/models")
-    async def models() -> dict:
-        card = {"id": served_model_name, "object": "model", "created": started, "owned_by": "roseinfer",
-                "root": str(engine.model_folder), "max_model_len": engine.max_model_len}
-        return {"object": "list", "data": [card]}
+    @app.get("/v1/models", dependencies=guarded, responses=error_responses(*unauthorized))
+    async def models() -> ModelList:
+        card = ModelCard(id=served_model_name, created=started, root=engine.config.model or DEFAULT_MODEL_NAME,
+                         max_model_len=engine.max_model_len)
+        return ModelList(data=[card])
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses={200: {"description": "the engine worker runs (no body)"},
+                                                            **error_responses(503)})
     async def health() -> Response:
         if not manager.is_alive:
             raise APIError(503, "the engine worker is not running")
         return Response(status_code=200)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses={200: {"description": "Prometheus text format"}})
     async def prometheus() -> Response:
         return Response(metrics.render(manager.stats()), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict:
+    @app.post("/tokenize", dependencies=guarded, responses=error_responses(*TOKENIZER_ERRORS))
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         serving.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", "prompt")
         if body.messages is not None:
-            ids = serving.chat_prompt(body.messages)
+            ids = await serving.chat_prompt(body.messages)
         else:
-            ids = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+            ids = await serving.run_blocking(engine.tokenizer.encode, body.prompt, body.add_special_tokens)
+        return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=engine.max_model_len)
 
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict:
+    @app.post("/detokenize", dependencies=guarded, responses=error_responses(*TOKENIZER_ERRORS))
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         serving.check_model(body.model)
         vocab = engine.model_config.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
             raise APIError(400, f"tokens must be ids in [0, {vocab})", "tokens")
-        return {"prompt": engine.tokenizer.decode(body.tokens)}
+        return DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens))
 
     return app
 
 
-def _add_error_handlers(app: FastAPI) -> None:
+def _api_key_check(api_key: str | None) -> list[Any]:
+    """The dependency list of the guarded routes: none without a key."""
+    if not api_key:
+        return []
+    bearer = HTTPBearer(auto_error=False, description="the server's --api-key")
+
+    async def check(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+        given = credentials.credentials.encode() if credentials is not None else b""
+        if not secrets.compare_digest(given, api_key.encode()):  # constant time: no timing oracle on the key
+            raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+                           code="invalid_api_key")
+
+    return [Depends(check)]
+
+
+# why a request was refused, for roseinfer_requests_rejected_total
+REJECTION_REASONS = {400: "invalid", 401: "unauthorized", 404: "model_not_found", 413: "too_large",
+                     429: "overloaded", 503: "unavailable"}
+
+
+def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     """Every error leaves in OpenAI's shape; validation errors are 400s (OpenAI's), not 422s."""
+
+    def reply(status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> JSONResponse:
+        if status in REJECTION_REASONS:
+            metrics.rejected.labels(REJECTION_REASONS[status]).inc()
+        return JSONResponse(body, status_code=status, headers=headers)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        return reply(exc.status, exc.body(), exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors() or [{"loc": (), "msg": "invalid request"}]
         if errors[0].get("type") == "json_invalid":
             detail = errors[0].get("ctx", {}).get("error", "")
-            return JSONResponse(error_body(400, f"malformed JSON body: {detail}"), status_code=400)
+            return reply(400, error_body(400, f"malformed JSON body: {detail}"))
         fields = [[str(p) for p in e.get("loc", ()) if p != "body"] for e in errors]
         param = fields[0][0] if fields[0] else None
+        if errors[0].get("type") == "extra_forbidden":
+            where = ".".join(fields[0])
+            return reply(400, error_body(400, f"unsupported field {where!r}: roseinfer does not implement it", param))
         # a union field (prompt) fails once per accepted shape: say so once, naming the field
         reasons = list(dict.fromkeys(e["msg"] for e, f in zip(errors, fields) if (f[0] if f else None) == param))
-        return JSONResponse(error_body(400, f"{param or 'body'}: {'; '.join(reasons[:4])}", param), status_code=400)
+        return reply(400, error_body(400, f"{param or 'body'}: {'; '.join(reasons[:4])}", param))
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, exc: HTTPException) -> JSONResponse:  # unknown route, wrong method
@@ -126,15 +197,24 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(500, f"internal server error ({type(exc).__name__})"), status_code=500)
 
 
-def run_server(args: argparse.Namespace) -> int:
-    import uvicorn
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, with the engine drained first on the first SIGINT/SIGTERM: the manager
+    takes no new requests and ends what still runs after --shutdown-timeout with an error event, so
+    uvicorn, which waits SHUTDOWN_MARGIN_S longer, never has to cut a response off."""
 
+    def __init__(self, config: uvicorn.Config, manager: SchedulerManager, timeout: float) -> None:
+        super().__init__(config)
+        self.manager, self.timeout = manager, timeout
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.manager.drain(self.timeout)
+        super().handle_exit(sig, frame)
+
+
+def run_server(args: argparse.Namespace) -> int:
     from roseinfer.engine_args import engine_config_from_args
 
-    if args.stream_interval < 1:
-        raise ValueError("--stream-interval must be >= 1")
-    if args.max_inflight_requests is not None and args.max_inflight_requests < 1:
-        raise ValueError("--max-inflight-requests must be >= 1")
+    options = server_options(args)
     level = "DEBUG" if args.log_level == "trace" else args.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sock = listening_socket(args.host, args.port)  # a port in use fails now, not after the model loads
@@ -142,9 +222,10 @@ def run_server(args: argparse.Namespace) -> int:
     name = served_name(args)
     logger.info("loaded %s in %.1fs (%d KV blocks); serving it as %r", engine.model_folder, engine.load_seconds,
                 engine.num_kv_blocks, name)
-    app = build_app(engine, name, args.stream_interval, args.max_inflight_requests)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+    app = build_app(engine, name, options)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=options.shutdown_timeout + SHUTDOWN_MARGIN_S)
+    server = DrainingServer(config, app.state.manager, options.shutdown_timeout)
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal into whatever
     # handler was there before; a do-nothing one lets the process exit 0 after a clean stop.
     for sig in (signal.SIGINT, signal.SIGTERM):

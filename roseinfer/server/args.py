@@ -1,26 +1,73 @@
-"""`roseinfer serve`'s own flags. Kept apart from the app so that building the CLI parser does not
-import FastAPI, uvicorn and pydantic: `generate`, `chat` and `bench` never serve, and those imports
-held ~17 MiB resident in their processes."""
+"""`roseinfer serve`'s own flags and the options they make. Kept apart from the app so that building
+the CLI parser does not import FastAPI, uvicorn and pydantic: `generate`, `chat` and `bench` never
+serve, and those imports held ~17 MiB resident in their processes."""
 from __future__ import annotations
 
 import argparse
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
+@dataclass
+class ServerOptions:
+    stream_interval: int = 1  # flush a stream every N tokens
+    max_inflight_requests: int | None = None  # 429 past this many sequences in flight
+    max_sequences_per_request: int = 256  # prompts x n
+    max_request_body_mb: float = 16.0  # larger bodies get a 413 before they are parsed
+    api_key: str | None = None  # Bearer token required on /v1/*, /tokenize and /detokenize
+    allowed_origins: list[str] = field(default_factory=list)  # CORS; empty = no CORS headers
+    shutdown_timeout: float = 5.0  # seconds running requests get to finish on SIGINT/SIGTERM
+
+    def __post_init__(self) -> None:
+        for name in ("stream_interval", "max_sequences_per_request"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.max_inflight_requests is not None and self.max_inflight_requests < 1:
+            raise ValueError("--max-inflight-requests must be >= 1")
+        if not self.max_request_body_mb > 0 or self.shutdown_timeout < 0:
+            raise ValueError("--max-request-body-mb must be > 0 and --shutdown-timeout >= 0")
+
+    @property
+    def max_request_body_bytes(self) -> int:
+        return int(self.max_request_body_mb * 2**20)
+
+
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server")
+    defaults = ServerOptions()
     group.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     group.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
     group.add_argument("--served-model-name", default=None,
                        help=f"model name clients send (default: the --model basename, or {DEFAULT_SERVED_NAME})")
-    group.add_argument("--stream-interval", type=int, default=1,
+    group.add_argument("--stream-interval", type=int, default=defaults.stream_interval,
                        help="flush a stream every N tokens; the first and last always go out at once (default: 1)")
     group.add_argument("--max-inflight-requests", type=int, default=None,
-                       help="answer 429 past this many requests in flight (default: no limit)")
+                       help="answer 429 past this many sequences in flight (default: no limit)")
+    group.add_argument("--max-sequences-per-request", type=int, default=defaults.max_sequences_per_request,
+                       help="most sequences (prompts x n) one request may ask for; more is a 400 (default: %(default)s)")
+    group.add_argument("--max-request-body-mb", type=float, default=defaults.max_request_body_mb,
+                       help="larger request bodies are answered 413 before they are read (default: %(default)s)")
+    group.add_argument("--api-key", default=os.environ.get("ROSEINFER_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize (default: "
+                            "$ROSEINFER_API_KEY, else none); /health and /metrics stay open")
+    group.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
+                       help="origins browsers may call from (CORS), e.g. https://app.example or * "
+                            "(default: none, no CORS headers)")
+    group.add_argument("--shutdown-timeout", type=float, default=defaults.shutdown_timeout,
+                       help="on SIGINT/SIGTERM, seconds running requests get to finish before their streams are "
+                            "ended with an error (default: %(default)s)")
     group.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="(default: info)")
+
+
+def server_options(args: argparse.Namespace) -> ServerOptions:
+    return ServerOptions(stream_interval=args.stream_interval, max_inflight_requests=args.max_inflight_requests,
+                         max_sequences_per_request=args.max_sequences_per_request,
+                         max_request_body_mb=args.max_request_body_mb, api_key=args.api_key or None,
+                         allowed_origins=list(args.allowed_origins), shutdown_timeout=args.shutdown_timeout)
 
 
 def served_name(args: argparse.Namespace) -> str:

@@ -40,8 +40,15 @@ from roseinfer.tokenizer import IncrementalDetokenizer
 logger = logging.getLogger(__name__)
 
 
+SHUTDOWN_MESSAGE = "the server is shutting down"
+
+
 class OverloadedError(Exception):
     """More requests in flight than `max_inflight_requests` allows (HTTP 429)."""
+
+
+class ShuttingDownError(RuntimeError):
+    """The manager takes no new requests: it is draining or shut down (HTTP 503)."""
 
 
 @dataclass
@@ -57,6 +64,7 @@ class StreamDelta:
     num_output_tokens: int  # totals so far, including tokens whose text a stop string cut
     timestamp: float  # time.perf_counter() when the worker pushed it
     error: str | None = None  # the engine failed this request (finish_reason is then "abort")
+    error_status: int = 500  # the HTTP status that error maps to: 503 when shutdown cut the request
     # with prompt_logprobs, in the first delta: one entry per prompt token, the first None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
 
@@ -124,6 +132,7 @@ class _Tracked:
     flushed: bool = False  # the first token has gone out
     stopped: bool = False  # a stop string matched: the engine's "abort" means "stop"
     error: str | None = None
+    error_status: int = 500
 
 
 FinishedHook = Callable[[RequestStream, StreamDelta, Request], None]
@@ -146,6 +155,8 @@ class SchedulerManager:
         self._aborts: list[str] = []
         self._inflight: set[str] = set()
         self._stopping = False
+        self._draining = False  # no new requests; the running ones finish until the deadline
+        self._deadline_passed = False  # drain's time is up: fail what is still running
         # worker-only
         self._tracked: dict[str, _Tracked] = {}
         self._done: list[str] = []  # finalized since the last drain of the inbox
@@ -160,8 +171,25 @@ class SchedulerManager:
         self._thread = threading.Thread(target=self._run, name="roseinfer-engine", daemon=True)
         self._thread.start()
 
+    def drain(self, timeout: float) -> None:
+        """Take no new requests; give the running ones `timeout` seconds to finish, then end each
+        with SHUTDOWN_MESSAGE (HTTP 503) so that every client gets a terminal event."""
+        with self._cond:
+            if self._draining:
+                return
+            self._draining = True
+        timer = threading.Timer(timeout, self._pass_deadline)
+        timer.daemon = True
+        timer.start()
+
+    def _pass_deadline(self) -> None:
+        with self._cond:
+            self._deadline_passed = True
+            self._cond.notify()
+
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Abort everything in flight (each stream gets a final "abort" delta), join the worker."""
+        """End everything in flight (each stream gets a final delta with SHUTDOWN_MESSAGE), join the
+        worker."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
@@ -170,7 +198,8 @@ class SchedulerManager:
 
     @property
     def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping
+        # draining counts as down: /health then tells load balancers to send traffic elsewhere
+        return self._thread is not None and self._thread.is_alive() and not (self._stopping or self._draining)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                stop: list[str] | None = None, submit_start: float | None = None) -> RequestStream:
@@ -186,8 +215,8 @@ class SchedulerManager:
         timings = {"submit_start": tokenized if submit_start is None else submit_start, "tokenized": tokenized}
         stream = RequestStream(request_id, len(prompt_ids), timings)
         with self._cond:
-            if self._stopping:
-                raise RuntimeError("the scheduler manager is shut down")
+            if self._stopping or self._draining:
+                raise ShuttingDownError(SHUTDOWN_MESSAGE)
             if request_id in self._inflight:
                 raise ValueError(f"request id {request_id!r} is already in flight")
             limit = self.max_inflight_requests
@@ -219,14 +248,16 @@ class SchedulerManager:
             with self._cond:
                 self._inflight.difference_update(self._done)
                 self._done.clear()
-                while not (self._new or self._aborts or self._stopping or engine.has_unfinished()):
+                while not (self._new or self._aborts or self._stopping or self._deadline_passed
+                           or engine.has_unfinished()):
                     self._cond.wait()
                 new, self._new = self._new, []
                 aborts, self._aborts = self._aborts, []
                 stopping = self._stopping
+                cut, self._deadline_passed = self._deadline_passed, False
             deltas: list[tuple[RequestStream, StreamDelta]] = []
             try:
-                self._iterate(new, aborts, stopping, deltas)
+                self._iterate(new, aborts, stopping or cut, deltas)
             except Exception as exc:  # noqa: BLE001 -- the worker must outlive any one bad step
                 logger.exception("engine step failed; failing the requests in flight")
                 self._fail_all(f"internal engine error: {type(exc).__name__}: {exc}", deltas)
@@ -242,7 +273,10 @@ class SchedulerManager:
         engine = self.engine
         for sub in new:
             self._add(sub, deltas)
-        for request_id in list(self._tracked) if stopping else aborts:
+        if stopping:
+            self._fail_all(SHUTDOWN_MESSAGE, deltas, status=503)
+            return
+        for request_id in aborts:
             engine.abort_request(request_id)
         if engine.has_unfinished():
             outputs = engine.step()
@@ -296,7 +330,8 @@ class SchedulerManager:
         # the prompt's logprobs are all taken once its first token is out
         wants_prompt = not tr.flushed and tr.request.sampling_params.prompt_logprobs is not None
         delta = StreamDelta(tr.text, tr.token_ids, tr.logprobs, finished, reason, stream.num_prompt_tokens,
-                            tr.num_output_tokens, now, tr.error, list(tr.request.prompt_logprobs) if wants_prompt else None)
+                            tr.num_output_tokens, now, tr.error, tr.error_status,
+                            list(tr.request.prompt_logprobs) if wants_prompt else None)
         tr.text, tr.token_ids, tr.logprobs = "", [], []
         if not tr.flushed or finished:
             tr.flushed = True
@@ -317,11 +352,11 @@ class SchedulerManager:
             except Exception:  # noqa: BLE001 -- a metrics bug must not take the engine down
                 logger.exception("on_finished hook failed")
 
-    def _fail_all(self, message: str, deltas: list[tuple[RequestStream, StreamDelta]]) -> None:
+    def _fail_all(self, message: str, deltas: list[tuple[RequestStream, StreamDelta]], status: int = 500) -> None:
         now = time.perf_counter()
         for request_id, tr in list(self._tracked.items()):
             del self._tracked[request_id]
-            tr.error = message
+            tr.error, tr.error_status = message, status
             try:
                 self.engine.abort_request(request_id)
             except Exception:  # noqa: BLE001 -- the engine is already in trouble; free what we can
@@ -350,7 +385,8 @@ class SchedulerManager:
         kv = engine.kv_cache_stats()
         return {"num_running": engine.num_running(), "num_waiting": engine.num_waiting(),
                 "kv_cache_usage_ratio": kv["used_blocks"] / kv["total_blocks"],
-                "kv_used_blocks": kv["used_blocks"], "kv_total_blocks": kv["total_blocks"],
+                "kv_used_blocks": kv["used_blocks"], "kv_free_blocks": kv["free_blocks"],
+                "kv_total_blocks": kv["total_blocks"], "num_preemptions": kv["num_preemptions"],
                 "prefix_cache_queries": kv["prefix_cache_queries"], "prefix_cache_hits": kv["prefix_cache_hits"]}
 
 

@@ -34,6 +34,13 @@ class ServerMetrics:
         self.prefix_hits = Counter("roseinfer_prefix_cache_hits", "Prompt tokens served by the prefix cache",
                                    registry=r)
         self.requests = Counter("roseinfer_requests", "Finished requests", ["finish_reason"], registry=r)
+        self.rejected = Counter("roseinfer_requests_rejected", "Requests refused before they ran, by reason",
+                                ["reason"], registry=r)
+        self.kv_used = Gauge("roseinfer_kv_cache_used_blocks", "KV blocks held by requests", registry=r)
+        self.kv_free = Gauge("roseinfer_kv_cache_free_blocks", "KV blocks free or only prefix-cached (evictable)",
+                             registry=r)
+        self.preemptions = Counter("roseinfer_num_preemptions", "Requests preempted (blocks freed, recomputed "
+                                   "later) since the engine started", registry=r)
         self.ttft = Histogram("roseinfer_time_to_first_token_seconds", "Submission to first token",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("roseinfer_inter_token_latency_seconds", "Gap between consecutive tokens",
@@ -44,7 +51,7 @@ class ServerMetrics:
                                     buckets=REQUEST_BUCKETS, registry=r)
         self.prefill_time = Histogram("roseinfer_request_prefill_time_seconds", "Admission to first token",
                                       buckets=REQUEST_BUCKETS, registry=r)
-        self._prefix_seen = (0, 0)  # the engine's cumulative (queries, hits) at the last scrape
+        self._seen = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0}  # at the last scrape
 
     def observe_finished(self, stream: RequestStream, final: StreamDelta, request: Request) -> None:
         """SchedulerManager's on_finished hook."""
@@ -68,8 +75,11 @@ class ServerMetrics:
         self.running.set(stats["num_running"])
         self.waiting.set(stats["num_waiting"])
         self.kv_usage.set(stats["kv_cache_usage_ratio"])
-        queries, hits = stats["prefix_cache_queries"], stats["prefix_cache_hits"]
-        self.prefix_queries.inc(max(0, queries - self._prefix_seen[0]))
-        self.prefix_hits.inc(max(0, hits - self._prefix_seen[1]))
-        self._prefix_seen = (queries, hits)
+        self.kv_used.set(stats["kv_used_blocks"])
+        self.kv_free.set(stats["kv_free_blocks"])
+        # the engine keeps running totals; the counters take what came since the last scrape
+        for key, counter in (("prefix_cache_queries", self.prefix_queries), ("prefix_cache_hits", self.prefix_hits),
+                             ("num_preemptions", self.preemptions)):
+            counter.inc(max(0, stats[key] - self._seen[key]))
+            self._seen[key] = stats[key]
         return generate_latest(self.registry)

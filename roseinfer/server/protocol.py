@@ -1,48 +1,79 @@
-"""OpenAI-compatible request bodies (pydantic) and the error body shape.
+"""OpenAI-compatible request bodies (pydantic), the error body shape, and the limits both publish.
 
 Field names and types follow OpenAI's API; the extra sampling fields (top_k, min_p, ...) follow
-vLLM. Unknown fields are ignored, as OpenAI's clients send some we have no use for. Range checks
-live in SamplingParams, the one place that owns them; pydantic checks shapes and types.
+vLLM. A field roseinfer does not implement is refused (400 naming it), never silently dropped.
+Numeric ranges come from SamplingParams' BOUNDS, so the OpenAPI document states the ranges that
+are enforced; non-finite floats and strings that are not valid Unicode (unpaired surrogates) are
+refused here, before anything reads them.
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StrictStr, StringConstraints, model_validator
 
-TokenIds = list[StrictInt]
+from roseinfer.sampling_params import BOUNDS
+
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit; vLLM's default max_logprobs is 20 too
+MAX_N = 128  # OpenAI's limit on choices per request
 
 
-class StreamOptions(BaseModel):
+def _valid_unicode(text: str) -> str:
+    # JSON may carry "\ud800" escapes: Python keeps them as lone surrogates, which no UTF-8 coder takes
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"text holds an unpaired surrogate at index {exc.start} (not valid Unicode)") from None
+    return text
+
+
+def _bounded(name: str, **extra: Any) -> Any:
+    """Field(None) with SamplingParams' range for `name`."""
+    return Field(None, **BOUNDS[name].field_kwargs(), **extra)
+
+
+Text = Annotated[StrictStr, AfterValidator(_valid_unicode)]
+TokenId = Annotated[StrictInt, Field(ge=0)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+# ASCII digits only: str.isdigit() also takes "²", which int() then refuses
+TokenIdKey = Annotated[str, StringConstraints(pattern=r"^-?[0-9]{1,12}$")]
+Bias = Annotated[float, Field(ge=-100, le=100)]
+Role = Literal["system", "developer", "user", "assistant", "tool", "function"]  # OpenAI's roles
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(StrictModel):
     """Fields shared by /v1/completions and /v1/chat/completions. None = the default."""
 
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None  # optional, as in vLLM; when given it must name the served model
-    max_tokens: StrictInt | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: StrictInt = 1
+    model: Text | None = None  # optional, as in vLLM; when given it must name the served model
+    max_tokens: StrictInt | None = Field(None, ge=0)  # 0 only with echo (the prompt alone)
+    temperature: float | None = _bounded("temperature")
+    top_p: float | None = _bounded("top_p")
+    n: StrictInt = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: StrictStr | list[StrictStr] | None = None
-    seed: StrictInt | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    stop: Text | list[Text] | None = None
+    seed: StrictInt | None = _bounded("seed")
+    presence_penalty: float | None = _bounded("presence_penalty")
+    frequency_penalty: float | None = _bounded("frequency_penalty")
+    logit_bias: dict[TokenIdKey, Bias] | None = None
+    user: Text | None = None  # an end-user id OpenAI's clients may send; recorded nowhere
     # vLLM's extensions
-    top_k: StrictInt | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    top_k: StrictInt | None = _bounded("top_k")
+    min_p: float | None = _bounded("min_p")
+    repetition_penalty: float | None = _bounded("repetition_penalty")
     ignore_eos: bool = False
-    min_tokens: StrictInt = 0
-    stop_token_ids: TokenIds | None = None
-    prompt_logprobs: StrictInt | None = None  # per prompt token: its logprob and this many alternatives
+    min_tokens: StrictInt = Field(0, **BOUNDS["min_tokens"].field_kwargs())
+    stop_token_ids: list[TokenId] | None = None
+    # per prompt token: its logprob and this many alternatives
+    prompt_logprobs: StrictInt | None = _bounded("prompt_logprobs", le=MAX_LOGPROBS)
 
     @property
     def include_usage(self) -> bool:
@@ -50,60 +81,78 @@ class SamplingRequest(BaseModel):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: Union[StrictStr, list[StrictStr], TokenIds, list[TokenIds]]
+    prompt: Union[Text, Annotated[list[Text], Field(min_length=1)], TokenIds, Annotated[list[TokenIds], Field(min_length=1)]]
     echo: bool = False
-    logprobs: StrictInt | None = None  # alternatives per token, OpenAI allows up to 5; with echo, the prompt's too
+    # alternatives per token; with echo, the prompt's too
+    logprobs: StrictInt | None = _bounded("logprobs", le=MAX_LOGPROBS)
 
 
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class ContentPart(StrictModel):
     type: Literal["text"]
-    text: StrictStr
+    text: Text
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ChatMessage(StrictModel):
+    role: Role
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
+    tool_call_id: Text | None = None  # which tool call a "tool" message answers
 
-    role: StrictStr
-    content: StrictStr | list[ContentPart] | None = None
-    name: str | None = None
+    @model_validator(mode="after")
+    def _role_fields(self) -> "ChatMessage":
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a message with role 'tool' needs its tool_call_id")
+        if self.role == "function" and not self.name:
+            raise ValueError("a message with role 'function' needs the function's name")
+        return self
 
     def to_template(self) -> dict[str, Any]:
         """The dict a chat template expects: content parts joined into one string."""
         content = self.content if isinstance(self.content, str) or self.content is None else \
             "".join(part.text for part in self.content)
         message = {"role": self.role, "content": content or ""}
-        if self.name:
-            message["name"] = self.name
+        for key in ("name", "tool_call_id"):
+            if getattr(self, key):
+                message[key] = getattr(self, key)
         return message
 
 
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[ChatMessage]
-    max_completion_tokens: StrictInt | None = None  # OpenAI's newer name for max_tokens; wins if both
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    # OpenAI's newer name for max_tokens; wins if both
+    max_completion_tokens: StrictInt | None = Field(None, **BOUNDS["max_tokens"].field_kwargs())
     logprobs: bool = False
-    top_logprobs: StrictInt | None = None
+    top_logprobs: StrictInt | None = _bounded("logprobs", le=MAX_LOGPROBS)
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None
-    prompt: StrictStr | None = None
-    messages: list[ChatMessage] | None = None
+class TokenizeRequest(StrictModel):
+    model: Text | None = None
+    prompt: Text | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: bool = True
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None
-    tokens: TokenIds
+class DetokenizeRequest(StrictModel):
+    model: Text | None = None
+    tokens: list[TokenId]
 
 
-ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
-               500: "internal_server_error", 503: "service_unavailable"}
+ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+               413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_server_error",
+               503: "service_unavailable"}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | int | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body: every error the server sends has this shape."""
+
+    error: ErrorDetail
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | int | None = None) -> dict[str, Any]:

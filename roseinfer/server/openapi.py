@@ -1,0 +1,50 @@
+"""The OpenAPI document as the server behaves: each route lists the error statuses it really sends,
+all with OpenAI's error schema, and FastAPI's 422, which this server never sends (validation
+errors are OpenAI's 400s), is taken out."""
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from roseinfer.server.protocol import ErrorResponse
+
+ERROR_DESCRIPTIONS = {
+    400: "the request is invalid: a field's value, an unsupported field, or a prompt the model cannot take",
+    401: "no valid 'Authorization: Bearer' API key (only when the server has --api-key)",
+    404: "the model named is not the one this server serves",
+    413: "the request body is larger than --max-request-body-mb",
+    429: "more requests in flight than --max-inflight-requests; retry after Retry-After seconds",
+    500: "the engine failed the request (a bug)",
+    503: "the server is shutting down, or its engine worker is not running",
+}
+GENERATION_ERRORS = (400, 401, 404, 413, 429, 500, 503)
+TOKENIZER_ERRORS = (400, 401, 404, 413)
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    return {status: {"model": ErrorResponse, "description": ERROR_DESCRIPTIONS[status]} for status in statuses}
+
+
+# 200 of the generation routes: JSON, or server-sent events with stream: true
+GENERATION_OK: dict[int | str, dict[str, Any]] = {
+    200: {"description": "the completion as JSON, or as server-sent events ending with 'data: [DONE]' when "
+                         "stream is true", "content": {"application/json": {}, "text/event-stream": {}}},
+}
+
+
+def install_openapi(app: FastAPI) -> None:
+    def document() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+            for operations in schema.get("paths", {}).values():
+                for operation in operations.values():
+                    operation.get("responses", {}).pop("422", None)
+            components = schema.get("components", {}).get("schemas", {})
+            for name in ("HTTPValidationError", "ValidationError"):
+                components.pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = document  # type: ignore[method-assign]
