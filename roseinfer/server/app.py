@@ -220,8 +220,8 @@ def run_server(args: argparse.Namespace) -> int:
     sock = listening_socket(args.host, args.port)  # a port in use fails now, not after the model loads
     engine = LLMEngine(engine_config_from_args(args))
     name = served_name(args)
-    logger.info("loaded %s in %.1fs (%d KV blocks); serving it as %r", engine.model_folder, engine.load_seconds,
-                engine.num_kv_blocks, name)
+    logger.info("loaded %s in %.1fs (%d KV blocks); serving it as %r on http://%s:%d", engine.model_folder,
+                engine.load_seconds, engine.num_kv_blocks, name, args.host, args.port)
     app = build_app(engine, name, options)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=options.shutdown_timeout + SHUTDOWN_MARGIN_S)
