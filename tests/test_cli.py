@@ -91,3 +91,18 @@ def test_building_the_parser_leaves_the_server_and_http_client_unimported():
             "print(sorted(m for m in ('fastapi', 'uvicorn', 'pydantic', 'httpx') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_serve_takes_the_api_key_from_the_environment(monkeypatch, capsys):
+    from roseinfer.cli import build_parser
+    from roseinfer.server.args import server_options
+
+    monkeypatch.setenv("ROSEINFER_API_KEY", "sk-from-env")
+    assert server_options(build_parser().parse_args(["serve"])).api_key == "sk-from-env"
+    assert server_options(build_parser().parse_args(["serve", "--api-key", "sk-flag"])).api_key == "sk-flag"
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    help_text = capsys.readouterr().out
+    assert "--api-key" in help_text and "sk-from-env" not in help_text  # the key never shows in --help
+    monkeypatch.delenv("ROSEINFER_API_KEY")
+    assert server_options(build_parser().parse_args(["serve"])).api_key is None
