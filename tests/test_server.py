@@ -317,10 +317,7 @@ def test_tokenize_detokenize_models_metrics(http: httpx.Client, llm: LLM) -> Non
 
 def test_sigterm_past_the_shutdown_timeout_ends_every_request_with_an_error_and_exits_0(model_dir: Path) -> None:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "roseinfer.cli", "serve", "--model", str(model_dir),
-                             "--port", str(port), "--shutdown-timeout", "0"],
-                            env={**os.environ, "NO_PROXY": "127.0.0.1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = _serve(model_dir, port, "--shutdown-timeout", "0")
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", trust_env=False, timeout=60) as c:
             assert wait_for(lambda: _up(c, proc), timeout=60)
@@ -352,6 +349,13 @@ def test_sigterm_past_the_shutdown_timeout_ends_every_request_with_an_error_and_
     assert answers[0].status_code == 503 and answers[0].json()["error"]["message"] == "the server is shutting down"
 
 
+def _serve(model_dir: Path, port: int, *flags: str) -> subprocess.Popen:
+    """`roseinfer serve` in its own process, output captured."""
+    return subprocess.Popen([sys.executable, "-m", "roseinfer.cli", "serve", "--model", str(model_dir),
+                             "--port", str(port), *flags], env={**os.environ, "NO_PROXY": "127.0.0.1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
 def _up(c: httpx.Client, proc: subprocess.Popen) -> bool:
     assert proc.poll() is None, proc.stdout.read()
     try:
@@ -362,10 +366,7 @@ def _up(c: httpx.Client, proc: subprocess.Popen) -> bool:
 
 def test_sigterm_stops_roseinfer_serve_cleanly(model_dir: Path) -> None:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "roseinfer.cli", "serve", "--model", str(model_dir),
-                             "--port", str(port), "--log-level", "warning"],
-                            env={**os.environ, "NO_PROXY": "127.0.0.1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = _serve(model_dir, port, "--log-level", "warning")
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", trust_env=False, timeout=30) as c:
             assert wait_for(lambda: _up(c, proc), timeout=60)
