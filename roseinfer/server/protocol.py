@@ -42,7 +42,9 @@ Role = Literal["system", "developer", "user", "assistant", "tool", "function"]  
 
 
 class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # strict: a JSON value is taken only as the type the schema states (no false for a number,
+    # no 1 or "true" for a boolean), so what the document says is what is accepted
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 class StreamOptions(StrictModel):
