@@ -18,7 +18,7 @@ from roseinfer import LLM, SamplingParams
 from roseinfer.config import EngineConfig
 from roseinfer.bench.floor import matmul_floor
 from roseinfer.layers import attention
-from roseinfer.models.llama import LlamaModel
+from roseinfer.backends.cpu.llama import CPULlamaForCausalLM
 
 
 def main() -> None:
@@ -29,13 +29,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warm-steps", type=int, default=0, help="decode steps before measuring (longer context)")
     parser.add_argument("--num-threads", type=int, default=None)
-    parser.add_argument("--no-native-kernels", action="store_true", help="torch ops only (no C kernels)")
+    parser.add_argument("--attention-backend", default="auto", help="auto (default), cpu, torch, triton")
     args = parser.parse_args()
     params = SamplingParams(temperature=0.0, max_tokens=args.warm_steps + args.steps * 2 + 4, ignore_eos=True)
     # room for every sequence at full length: a preemption would distort the measured steps
     blocks_per_seq = -(-(args.prompt_len + params.max_tokens) // EngineConfig.block_size)
     llm = LLM(model=args.model, num_threads=args.num_threads, num_kv_blocks=args.batch_size * blocks_per_seq,
-              native_kernels=not args.no_native_kernels)
+              attention_backend=args.attention_backend)
     engine, runner, scheduler = llm.engine, llm.engine.runner, llm.engine.scheduler
     prompts = [[(i * 7 + j) % 1000 + 100 for j in range(args.prompt_len)] for i in range(args.batch_size)]
     # One whole untimed round first, as `bench offline` warms up: kernels, oneDNN primitives and the
@@ -50,14 +50,15 @@ def main() -> None:
     parts: dict[str, list[float]] = {k: [] for k in ("schedule", "prepare", "forward", "logits+sample", "update")}
     stubbed: list[float] = []
     layer_by_layer: list[float] = []
-    real_attention = attention.PagedAttention.__call__, attention.PagedAttention.decode_qkv
-    real_native_decode = LlamaModel.native_decode_layers
+    real_attention = attention.PagedAttention.__call__, attention.PagedAttention.forward_qkv
+    real_stack = CPULlamaForCausalLM.decode_layers
     for _ in range(args.steps):
         t0 = time.perf_counter()
         out = scheduler.schedule()
         t1 = time.perf_counter()
         with torch.inference_mode():
-            ids, positions, meta, rows = runner._prepare(out.scheduled)
+            layout, ids, positions, rows = runner._prepare(out.scheduled)
+            meta = runner.backend.build_metadata(layout)
             t2 = time.perf_counter()
             hidden = runner.model(ids, positions, runner.kv_caches, meta)
             t3 = time.perf_counter()
@@ -67,25 +68,25 @@ def main() -> None:
             # What attention costs (with the fused decode call, which also rotates q/k and writes the
             # cache): the layer-by-layer forward with and without attention replaced by the identity.
             # The one-call C decode stack (csrc/decode_layers.c) cannot leave it out, so it is off here.
-            LlamaModel.native_decode_layers = lambda self, kv_caches: None
+            CPULlamaForCausalLM.decode_layers = lambda self, kv_caches: None
             t5 = time.perf_counter()
             runner.model(ids, positions, runner.kv_caches, meta)
             layer_by_layer.append(time.perf_counter() - t5)
             attention.PagedAttention.__call__ = lambda self, q, k, v, cache, m: q
-            attention.PagedAttention.decode_qkv = lambda self, qkv, rope, cache, m: qkv[
+            attention.PagedAttention.forward_qkv = lambda self, qkv, rope, cache, m: qkv[
                 :, :self.num_heads * self.head_dim]
             t5 = time.perf_counter()
             runner.model(ids, positions, runner.kv_caches, meta)
             stubbed.append(time.perf_counter() - t5)
-            attention.PagedAttention.__call__, attention.PagedAttention.decode_qkv = real_attention
-            LlamaModel.native_decode_layers = real_native_decode
+            attention.PagedAttention.__call__, attention.PagedAttention.forward_qkv = real_attention
+            CPULlamaForCausalLM.decode_layers = real_stack
         t6 = time.perf_counter()
         scheduler.update(out, tokens, logprobs)
         t7 = time.perf_counter()
         for key, a, b in (("schedule", t0, t1), ("prepare", t1, t2), ("forward", t2, t3),
                           ("logits+sample", t3, t4), ("update", t6, t7)):
             parts[key].append(b - a)
-    floor = statistics.median(matmul_floor(runner.model, args.batch_size) for _ in range(3))
+    floor = statistics.median(matmul_floor(runner.model, runner.backend, args.batch_size) for _ in range(3))
     med = {k: statistics.median(v) * 1000 for k, v in parts.items()}
     step = sum(med.values())
     context = args.prompt_len + 1 + args.warm_steps

@@ -5,19 +5,19 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 ADMISSION_POLICIES = ("fifo", "pack")
+BACKEND_NAMES = ("auto", "torch", "cpu", "triton", "flashinfer")  # backends/__init__.py
 
 
 @dataclass
 class EngineConfig:
     model: str | None = None  # HF folder, GGUF file or hub id; None = the embedded default
-    dtype: str = "float32"
-    device: str = "cpu"
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    device: str = "auto"  # auto: CUDA when torch sees one, else the CPU
     seed: int = 0
     max_model_len: int | None = None  # None = the model's context length
     num_threads: int | None = None  # CPU intra-op threads; None = torch's default
-    prepack_weights: bool = True  # CPU fp32: linear weights reordered once for oneDNN (layers/linear.py)
-    native_kernels: bool = True  # CPU fp32: C kernels for attention, KV writes, norms, rotary... (layers/native.py)
-    mmap_embeddings: bool = True  # CPU: embedding tables stay in the checkpoint's memory map (models/weights.py)
+    attention_backend: str = "auto"  # the hardware backend, attention and the layers it swaps in (backends/)
+    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
     # sampling defaults for requests that leave a field unset (loader/generation_config.py)
     generation_config: str = "auto"  # auto: the model's generation_config.json; vllm: none; else a folder
     override_generation_config: dict[str, Any] | None = None  # generation_config.json keys that win
@@ -53,6 +53,9 @@ class EngineConfig:
         if self.prefill_admission_policy not in ADMISSION_POLICIES:
             raise ValueError(f"prefill_admission_policy must be one of {ADMISSION_POLICIES}, "
                              f"got {self.prefill_admission_policy!r}")
+        if self.attention_backend not in BACKEND_NAMES:
+            raise ValueError(f"attention_backend must be one of {', '.join(BACKEND_NAMES)}, "
+                             f"got {self.attention_backend!r}")
         if self.dtype not in ("float32", "float16", "bfloat16", "auto"):
             raise ValueError(f"dtype must be float32, float16, bfloat16 or auto, got {self.dtype!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -71,3 +74,12 @@ def prefill_step_tokens(max_num_batched_tokens: int, prefill_max_tokens: int | N
     """The most prompt tokens one engine step computes: the step's token budget, or the prefill
     cap where that is lower."""
     return min(max_num_batched_tokens, prefill_max_tokens or max_num_batched_tokens)
+
+
+def resolve_device(name: str) -> str:
+    """`auto` as the device it means here: CUDA when torch sees one, else the CPU."""
+    if name != "auto":
+        return name
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -5,26 +5,21 @@ import argparse
 import json
 from dataclasses import fields
 
-from roseinfer.config import ADMISSION_POLICIES, EngineConfig
+from roseinfer.config import ADMISSION_POLICIES, BACKEND_NAMES, EngineConfig
 
 HELP = {
     "model": "HF folder, .gguf file or hub id (default: the embedded SmolLM2-135M-Instruct)",
-    "dtype": "float32 (default), float16, bfloat16 or auto",
-    "device": "cpu (default) or cuda",
+    "dtype": "auto (default: bfloat16 on CUDA, float32 on CPU), float32, float16 or bfloat16",
+    "device": "auto (default: CUDA when torch sees one, else the CPU), cpu or cuda",
     "seed": "seed of the engine's sampling generator (requests may also carry their own)",
     "max_model_len": "context length cap (default: the model's)",
     "num_threads": "torch CPU threads (default: torch's choice)",
-    "prepack_weights": "CPU fp32: run the linear layers on oneDNN with weights prepacked once (faster than "
-                       "F.linear/MKL; --no-prepack-weights uses F.linear)",
-    "native_kernels": "CPU fp32: C kernels (built once with the system C compiler) for decode attention over the "
-                      "paged KV cache, KV writes, RMSNorm, SiLU, rotary, the greedy argmax and (with prepacked weights) "
-                      "matmuls of up to 256 rows (with the norm or SiLU before them in the same call; a decode step's "
-                      "layers in one call); "
-                      "--no-native-kernels runs torch ops only",
-    "mmap_embeddings": "CPU: untied embedding tables are read from the checkpoint's memory map, only the rows "
-                       "looked up becoming resident (a tied table is looked up in the LM head's prepacked copy); "
-                       "--no-mmap-embeddings copies them into memory, for checkpoint files that may be "
-                       "rewritten while the engine runs",
+    "attention_backend": "the hardware backend: its attention and the layers it swaps in. cpu: C kernels that "
+                         "read the paged cache in place, oneDNN-prepacked linears, a decode step's layers in one "
+                         "C call (fp32); triton: Triton kernels (CUDA); torch: torch ops only, any device (the "
+                         "reference, and the switch to run without any kernel of ours); auto (default): cpu on "
+                         "a CPU where the kernels build, triton on CUDA, else torch",
+    "enforce_eager": "CUDA: run decode steps eagerly instead of replaying CUDA graphs captured at start-up",
     "generation_config": "sampling defaults for request fields left unset: auto (the model's "
                          "generation_config.json, where it has one), vllm (none: the API's defaults), or a folder "
                          "holding a generation_config.json",
@@ -50,23 +45,27 @@ HELP = {
 }
 
 
-def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    """Add a flag per EngineConfig field except those in `skip` (a subcommand's own flag of that name wins)."""
+def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = (),
+                    names: dict[str, tuple[str, ...]] | None = None) -> None:
+    """Add a flag per EngineConfig field except those in `skip` (a subcommand's own flag of that name
+    wins); `names` gives a field other option strings (the benchmarks' blog names), dest unchanged."""
     group = parser.add_argument_group("engine")
     for f in fields(EngineConfig):
         if f.name in skip:
             continue
-        flag = "--" + f.name.replace("_", "-")
+        flags = (names or {}).get(f.name, ("--" + f.name.replace("_", "-"),))
         default = f.default
         if f.type in ("bool", bool):
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=HELP[f.name])
+            group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
+                               help=HELP[f.name])
             continue
         kind = {"int": int, "int | None": int, "float": float, "float | None": float,
                 "dict[str, Any] | None": _json_object}.get(str(f.type), str)
-        choices = ADMISSION_POLICIES if f.name == "prefill_admission_policy" else None
+        choices = {"prefill_admission_policy": ADMISSION_POLICIES, "attention_backend": BACKEND_NAMES}.get(f.name)
         # a help text that explains its own default (None rarely says what happens) keeps it
         shown = "" if "(default" in HELP[f.name] else f" (default: {default})"
-        group.add_argument(flag, type=kind, default=default, choices=choices, help=HELP[f.name] + shown)
+        group.add_argument(*flags, dest=f.name, type=kind, default=default, choices=choices,
+                           help=HELP[f.name] + shown)
 
 
 def _json_object(text: str) -> dict:

@@ -79,3 +79,13 @@ def restore_torch_threads() -> Iterator[None]:
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def packed_matmul_on_any_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine sends matmuls to csrc/packed_matmul.c on AVX-512 CPUs only (on AVX2 its registers
+    would spill and oneDNN is faster), but the C is portable: tests run it on any CPU, so that its
+    results are checked wherever the suite runs. Use before building the model."""
+    from roseinfer.backends.cpu import ops
+
+    monkeypatch.setattr(ops, "packed_matmul_suits_cpu", lambda: True)

@@ -316,67 +316,77 @@ def test_floor_flag_errors(model: str, capsys) -> None:
     assert "include the roseinfer backend" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("arch,prepack", [("llama", True), ("gpt2", True), ("llama3_rope_untied", False)])
-def test_matmul_floor_runs_the_models_own_linear_layers(tiny_model_factory, arch: str, prepack: bool,
-                                                         monkeypatch) -> None:
-    from roseinfer.bench.floor import matmul_floor
-    from roseinfer.layers.linear import Linear, linear_layers
+def _loaded(folder, backend_name: str):
+    from roseinfer.backends import select_backend
     from roseinfer.loader.model_loader import load_model, load_model_config
 
-    folder = tiny_model_factory(arch)
     cfg = load_model_config(folder)
-    m = load_model(folder, cfg, torch.float32, torch.device("cpu"), prepack=prepack)
+    cpu = torch.device("cpu")
+    backend = select_backend(backend_name, cpu, torch.float32, cfg)
+    return load_model(folder, cfg, torch.float32, cpu, backend), backend, cfg
+
+
+@pytest.mark.parametrize("arch,backend_name", [("llama", "auto"), ("gpt2", "auto"), ("llama3_rope_untied", "torch")])
+def test_matmul_floor_runs_the_models_own_linear_layers(tiny_model_factory, arch: str, backend_name: str,
+                                                         monkeypatch) -> None:
+    from roseinfer.backends.cpu import ops
+    from roseinfer.bench.floor import matmul_floor
+    from roseinfer.layers.linear import Linear, linear_layers
+
+    m, backend, cfg = _loaded(tiny_model_factory(arch), backend_name)
     layers = linear_layers(m)
     # every matmul once, the LM head last, packed exactly when the engine packs
     assert layers[-1] is m.lm_head and (m.lm_head.in_features, m.lm_head.out_features) == (cfg.hidden_size,
                                                                                            cfg.vocab_size)
-    packed = prepack and torch.backends.mkldnn.is_available()
-    assert all((layer.packed is not None) == packed for layer in layers)
+    assert all((layer.weight is None) == (backend.name == "cpu") for layer in layers)
+    monkeypatch.setattr(ops, "PACKED_MATMUL_MAX_ROWS", 0)  # every layer from Python, also on AVX-512
     calls: list[Linear] = []
-    real_forward = Linear.forward
-    monkeypatch.setattr(Linear, "forward", lambda self, x: calls.append(self) or real_forward(self, x))
-    matmul_floor(m, 2, steps=1, warmup=0)
+    for cls in {type(layer) for layer in layers}:
+        real_forward = cls.forward
+        monkeypatch.setattr(cls, "forward", lambda self, x, _real=real_forward: calls.append(self) or _real(self, x))
+    matmul_floor(m, backend, 2, steps=1, warmup=0)
     assert calls == layers
     monkeypatch.undo()
     torch.set_num_threads(1)
     for bs in (1, 3):
-        tok_s = matmul_floor(m, bs, steps=3, warmup=1)
+        tok_s = matmul_floor(m, backend, bs, steps=3, warmup=1)
         assert tok_s > 0 and math.isfinite(tok_s)
     with pytest.raises(ValueError):
-        matmul_floor(m, 0)
+        matmul_floor(m, backend, 0)
 
 
-def test_matmul_floor_runs_from_c_where_the_engines_decode_layers_do(tiny_model_factory, monkeypatch) -> None:
+def test_matmul_floor_runs_from_c_where_the_engines_decode_layers_do(tiny_model_factory, monkeypatch,
+                                                                     packed_matmul_on_any_cpu) -> None:
     """Where every matmul of a decode step runs in csrc/packed_matmul.c (so the engine runs its layers
     in one C call), the floor runs every layer's packed weight, in order, from one C loop per sample:
     Python between the matmuls would slow the floor and not the engine. Above the C kernel's row
     limit it calls the layers from Python."""
+    from roseinfer.backends.cpu import CPUBackend, ops
+    from roseinfer.backends.cpu.layers import PackedLinear
     from roseinfer.bench.floor import matmul_floor
-    from roseinfer.layers import native
-    from roseinfer.layers.linear import Linear, linear_layers
-    from roseinfer.loader.model_loader import load_model, load_model_config
+    from roseinfer.layers.linear import linear_layers
 
-    if not native.native_kernels_available(torch.float32, torch.device("cpu")):
+    if not CPUBackend.supports(torch.device("cpu"), torch.float32):
         pytest.skip("needs the C kernels")
-    folder = tiny_model_factory("llama")
-    m = load_model(folder, load_model_config(folder), torch.float32, torch.device("cpu"), native=True)
+    m, backend, _ = _loaded(tiny_model_factory("llama"), "cpu")
     layers = linear_layers(m)
     if any(layer.native_weights is None for layer in layers):
-        pytest.skip("the packed matmul kernel does not run here (needs AVX-512 and oneDNN's 64-row blocks)")
+        pytest.skip("the packed matmul kernel does not run here (oneDNN does not pack 64-row blocks here)")
     c_steps: list[tuple[list, int, int]] = []
-    real_steps = native.packed_matmul_steps
-    monkeypatch.setattr(native, "packed_matmul_steps",
+    real_steps = ops.packed_matmul_steps
+    monkeypatch.setattr(ops, "packed_matmul_steps",
                         lambda weights, x, steps: c_steps.append((weights, x.shape[0], steps)) or
                         real_steps(weights, x, steps))
     python_calls: list[int] = []
-    real_forward = Linear.forward
-    monkeypatch.setattr(Linear, "forward", lambda self, x: python_calls.append(x.shape[0]) or real_forward(self, x))
-    assert matmul_floor(m, 3, steps=4, warmup=1) > 0
+    real_forward = PackedLinear.forward
+    monkeypatch.setattr(PackedLinear, "forward",
+                        lambda self, x: python_calls.append(x.shape[0]) or real_forward(self, x))
+    assert matmul_floor(m, backend, 3, steps=4, warmup=1) > 0
     expected = [(layer.native_weights, layer.bias, layer.out_features, layer.in_features) for layer in layers]
     assert [(w, rows, steps) for w, rows, steps in c_steps] == [(expected, 3, 1), (expected, 3, 4)]
     assert python_calls == []
-    monkeypatch.setattr(native, "PACKED_MATMUL_MAX_ROWS", 2)
-    matmul_floor(m, 3, steps=1, warmup=0)
+    monkeypatch.setattr(ops, "PACKED_MATMUL_MAX_ROWS", 2)
+    matmul_floor(m, backend, 3, steps=1, warmup=0)
     assert len(c_steps) == 2 and python_calls == [3] * len(layers)
 
 
@@ -384,14 +394,13 @@ def test_prefill_floor_runs_every_layer_on_each_steps_rows_and_the_head_once_per
                                                                                         monkeypatch) -> None:
     from roseinfer.bench.floor import prefill_matmul_floor
     from roseinfer.layers.linear import Linear, linear_layers
-    from roseinfer.loader.model_loader import load_model, load_model_config
 
-    folder = tiny_model_factory("llama")
-    m = load_model(folder, load_model_config(folder), torch.float32, torch.device("cpu"))
+    m, _, _ = _loaded(tiny_model_factory("llama"), "auto")
     layers = linear_layers(m)
     calls: list[tuple[Linear, int]] = []
-    real_forward = Linear.forward
-    monkeypatch.setattr(Linear, "forward", lambda self, x: calls.append((self, x.shape[0])) or real_forward(self, x))
+    real_forward = type(layers[0]).forward
+    monkeypatch.setattr(type(layers[0]), "forward",
+                        lambda self, x: calls.append((self, x.shape[0])) or real_forward(self, x))
     # 3 prompts x 5 tokens in steps of 6 rows: an untimed 6-row step, then 6 + 6 + 3 rows, then the head on 3
     tok_s = prefill_matmul_floor(m, num_prompts=3, prompt_len=5, step_tokens=6)
     assert tok_s > 0 and math.isfinite(tok_s)
@@ -425,15 +434,28 @@ def test_do_sample_and_pack_flags() -> None:
         engine_config_from_flags(parser.parse_args(["--prefill-force-fifo-every", "0"]))
 
 
-def test_no_prepack_weights_and_no_native_kernels_flags_reach_the_engine() -> None:
+def test_engine_flags_are_engine_configs_under_the_blogs_names_and_its_cuda_switches_are_real() -> None:
+    """Every EngineConfig field but the seed (a sampling flag here) and enforce_eager (--cuda-graph) is
+    a flag, at its own default; the blog's names reach the same fields."""
     import argparse
+    from dataclasses import fields
 
     from roseinfer.bench.engine_flags import add_engine_flags, add_sampling_flags, engine_config_from_flags
+    from roseinfer.config import EngineConfig
 
     parser = argparse.ArgumentParser()
     add_engine_flags(parser)
     add_sampling_flags(parser)
-    assert engine_config_from_flags(parser.parse_args([])).prepack_weights
-    assert not engine_config_from_flags(parser.parse_args(["--no-prepack-weights"])).prepack_weights
-    assert engine_config_from_flags(parser.parse_args([])).native_kernels
-    assert not engine_config_from_flags(parser.parse_args(["--no-native-kernels"])).native_kernels
+    defaults = engine_config_from_flags(parser.parse_args([]))
+    for f in fields(EngineConfig):
+        if f.name not in ("device", "enforce_eager"):  # device: auto resolved; enforce_eager: below
+            assert getattr(defaults, f.name) == f.default, f.name
+    assert defaults.device in ("cpu", "cuda") and defaults.enforce_eager  # the blog's runs were eager
+    config = engine_config_from_flags(parser.parse_args(
+        ["--hf-model-id", "m", "--max-batch-size", "7", "--no-prefix-cache", "--cuda-graph",
+         "--attention-backend", "torch", "--device", "cpu"]))
+    assert (config.model, config.max_num_seqs, config.enable_prefix_caching) == ("m", 7, False)
+    assert (config.enforce_eager, config.attention_backend) == (False, "torch")
+    # --paged-attn picks the Triton backend on CUDA only: attention is always paged
+    assert engine_config_from_flags(parser.parse_args(["--paged-attn", "--device", "cpu"])).attention_backend == "auto"
+    assert engine_config_from_flags(parser.parse_args(["--paged-attn", "--device", "cuda"])).attention_backend == "triton"

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from roseinfer import LLM, SamplingParams
-from roseinfer.layers.native import native_kernels_available
+from roseinfer.backends.cpu import CPUBackend
 from tiny_models import hf_greedy, sample_prompts
 
 MAX_TOKENS = 16
-NATIVE = native_kernels_available(torch.float32, torch.device("cpu"))
+NATIVE = CPUBackend.supports(torch.device("cpu"), torch.float32)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 # name -> engine options; each mode must leave outputs unchanged
@@ -22,8 +22,7 @@ MODES = {
     "pack": {"prefill_admission_policy": "pack", "prefill_max_batch_size": 2},
     "one_seq": {"max_num_seqs": 1},
     "no_prefix_cache_no_chunking": {"enable_prefix_caching": False, "enable_chunked_prefill": False},
-    "f_linear": {"prepack_weights": False},  # MKL through F.linear instead of prepacked oneDNN
-    "torch_ops": {"native_kernels": False},  # torch ops instead of the C kernels (decode attention, norms)
+    "torch_backend": {"attention_backend": "torch"},  # F.linear and SDPA instead of the CPU backend's kernels
 }
 
 
@@ -46,8 +45,8 @@ def references(tiny_model_dir):
 def test_greedy_matches_hf(tiny_model_dir, references, mode):
     prompts, refs = references
     llm = LLM(model=str(tiny_model_dir), **{"num_kv_blocks": 128, **MODES[mode]})
-    # the C kernels run in every mode but torch_ops wherever they can be built
-    assert llm.engine.native_kernels == (mode != "torch_ops" and NATIVE)
+    # the CPU backend runs in every mode but torch_backend wherever its kernels can be built
+    assert llm.engine.backend.name == ("cpu" if mode != "torch_backend" and NATIVE else "torch")
     # strings and id lists mixed in one call; a string is used only where it encodes back to the same ids
     texts = [llm.tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
     mixed = [t if i % 2 and llm.tokenizer.encode(t) == p else p for i, (t, p) in enumerate(zip(texts, prompts))]
@@ -66,11 +65,11 @@ def test_greedy_matches_hf(tiny_model_dir, references, mode):
 
 
 def test_mlp_in_row_chunks_matches_hf(tiny_model_dir, references, monkeypatch):
-    """On CPU a step's MLP runs MLP_CHUNK_ROWS rows at a time (layers/linear.py); at 8 rows every
+    """On CPU a step's MLP runs MLP_CHUNK_ROWS rows at a time (backends/base.py); at 8 rows every
     prefill here is split, the last piece short."""
-    from roseinfer.layers import linear
+    from roseinfer.backends import base
 
-    monkeypatch.setattr(linear, "MLP_CHUNK_ROWS", 8)
+    monkeypatch.setattr(base, "MLP_CHUNK_ROWS", 8)
     prompts, refs = references
     assert any(len(p) % 8 for p in prompts) and max(len(p) for p in prompts) > 16
     outs = LLM(model=str(tiny_model_dir), num_kv_blocks=128).generate(prompts, GREEDY)
@@ -78,36 +77,37 @@ def test_mlp_in_row_chunks_matches_hf(tiny_model_dir, references, monkeypatch):
 
 
 def test_logits_in_row_chunks_match_hf(tiny_model_dir, references, monkeypatch):
-    """On CPU the LM head and the sampler run LOGITS_CHUNK_ROWS rows at a time (engine/model_runner.py);
+    """On CPU the LM head and the sampler run LOGITS_CHUNK_ROWS rows at a time (backends/base.py);
     at 3 rows a step in which all 8 requests here sample splits into pieces of 3 / 3 / 2."""
-    from roseinfer.engine import model_runner
+    from roseinfer.backends import base
 
-    monkeypatch.setattr(model_runner, "LOGITS_CHUNK_ROWS", 3)
+    monkeypatch.setattr(base, "LOGITS_CHUNK_ROWS", 3)
     prompts, refs = references
     assert len(prompts) % 3
     outs = LLM(model=str(tiny_model_dir), num_kv_blocks=128).generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == refs
 
 
-def test_decode_layers_in_one_c_call_match_hf_and_the_layer_by_layer_path(tiny_model_dir, references, monkeypatch):
+def test_decode_layers_in_one_c_call_match_hf_and_the_layer_by_layer_path(tiny_model_dir, references, monkeypatch,
+                                                                           packed_matmul_on_any_cpu):
     """Where every part of a Llama-style layer runs in C, a decode step runs all layers in one call
     (csrc/decode_layers.c): tokens equal HF's, and logprobs equal the layer-by-layer path's bit for
     bit. GPT-2 and Qwen3's q/k norms keep the layer-by-layer path."""
-    from roseinfer.layers import native
-    from roseinfer.models.llama import LlamaModel
+    from roseinfer.backends.cpu import ops
+    from roseinfer.backends.cpu.llama import CPULlamaForCausalLM
 
     prompts, refs = references
     calls = []
-    real_decode_layers = native.decode_layers
-    monkeypatch.setattr(native, "decode_layers", lambda *args: calls.append(args[1].shape[0]) or real_decode_layers(*args))
+    real_decode_layers = ops.decode_layers
+    monkeypatch.setattr(ops, "decode_layers", lambda *args: calls.append(args[1].shape[0]) or real_decode_layers(*args))
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
     in_c = LLM(model=str(tiny_model_dir), num_kv_blocks=128).generate(prompts, params)
     assert [o.token_ids for o in in_c] == refs
     runner = LLM(model=str(tiny_model_dir), num_kv_blocks=128).engine.runner
-    eligible = isinstance(getattr(runner.model, "model", None), LlamaModel) and NATIVE and not runner.model.cfg.qk_norm
-    if eligible and runner.model.model.native_decode_layers(runner.kv_caches) is None:
-        pytest.skip("the packed matmul kernel does not run here (needs AVX-512 and oneDNN's 64-row blocks)")
+    eligible = isinstance(runner.model, CPULlamaForCausalLM) and not runner.model.cfg.qk_norm
+    if eligible and runner.model.decode_layers(runner.kv_caches) is None:
+        pytest.skip("the packed matmul kernel does not run here (oneDNN does not pack 64-row blocks here)")
     assert (len(calls) > 0) == eligible and (not calls or max(calls) == len(prompts))
-    monkeypatch.setattr(LlamaModel, "native_decode_layers", lambda self, kv_caches: None)
+    monkeypatch.setattr(CPULlamaForCausalLM, "decode_layers", lambda self, kv_caches: None)
     layer_by_layer = LLM(model=str(tiny_model_dir), num_kv_blocks=128).generate(prompts, params)
     assert [o.logprobs for o in in_c] == [o.logprobs for o in layer_by_layer]

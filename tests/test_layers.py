@@ -65,6 +65,7 @@ def test_rms_norm_equals_llama_rms_norm(dtype: torch.dtype) -> None:
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs a torch built with oneDNN")
 @pytest.mark.parametrize("bias", [False, True])
 def test_prepacked_linear_matches_f_linear(bias: bool) -> None:
+    from roseinfer.backends.cpu.layers import to_packed
     from roseinfer.layers.linear import Linear
 
     torch.manual_seed(0)
@@ -73,14 +74,14 @@ def test_prepacked_linear_matches_f_linear(bias: bool) -> None:
     with torch.inference_mode():
         inputs = [torch.randn(1, 48), torch.randn(37, 48), torch.randn(5, 100)[:, 10:58]]  # last: strided rows
         expected = [torch.nn.functional.linear(x, weight, layer.bias) for x in inputs]
-        layer.prepack()
+        to_packed(layer)
         assert layer.weight is None and layer.packed is not None
         for x, ref in zip(inputs, expected):
             torch.testing.assert_close(layer(x), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_padded_rows_rounds_up_to_four_sizes_per_octave() -> None:
-    from roseinfer.layers.linear import padded_rows
+    from roseinfer.backends.cpu.layers import padded_rows
 
     sizes = [padded_rows(rows) for rows in range(1, 8193)]
     assert sizes[:8] == list(range(1, 9))  # small batches are never padded
@@ -105,16 +106,19 @@ def _onednn_row_counts(monkeypatch) -> list[int]:
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs a torch built with oneDNN")
 def test_prepacked_linear_runs_oneDNN_on_padded_row_counts_only(monkeypatch) -> None:
-    """oneDNN caches one primitive per row count for the life of the process (layers/linear.py):
+    """oneDNN caches one primitive per row count for the life of the process (backends/cpu/layers.py):
     1..300 rows must reach it as 29 padded sizes, and every output row stays exact."""
-    from roseinfer.layers.linear import Linear, padded_rows
+    from roseinfer.backends.cpu import ops
+    from roseinfer.backends.cpu.layers import padded_rows, to_packed
+    from roseinfer.layers.linear import Linear
 
+    monkeypatch.setattr(ops, "PACKED_MATMUL_MAX_ROWS", 0)  # every row count to oneDNN, also on AVX-512
     torch.manual_seed(0)
     layer = Linear(48, 80, bias=True)
     weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
     seen = _onednn_row_counts(monkeypatch)
     with torch.inference_mode():
-        layer.prepack()
+        to_packed(layer)
         for rows in range(1, 301):
             x = torch.randn(rows, 48)
             out = layer(x)
@@ -124,10 +128,9 @@ def test_prepacked_linear_runs_oneDNN_on_padded_row_counts_only(monkeypatch) -> 
     assert len(set(seen)) == 29
 
 
-def test_in_row_chunks_calls_fn_on_at_most_MLP_CHUNK_ROWS_rows(monkeypatch) -> None:
+def test_in_row_chunks_calls_fn_on_at_most_chunk_rows_rows() -> None:
     from roseinfer.layers import linear
 
-    monkeypatch.setattr(linear, "MLP_CHUNK_ROWS", 8)
     calls: list[int] = []
 
     def mlp(x: torch.Tensor) -> torch.Tensor:
@@ -137,14 +140,16 @@ def test_in_row_chunks_calls_fn_on_at_most_MLP_CHUNK_ROWS_rows(monkeypatch) -> N
     for rows, pieces in ((1, [1]), (8, [8]), (21, [8, 8, 5])):
         calls.clear()
         x = torch.randn(rows, 6)
-        assert torch.equal(linear.in_row_chunks(mlp, x), torch.tanh(x) * 2)
+        assert torch.equal(linear.in_row_chunks(mlp, x, 8), torch.tanh(x) * 2)
         assert calls == pieces
+    calls.clear()
+    assert torch.equal(linear.in_row_chunks(mlp, x, None), torch.tanh(x) * 2) and calls == [21]
 
 
 def _packed_matmul_available() -> bool:
-    from roseinfer.layers import native
+    from roseinfer.backends.cpu import CPUBackend, onednn
 
-    return torch.backends.mkldnn.is_available() and native.native_kernels_available(torch.float32, torch.device("cpu"))
+    return onednn.available() and CPUBackend.supports(torch.device("cpu"), torch.float32)
 
 
 needs_packed_matmul = pytest.mark.skipif(not _packed_matmul_available(), reason="needs oneDNN and the C kernels")
@@ -153,25 +158,24 @@ needs_packed_matmul = pytest.mark.skipif(not _packed_matmul_available(), reason=
 @needs_packed_matmul
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("out_features", [80, 128, 200])  # 80 and 200 end in a partial 64-row block
-def test_packed_linear_sends_decode_sized_batches_to_the_c_kernel(bias: bool, out_features: int,
-                                                                   monkeypatch) -> None:
+def test_packed_linear_sends_decode_sized_batches_to_the_c_kernel(bias: bool, out_features: int, monkeypatch,
+                                                                   packed_matmul_on_any_cpu) -> None:
     """With the C kernels on, up to PACKED_MATMUL_MAX_ROWS rows (here 14) are multiplied by
     csrc/packed_matmul.c straight from oneDNN's packed copy, in groups of 6 rows with a partial last
     one, strided rows included; more rows stay on oneDNN. Both agree with F.linear."""
-    from roseinfer.layers import native
-    from roseinfer.layers.linear import Linear, padded_rows
+    from roseinfer.backends.cpu import ops
+    from roseinfer.backends.cpu.layers import padded_rows, to_packed
+    from roseinfer.layers.linear import Linear
 
-    monkeypatch.setattr(native, "PACKED_MATMUL_MAX_ROWS", 14)
+    monkeypatch.setattr(ops, "PACKED_MATMUL_MAX_ROWS", 14)
     torch.manual_seed(0)
     layer = Linear(48, out_features, bias=bias)
     weight = layer.weight.detach().clone()
     seen = _onednn_row_counts(monkeypatch)
     with torch.inference_mode():
-        layer.prepack()
-        layer.use_native()
-        if layer.packed_block != 64 or not native.packed_matmul_suits_cpu():
-            pytest.skip("the kernel reads 64-row blocks with AVX-512; oneDNN packs "
-                        f"{layer.packed_block}-row blocks here")
+        to_packed(layer)
+        if layer.packed_block != 64:
+            pytest.skip(f"the kernel reads 64-row blocks; oneDNN packs {layer.packed_block}-row blocks here")
         assert layer.native_weights is not None
         for rows in (*range(1, 8), 12, 13, 14, 15):
             for x in (torch.randn(rows, 48), torch.randn(rows, 100)[:, 10:58]):
@@ -186,87 +190,78 @@ def test_packed_layout_is_verified_row_for_row(monkeypatch) -> None:
     """A [128, 48] weight fills the packed buffer exactly in blocks of 64, 32 or 1 rows, so only the
     comparison with the dense rows can tell which one oneDNN wrote; with none of them confirmed the
     layer keeps every row count on oneDNN."""
-    from roseinfer.layers import linear
+    from roseinfer.backends.cpu import onednn
+    from roseinfer.backends.cpu.layers import to_packed
+    from roseinfer.layers.linear import Linear
 
     weights = torch.randn(128, 48)
-    packed = torch.ops.mkldnn._reorder_linear_weight(weights, None)
-    sizes = {b for b in (64, 32, 1) if linear.packed_rows_view(packed, 128, 48, b) is not None}
-    if linear.packed_row_block(packed, weights) != 64 or sizes != {64, 32, 1}:
+    packed = onednn.pack(weights)
+    sizes = {b for b in (64, 32, 1) if onednn.packed_rows_view(packed, 128, 48, b) is not None}
+    if onednn.packed_row_block(packed, weights) != 64 or sizes != {64, 32, 1}:
         pytest.skip("oneDNN does not pack this shape into 64-row blocks on this CPU")
-    monkeypatch.setattr(linear, "ROW_BLOCK_CANDIDATES", (32, 1, 64))
-    assert linear.packed_row_block(packed, weights) == 64
-    monkeypatch.setattr(linear, "ROW_BLOCK_CANDIDATES", (32, 1))
-    assert linear.packed_row_block(packed, weights) is None
-    layer = linear.Linear(48, 128, bias=False)
+    monkeypatch.setattr(onednn, "ROW_BLOCK_CANDIDATES", (32, 1, 64))
+    assert onednn.packed_row_block(packed, weights) == 64
+    monkeypatch.setattr(onednn, "ROW_BLOCK_CANDIDATES", (32, 1))
+    assert onednn.packed_row_block(packed, weights) is None
+    layer = Linear(48, 128, bias=False)
     with torch.inference_mode():
         layer.weight.copy_(weights)
-        layer.prepack()
-        layer.use_native()
+        to_packed(layer)
         assert layer.packed_block is None and layer.native_weights is None
         torch.testing.assert_close(layer(torch.ones(1, 48)), weights.sum(1)[None], rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs a torch built with oneDNN")
 def test_packed_matmul_kernel_is_left_off_on_cpus_without_avx512(monkeypatch) -> None:
-    from roseinfer.layers import native
+    from roseinfer.backends.cpu import ops
+    from roseinfer.backends.cpu.layers import to_packed
     from roseinfer.layers.linear import Linear
 
-    monkeypatch.setattr(native, "_cpu_flags", lambda: "flags : fpu sse2 avx avx2 fma")
-    native.packed_matmul_suits_cpu.cache_clear()
+    monkeypatch.setattr(ops, "cpu_flags", lambda: "flags : fpu sse2 avx avx2 fma")
+    ops.packed_matmul_suits_cpu.cache_clear()
     try:
-        layer = Linear(48, 128, bias=False)
-        with torch.inference_mode():
-            layer.prepack()
-            layer.use_native()
-        assert layer.native_weights is None
+        assert to_packed(Linear(48, 128, bias=False)).native_weights is None
     finally:
-        native.packed_matmul_suits_cpu.cache_clear()
+        ops.packed_matmul_suits_cpu.cache_clear()
 
 
 def _native_linear(in_features: int, out_features: int, bias: bool):
     """A Linear whose decode-sized batches run in csrc/packed_matmul.c, or a skip where they cannot."""
-    from roseinfer.layers import native
+    from roseinfer.backends.cpu.layers import to_packed
     from roseinfer.layers.linear import Linear
 
-    layer = Linear(in_features, out_features, bias=bias)
-    with torch.inference_mode():
-        layer.prepack()
-        layer.use_native()
+    layer = to_packed(Linear(in_features, out_features, bias=bias))
     if layer.native_weights is None:
-        pytest.skip(f"the kernel reads 64-row blocks with AVX-512 (oneDNN packs {layer.packed_block}-row blocks, "
-                    f"AVX-512: {native.packed_matmul_suits_cpu()})")
+        pytest.skip(f"the kernel reads 64-row blocks; oneDNN packs {layer.packed_block}-row blocks here")
     return layer
 
 
 @needs_packed_matmul
 @pytest.mark.parametrize("bias", [False, True])
-def test_norm_and_activation_folded_into_the_c_matmul_give_the_separate_calls_bits(bias: bool,
-                                                                                    monkeypatch) -> None:
+def test_norm_and_activation_folded_into_the_c_matmul_give_the_separate_calls_bits(bias: bool, monkeypatch,
+                                                                                    packed_matmul_on_any_cpu) -> None:
     """forward_normed (RMSNorm with the residual add, then the matmul) and forward_activated
     (SiLU * up, then the matmul) are one C call each up to PACKED_MATMUL_MAX_ROWS rows: output and
     residual stream bit for bit what the norm, the activation and the matmul give as separate calls,
     strided rows, partial row groups and a partial last weight block (200 outputs) included. Above
     the limit they fall back to those calls."""
-    from roseinfer.layers import native
-    from roseinfer.layers.activation import ActivationAndMul
-    from roseinfer.layers.norm import RMSNorm
+    from roseinfer.backends.cpu import ops
+    from roseinfer.backends.cpu.layers import NativeRMSNorm, NativeSiluAndMul
 
-    monkeypatch.setattr(native, "PACKED_MATMUL_MAX_ROWS", 14)
+    monkeypatch.setattr(ops, "PACKED_MATMUL_MAX_ROWS", 14)
     torch.manual_seed(0)
     layer, down = _native_linear(96, 200, bias), _native_linear(48, 96, bias)
-    norm, act = RMSNorm(96, 1e-5), ActivationAndMul("silu")
+    norm, act = NativeRMSNorm(96, 1e-5), NativeSiluAndMul("silu")
     norm.weight.data.uniform_(0.5, 1.5)
-    norm.use_native()
-    act.use_native()
     fused = {name: 0 for name in ("rms_norm_packed_matmul", "silu_mul_packed_matmul")}
     for name in fused:
-        real = getattr(native, name)
+        real = getattr(ops, name)
 
         def counted(*args, _real=real, _name=name):
             fused[_name] += 1
             return _real(*args)
 
-        monkeypatch.setattr(native, name, counted)
+        monkeypatch.setattr(ops, name, counted)
     with torch.inference_mode():
         for rows in (1, 5, 6, 7, 13, 14, 15):
             for x in (torch.randn(rows, 96), torch.randn(rows, 130)[:, 20:116]):

@@ -67,8 +67,9 @@ def test_default_rope_model_loads_without_transformers(tiny_model_factory) -> No
     folder: pathlib.Path = tiny_model_factory("llama")
     assert json.loads((folder / "config.json").read_text()).get("rope_scaling") is None
     code = ("import sys, torch; from roseinfer.loader.model_loader import load_model, load_model_config; "
-            f"p = {str(folder)!r}; from pathlib import Path; "
-            "load_model(Path(p), load_model_config(Path(p)), torch.float32, torch.device('cpu')); "
+            "from roseinfer.backends import select_backend; "
+            f"p = {str(folder)!r}; from pathlib import Path; cfg = load_model_config(Path(p)); cpu = torch.device('cpu'); "
+            "load_model(Path(p), cfg, torch.float32, cpu, select_backend('auto', cpu, torch.float32, cfg)); "
             "print('transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

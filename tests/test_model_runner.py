@@ -79,7 +79,22 @@ def _save_llama(folder: pathlib.Path, tied: bool, vocab_size: int = 16384) -> pa
     return folder / "model.safetensors"
 
 
-needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="prepacking needs oneDNN")
+def _load_on_cpu_backend(folder: pathlib.Path):
+    from roseinfer.backends import select_backend
+    from roseinfer.loader.model_loader import load_model, load_model_config
+
+    cfg = load_model_config(folder)
+    cpu = torch.device("cpu")
+    return load_model(folder, cfg, torch.float32, cpu, select_backend("cpu", cpu, torch.float32, cfg))
+
+
+def _cpu_backend_packs() -> bool:
+    from roseinfer.backends.cpu import CPUBackend, onednn
+
+    return CPUBackend.supports(torch.device("cpu"), torch.float32) and onednn.available()
+
+
+needs_onednn = pytest.mark.skipif(not _cpu_backend_packs(), reason="prepacking needs oneDNN and the CPU backend")
 
 
 @needs_onednn
@@ -88,10 +103,8 @@ def test_untied_embedding_is_read_from_the_checkpoint_file(tmp_path) -> None:
     stays resident, and a lookup pages in only its rows."""
     from safetensors.torch import load_file
 
-    from roseinfer.loader.model_loader import load_model, load_model_config
-
     checkpoint = _save_llama(tmp_path, tied=False)
-    model = load_model(tmp_path, load_model_config(tmp_path), torch.float32, torch.device("cpu"), prepack=True)
+    model = _load_on_cpu_backend(tmp_path)
     embedding = model.model.embed_tokens.weight
     assert embedding.checkpoint_mapped
     assert _file_rss_bytes(checkpoint) < 2**20
@@ -111,10 +124,8 @@ def test_tied_embedding_reads_its_rows_from_the_prepacked_head(tmp_path, vocab_s
     and keeps no table (nor any mapping of the file) of its own."""
     from safetensors.torch import load_file
 
-    from roseinfer.loader.model_loader import load_model, load_model_config
-
     checkpoint = _save_llama(tmp_path, tied=True, vocab_size=vocab_size)
-    model = load_model(tmp_path, load_model_config(tmp_path), torch.float32, torch.device("cpu"), prepack=True)
+    model = _load_on_cpu_backend(tmp_path)
     embed_tokens = model.model.embed_tokens
     assert embed_tokens.weight is None and embed_tokens.packed is model.lm_head.packed
     assert str(checkpoint) not in pathlib.Path("/proc/self/maps").read_text()
@@ -133,28 +144,15 @@ def test_tied_embedding_keeps_its_table_where_the_packed_layout_is_unknown(tmp_p
     own table (the checkpoint's memory map), and lookups still return the checkpoint's rows."""
     from safetensors.torch import load_file
 
-    from roseinfer.layers import linear
-    from roseinfer.loader.model_loader import load_model, load_model_config
+    from roseinfer.backends.cpu import onednn
+    from roseinfer.backends.cpu.layers import PackedRowsEmbedding
 
-    monkeypatch.setattr(linear, "ROW_BLOCK_CANDIDATES", (2, 3))  # 2: the wrong rows; 3: the wrong size
+    monkeypatch.setattr(onednn, "ROW_BLOCK_CANDIDATES", (2, 3))  # 2: the wrong rows; 3: the wrong size
     checkpoint = _save_llama(tmp_path, tied=True)
-    model = load_model(tmp_path, load_model_config(tmp_path), torch.float32, torch.device("cpu"), prepack=True)
+    model = _load_on_cpu_backend(tmp_path)
     embed_tokens = model.model.embed_tokens
-    assert embed_tokens.packed is None and embed_tokens.weight is not None
+    assert not isinstance(embed_tokens, PackedRowsEmbedding) and embed_tokens.weight is not None
     assert _file_rss_bytes(checkpoint) < 2**20  # packing the head read the table; its pages were let go
     ids = torch.tensor([0, 5, 16383])
     with torch.inference_mode():
         assert torch.equal(embed_tokens(ids), load_file(str(checkpoint))["model.embed_tokens.weight"][ids])
-
-
-def test_no_mmap_embeddings_copies_the_table_and_lets_go_of_the_file(tmp_path) -> None:
-    from safetensors.torch import load_file
-
-    from roseinfer.loader.model_loader import load_model, load_model_config
-
-    checkpoint = _save_llama(tmp_path, tied=False)
-    model = load_model(tmp_path, load_model_config(tmp_path), torch.float32, torch.device("cpu"), mmap_embeddings=False)
-    assert not getattr(model.model.embed_tokens.weight, "checkpoint_mapped", False)
-    assert str(checkpoint) not in pathlib.Path("/proc/self/maps").read_text()  # no mapping of the file is left
-    expected = load_file(str(checkpoint))["model.embed_tokens.weight"]
-    assert torch.equal(model.model.embed_tokens.weight, expected)

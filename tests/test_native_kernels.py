@@ -1,19 +1,25 @@
-"""The C kernels (layers/csrc) against the torch ops they replace, and the fallback without them."""
+"""The CPU backend's C kernels (backends/cpu/csrc) against the torch ops they replace, their bindings
+from kernels.h, and the fallback without them."""
 from __future__ import annotations
 
+import ctypes
 import logging
 import pathlib
+import re
 import shutil
 import subprocess
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from roseinfer import LLM, SamplingParams
-from roseinfer.layers import native
-from roseinfer.layers.attention import AttentionGroup, AttentionMetadata, PagedAttention
+from roseinfer.backends.base import BatchLayout
+from roseinfer.backends.cpu import CPUBackend, kernels, ops
+from roseinfer.backends.torch_sdpa import TorchBackend
+from roseinfer.layers.attention import PagedAttention
 from roseinfer.layers.rotary import apply_rotary
 
 CPU = torch.device("cpu")
@@ -25,15 +31,15 @@ needs_kernels = pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler: the 
 def rebuilt_library() -> Iterator[None]:
     """The test's environment (CC, cache folders) decides the next build; later tests rebuild
     (or reload from the real cache) with the real one."""
-    native.native_library.cache_clear()
+    kernels.native_library.cache_clear()
     yield
-    native.native_library.cache_clear()
+    kernels.native_library.cache_clear()
 
 
 @needs_kernels
 def test_kernels_build_wherever_a_compiler_is_found() -> None:
-    assert native.native_kernels_available(torch.float32, CPU)
-    assert not native.native_kernels_available(torch.bfloat16, CPU)
+    assert kernels.kernels_available() and CPUBackend.supports(CPU, torch.float32)
+    assert not CPUBackend.supports(CPU, torch.bfloat16)
 
 
 def _paged_case(seed: int, heads: int, kv_heads: int, head_dim: int, lens: list[int], block_size: int = 4):
@@ -55,7 +61,7 @@ def test_paged_decode_attention_matches_gather_and_sdpa(heads: int, kv_heads: in
     lens = [1, 5, 17, 33, 8]
     q, k_cache, v_cache, tables, kv_lens = _paged_case(0, heads, kv_heads, head_dim, lens)
     scale = head_dim ** -0.5
-    got = native.paged_decode_attention(q, k_cache, v_cache, tables, kv_lens, 4, scale)
+    got = ops.paged_decode_attention(q, k_cache, v_cache, tables, kv_lens, 4, scale)
     for i, length in enumerate(lens):  # reference: each sequence's tokens in order, plain SDPA with GQA
         slots = torch.tensor([int(tables[i, t // 4]) * 4 + t % 4 for t in range(length)])
         keys, values = k_cache[slots].transpose(0, 1), v_cache[slots].transpose(0, 1)  # [Hkv, L, D]
@@ -92,7 +98,7 @@ def test_paged_prefill_attention_matches_sdpa_under_a_causal_mask(heads: int, kv
     q = qkv[:, :heads * head_dim].view(rows, heads, head_dim)
     out = torch.full((rows, heads, head_dim), 7.0)
     scale = head_dim ** -0.5
-    native.paged_prefill_attention(q, k_cache, v_cache, tables, torch.tensor(starts), torch.tensor(q_lens),
+    ops.paged_prefill_attention(q, k_cache, v_cache, tables, torch.tensor(starts), torch.tensor(q_lens),
                                    torch.tensor(kv_lens), block_size, scale, out)
     written = torch.zeros(rows, dtype=torch.bool)
     for i, (start, q_len) in enumerate(zip(starts, q_lens)):
@@ -109,8 +115,8 @@ def test_attention_kernels_stay_inside_their_buffers_under_address_sanitizer(tmp
     compiler = shutil.which("gcc") or shutil.which("clang")
     if compiler is None:
         pytest.skip("no gcc or clang to build the AddressSanitizer harness")
-    flags = [flag for flag in native.CFLAGS if flag not in ("-shared", "-fPIC")]  # the kernels' own flags
-    flags += ["-g", "-fsanitize=address", "-fno-omit-frame-pointer", f"-I{native.CSRC}"]
+    flags = [flag for flag in kernels.CFLAGS if flag not in ("-shared", "-fPIC")]  # the kernels' own flags
+    flags += ["-g", "-fsanitize=address", "-fno-omit-frame-pointer", f"-I{kernels.CSRC}"]
 
     def build_and_run(name: str, *sources: pathlib.Path) -> subprocess.CompletedProcess | None:
         binary = tmp_path / name
@@ -127,59 +133,54 @@ def test_attention_kernels_stay_inside_their_buffers_under_address_sanitizer(tmp
     if probe is None or probe.returncode != 0:
         pytest.skip("AddressSanitizer cannot build or run a program here")
     run = build_and_run("attention_asan", pathlib.Path(__file__).with_name("attention_kernels_asan.c"),
-                        native.CSRC / "prefill_attention.c", native.CSRC / "paged_attention.c")
+                        kernels.CSRC / "prefill_attention.c", kernels.CSRC / "paged_attention.c")
     assert run is not None, "the harness did not build although an empty ASan program did"
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr
     # a whole decode step in one call: the norm and SiLU matmul calls and decode attention together
     run = build_and_run("decode_layers_asan", pathlib.Path(__file__).with_name("decode_layers_asan.c"),
-                        native.CSRC / "decode_layers.c", native.CSRC / "packed_matmul.c",
-                        native.CSRC / "paged_attention.c")
+                        kernels.CSRC / "decode_layers.c", kernels.CSRC / "packed_matmul.c",
+                        kernels.CSRC / "paged_attention.c")
     assert run is not None, "the decode-step harness did not build although an empty ASan program did"
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr
 
 
 @needs_kernels
 def test_paged_prefill_attention_refuses_shapes_its_vector_loops_do_not_cover() -> None:
-    assert not native.prefill_attention_supported(40, 1) and not native.prefill_attention_supported(256, 1)
+    assert not ops.prefill_attention_supported(40, 1) and not ops.prefill_attention_supported(256, 1)
     # more query heads per KV head than a task has lanes: not even one query row would fit
-    assert native.prefill_attention_supported(64, 64) and not native.prefill_attention_supported(64, 65)
+    assert ops.prefill_attention_supported(64, 64) and not ops.prefill_attention_supported(64, 65)
     q = torch.randn(3, 2, 40)
     cache = torch.zeros(8, 2, 40)
     one = torch.tensor([0])
     with pytest.raises(ValueError, match="multiple of 16"):
-        native.paged_prefill_attention(q, cache, cache, torch.tensor([[0, 1]]), one, torch.tensor([3]),
+        ops.paged_prefill_attention(q, cache, cache, torch.tensor([[0, 1]]), one, torch.tensor([3]),
                                        torch.tensor([3]), 4, 0.1, torch.empty(3, 2, 40))
     with pytest.raises(ValueError, match="query heads per KV head"):
-        native.paged_prefill_attention(torch.randn(3, 65, 16), torch.zeros(8, 1, 16), torch.zeros(8, 1, 16),
+        ops.paged_prefill_attention(torch.randn(3, 65, 16), torch.zeros(8, 1, 16), torch.zeros(8, 1, 16),
                                        torch.tensor([[0, 1]]), one, torch.tensor([3]), torch.tensor([3]), 4, 0.1,
                                        torch.empty(3, 65, 16))
 
 
 @needs_kernels
-def test_native_and_torch_attention_agree_through_the_layer() -> None:
-    """PagedAttention with meta.native (store_kv + kernel) against its torch path (index_copy_ +
-    gather + SDPA under a mask), on one decode step of five sequences."""
+def test_cpu_and_torch_backends_attend_alike_through_the_layer() -> None:
+    """One decode step of five sequences through PagedAttention with each backend's metadata: the CPU
+    backend's (store_kv + the kernel) against the torch backend's (index_copy_ + gather + SDPA)."""
     heads, kv_heads, head_dim, block_size = 6, 2, 32, 4
     lens = [3, 9, 16, 21, 2]
     q, k_cache, v_cache, tables, kv_lens = _paged_case(1, heads, kv_heads, head_dim, lens, block_size)
     k, v = torch.randn(len(lens), kv_heads, head_dim), torch.randn(len(lens), kv_heads, head_dim)
-    slots = torch.tensor([int(tables[i, (n - 1) // block_size]) * block_size + (n - 1) % block_size
-                          for i, n in enumerate(lens)])
-    rows = torch.arange(len(lens)).unsqueeze(1)
-    keys = torch.arange(tables.shape[1] * block_size)
-    mask = torch.zeros(len(lens), 1, 1, keys.numel()).masked_fill_(keys >= kv_lens.view(-1, 1, 1, 1), float("-inf"))
+    slots = [int(tables[i, (n - 1) // block_size]) * block_size + (n - 1) % block_size for i, n in enumerate(lens)]
+    layout = BatchLayout(block_size, slots, list(range(len(lens))), [1] * len(lens), lens, tables.tolist())
+    shape = SimpleNamespace(head_dim=head_dim, num_heads=heads, num_kv_heads=kv_heads)
     attention = PagedAttention(heads, kv_heads, head_dim, head_dim ** -0.5)
     outs, caches = [], []
-    for use_native in (False, True):
+    for backend in (TorchBackend, CPUBackend):
         cache = (k_cache.clone(), v_cache.clone())
-        group = AttentionGroup(query_rows=rows, valid_slots=torch.arange(len(lens)), output_rows=rows[:, 0],
-                               block_size=block_size, block_tables=tables, whole_batch=True,
-                               mask=None if use_native else mask, kv_lens=kv_lens if use_native else None)
-        outs.append(attention(q, k, v, cache, AttentionMetadata(slot_mapping=slots, groups=[group], native=use_native)))
+        outs.append(attention(q, k, v, cache, backend(CPU, torch.float32, shape).build_metadata(layout)))
         caches.append(cache)
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
     assert torch.equal(caches[1][0], caches[0][0]) and torch.equal(caches[1][1], caches[0][1])
-    assert torch.equal(caches[1][0][slots], k)
+    assert torch.equal(caches[1][0][torch.tensor(slots)], k)
 
 
 @needs_kernels
@@ -197,12 +198,12 @@ def test_fused_decode_equals_rotary_store_and_attention_one_after_another(heads:
                           for i, m in enumerate(lens)])
     separate_qkv, separate_cache = qkv.clone(), (k_cache.clone(), v_cache.clone())
     qk = separate_qkv[:, :q_width + kv_width].view(n, heads + kv_heads, head_dim)
-    native.rotary_(qk, rotations)
-    native.store_kv(qk[:, heads:], separate_qkv[:, q_width + kv_width:].view(n, kv_heads, head_dim), slots,
+    ops.rotary_(qk, rotations)
+    ops.store_kv(qk[:, heads:], separate_qkv[:, q_width + kv_width:].view(n, kv_heads, head_dim), slots,
                     *separate_cache)
-    expected = native.paged_decode_attention(qk[:, :heads], *separate_cache, tables, kv_lens, block_size,
+    expected = ops.paged_decode_attention(qk[:, :heads], *separate_cache, tables, kv_lens, block_size,
                                              head_dim ** -0.5)
-    got = native.decode_attention_qkv(qkv, rotations, slots, k_cache, v_cache, tables, kv_lens, block_size,
+    got = ops.decode_attention_qkv(qkv, rotations, slots, k_cache, v_cache, tables, kv_lens, block_size,
                                       heads, head_dim ** -0.5)
     assert torch.equal(got, expected.view(n, q_width))
     assert torch.equal(qkv, separate_qkv)
@@ -217,13 +218,13 @@ def test_rms_norm_matches_torch_with_and_without_residual(dim: int) -> None:
     wide = torch.randn(9, dim + 8) * 4
     x = wide[:, :dim]  # rows with a stride, as slices of a wider tensor are
     weight, residual = torch.randn(dim), torch.randn(9, dim)
-    torch.testing.assert_close(native.rms_norm(x, weight, 1e-5), F.rms_norm(x, (dim,), weight, 1e-5))
+    torch.testing.assert_close(ops.rms_norm(x, weight, 1e-5), F.rms_norm(x, (dim,), weight, 1e-5))
     stream = residual.clone()
-    normed = native.rms_norm(x, weight, 1e-6, stream)
+    normed = ops.rms_norm(x, weight, 1e-6, stream)
     torch.testing.assert_close(stream, residual + x)
     torch.testing.assert_close(normed, F.rms_norm(residual + x, (dim,), weight, 1e-6))
     with pytest.raises(ValueError, match="contiguous"):  # it is written in place, row by row
-        native.rms_norm(x, weight, 1e-6, torch.randn(dim, 9).t())
+        ops.rms_norm(x, weight, 1e-6, torch.randn(dim, 9).t())
 
 
 @needs_kernels
@@ -233,7 +234,7 @@ def test_silu_mul_matches_torch_including_extremes(width: int) -> None:
     gate_up = torch.randn(5, 2 * width) * 6
     gate_up[0, :4] = torch.tensor([-200.0, -88.5, 88.5, 200.0])  # where exp over- or underflows
     gate, up = gate_up.chunk(2, dim=-1)
-    got = native.silu_mul(gate_up)
+    got = ops.silu_mul(gate_up)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, F.silu(gate) * up, rtol=2e-6, atol=1e-6)
 
@@ -251,11 +252,11 @@ def test_rotary_in_place_matches_the_torch_rotary(tokens: int, head_dim: int) ->
     rotations = torch.polar(torch.ones_like(angles), angles)
     expected = apply_rotary(qk, rotations)  # the torch path returns a new tensor
     assert torch.equal(qkv, before)
-    assert apply_rotary(qk, rotations, native_inplace=True).data_ptr() == qkv.data_ptr()
+    assert ops.rotary_(qk, rotations).data_ptr() == qkv.data_ptr()
     torch.testing.assert_close(qk, expected, rtol=1e-6, atol=1e-5)
     assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], before[:, (heads + kv_heads) * head_dim:])
     with pytest.raises(ValueError, match="contiguous"):  # heads apart in memory: it cannot work in place
-        native.rotary_(qk.transpose(0, 1), rotations)
+        ops.rotary_(qk.transpose(0, 1), rotations)
 
 
 @needs_kernels
@@ -267,8 +268,8 @@ def test_argmax_rows_decides_ties_nans_and_infinities_as_torch_does() -> None:
     logits[3] = float("-inf")
     logits[4, -1] = float("inf")
     logits[5, 0] = 100.0
-    assert torch.equal(native.argmax_rows(logits), logits.argmax(dim=-1))
-    assert torch.equal(native.argmax_rows(logits[:, :5]), logits[:, :5].argmax(dim=-1))  # a narrow strided view
+    assert torch.equal(ops.argmax_rows(logits), logits.argmax(dim=-1))
+    assert torch.equal(ops.argmax_rows(logits[:, :5]), logits[:, :5].argmax(dim=-1))  # a narrow strided view
 
 
 @needs_kernels
@@ -278,7 +279,7 @@ def test_store_kv_matches_index_copy() -> None:
     kv = torch.randn(6, 5, 8)  # k and v as strided slices of one tensor, like the qkv projection's
     k, v = kv[:, :2], kv[:, 2:4]
     slots = torch.tensor([3, 17, 0, 39, 8, 9])
-    native.store_kv(k, v, slots, cache_a, cache_b)
+    ops.store_kv(k, v, slots, cache_a, cache_b)
     torch.testing.assert_close(cache_a, torch.zeros(40, 2, 8).index_copy_(0, slots, k), rtol=0, atol=0)
     torch.testing.assert_close(cache_b, torch.zeros(40, 2, 8).index_copy_(0, slots, v), rtol=0, atol=0)
 
@@ -288,12 +289,12 @@ def test_without_a_working_compiler_the_engine_runs_on_torch_ops(tiny_model_fact
     """A compiler that fails: the default engine logs why and runs torch ops only, with the same output."""
     folder = tiny_model_factory("llama")
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    reference = LLM(model=str(folder), native_kernels=False).generate([[5, 6, 7, 8]], greedy)[0].token_ids
+    reference = LLM(model=str(folder), attention_backend="torch").generate([[5, 6, 7, 8]], greedy)[0].token_ids
     monkeypatch.setenv("CC", "false")
     monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(tmp_path))
-    with caplog.at_level(logging.WARNING, logger="roseinfer.layers.native"):
+    with caplog.at_level(logging.WARNING, logger="roseinfer.backends.cpu.kernels"):
         llm = LLM(model=str(folder))
-    assert not llm.engine.native_kernels
+    assert llm.engine.backend.name == "torch"
     assert "native CPU kernels unavailable" in caplog.text and "failed" in caplog.text
     assert llm.generate([[5, 6, 7, 8]], greedy)[0].token_ids == reference
     assert not list(tmp_path.rglob("*.so"))
@@ -304,9 +305,9 @@ def test_an_unwritable_cache_folder_is_reported_not_raised(monkeypatch, tmp_path
     blocker = tmp_path / "a-file"
     blocker.write_text("")  # the cache folder would have to be created inside a file
     monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(blocker / "cache"))
-    with pytest.raises(native.NativeKernelsUnavailable, match="building or loading"):
-        native.native_library()
-    assert not native.native_kernels_available(torch.float32, CPU)
+    with pytest.raises(kernels.NativeKernelsUnavailable, match="building or loading"):
+        kernels.native_library()
+    assert not kernels.kernels_available()
 
 
 @needs_kernels
@@ -316,6 +317,36 @@ def test_kernels_are_cached_in_the_temp_dir_when_the_home_cache_cannot_be_writte
     blocker.write_text("")  # a cache folder "inside" a file cannot be created, not even by root
     monkeypatch.delenv("ROSEINFER_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
-    monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
-    native.native_library()
+    monkeypatch.setattr(kernels.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    kernels.native_library()
     assert list((tmp_path / "tmp").rglob("roseinfer_kernels_*.so"))
+
+
+def test_bindings_follow_the_header_by_name_so_a_moved_parameter_cannot_pass_a_wrong_value() -> None:
+    """kernels.h is the one declaration: argtypes and the call order come from it, and callers name
+    every argument, so reordering a C parameter reorders the call too; a renamed one fails loudly."""
+    class Function:
+        def __call__(self, *args: object) -> tuple:
+            return args
+
+    library = SimpleNamespace(f=Function(), g=Function())
+    header = ("/* comment */\n#include <stdint.h>\ntypedef struct { const float *a, *b; float *c; } pair_t;\n"
+              "void f(int64_t n, const float *x, float eps);\nint g(const pair_t *p, const float *const *w);\n")
+    bound = kernels.Kernels(library, header)
+    assert bound.f(eps=0.5, x=7, n=3) == (3, 7, 0.5)
+    assert library.f.argtypes == [ctypes.c_int64, ctypes.c_void_p, ctypes.c_float] and library.f.restype is None
+    assert library.g.restype is ctypes.c_int and [name for name, _ in bound.structs["pair_t"]._fields_] == ["a", "b", "c"]
+    moved = kernels.Kernels(library, header.replace("int64_t n, const float *x", "const float *x, int64_t n"))
+    assert moved.f(eps=0.5, x=7, n=3) == (7, 3, 0.5)
+    with pytest.raises(TypeError, match=r"missing \['n'\], unknown \['count'\]"):
+        bound.f(count=3, x=7, eps=0.5)
+
+
+@needs_kernels
+def test_every_entry_point_of_the_real_header_is_bound() -> None:
+    library = kernels.native_library()
+    names = re.findall(r"^\s*(?:void|int)\s+(\w+)\(", kernels.HEADER.read_text(), flags=re.M)
+    assert len(names) == 12 and all(isinstance(getattr(library, name), kernels.Kernel) for name in names)
+    fields = [name for name, _ in library.structs["decode_layer_t"]._fields_]
+    assert fields == ["input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up", "down", "k_cache",
+                      "v_cache"]

@@ -4,11 +4,10 @@ oneDNN weights the engine uses, layers/linear.py), same shapes, same threads. Th
 the ceiling an engine can approach on this machine; the engine's ratio to them is the efficiency
 claim.
 
-Where every layer's matmul runs in csrc/packed_matmul.c at the batch size, the engine's decode
-layers run from C in one call (csrc/decode_layers.c), with no Python between matmuls; the decode
-floor then runs its matmuls from one C loop too. Called one by one from Python they would pay ~8 us
-of cache-cold Python each (121 calls a step for the default model) that the engine no longer pays,
-and the engine would beat its own floor."""
+Where the CPU backend runs a decode step's layers from C in one call (backends/cpu/llama.py), with
+no Python between matmuls, the decode floor runs its matmuls from one C loop too (Backend.matmul_loop):
+called one by one from Python they would pay ~8 us of cache-cold Python each that the engine no
+longer pays, and the engine would beat its own floor."""
 from __future__ import annotations
 
 import time
@@ -17,7 +16,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from roseinfer.layers import native
+from roseinfer.backends.base import Backend
 from roseinfer.layers.linear import Linear, linear_layers
 
 
@@ -39,25 +38,14 @@ def _inputs(layers: list[Linear], rows: int, reference: torch.Tensor) -> dict[in
 
 
 @torch.inference_mode()
-def matmul_floor(model: nn.Module, batch_size: int, steps: int = 20, warmup: int = 3) -> float:
-    """Decode tokens/s of a loop doing only the model's matmuls for `batch_size` sequences."""
+def matmul_floor(model: nn.Module, backend: Backend, batch_size: int, steps: int = 20, warmup: int = 3) -> float:
+    """Decode tokens/s of a loop doing only the model's matmuls for `batch_size` sequences, as the
+    backend runs them (from one C loop where its decode steps run their layers in C)."""
     if batch_size < 1 or steps < 1 or warmup < 0:
         raise ValueError("matmul_floor needs batch_size >= 1, steps >= 1, warmup >= 0")
     layers = linear_layers(model)
     reference = next(model.parameters())
-    inputs = _inputs(layers, batch_size, reference)
-    if all(layer.takes_native_rows(batch_size) for layer in layers):
-        weights = [(layer.native_weights, layer.bias, layer.out_features, layer.in_features) for layer in layers]
-        widest = inputs[max(inputs)]
-
-        def decode_steps(count: int) -> None:
-            native.packed_matmul_steps(weights, widest, count)
-    else:
-        def decode_steps(count: int) -> None:
-            for _ in range(count):
-                for layer in layers:
-                    layer(inputs[layer.in_features])
-
+    decode_steps = backend.matmul_loop(layers, _inputs(layers, batch_size, reference))
     decode_steps(warmup)
     return batch_size * steps / _timed(lambda: decode_steps(steps), reference.device.type == "cuda")
 

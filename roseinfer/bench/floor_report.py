@@ -152,13 +152,14 @@ def floor_sampler(args: argparse.Namespace, runner: RoseinferRunner, batch_size:
     on the engine's loaded model (same weights, dtype, device and threads), around each measured
     run of ``mode``. The prefill floor prefills a run's ``num_prompts`` prompts of ``--prompt-len``
     tokens in steps of the engine's prefill token budget."""
-    model, config = runner.engine.runner.model, runner.engine.config
+    engine = runner.engine
+    model, config = engine.runner.model, engine.config
     step_tokens = prefill_step_tokens(config.max_num_batched_tokens, config.prefill_max_tokens)
 
     def sample(run_mode: str) -> None:
         if run_mode != mode:
             return
-        tok_s = matmul_floor(model, batch_size, args.floor_steps, args.floor_warmup)
+        tok_s = matmul_floor(model, engine.backend, batch_size, args.floor_steps, args.floor_warmup)
         samples.append(tok_s)
         print(f"Matmul floor (batch_size={batch_size}, sample {len(samples)}): {tok_s:.2f} tokens/s", flush=True)
         prefill_tok_s = prefill_matmul_floor(model, num_prompts, args.prompt_len, step_tokens)

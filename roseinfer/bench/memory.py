@@ -10,9 +10,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from roseinfer.layers.embedding import VocabEmbedding
+from torch import nn
+
+from roseinfer.backends.cpu.memory import return_freed_memory
 from roseinfer.layers.linear import linear_layers
-from roseinfer.loader.model_loader import return_freed_memory
 
 if TYPE_CHECKING:
     from roseinfer.engine.llm_engine import LLMEngine
@@ -68,13 +69,13 @@ def peak_rss_bytes() -> int:
 def engine_memory(engine: LLMEngine, peak: int) -> dict[str, float]:
     """The engine's weights, KV pool, budget and the measured peak, in MB (10^6 bytes)."""
     runner = engine.runner
-    # The checkpoint's weights: dense parameters plus the prepacked copies that replaced linear
-    # weights. A tied LM head's packed copy duplicates the embedding's table, so it counts as
+    # The checkpoint's weights: dense parameters plus the copies a backend put in place of linear
+    # weights (packed). A tied LM head's copy duplicates the embedding's table, so it counts as
     # overhead, unless the embedding has no table and reads its rows from that copy.
     model = runner.model
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    table_in_head = any(isinstance(m, VocabEmbedding) and m.packed is not None for m in model.modules())
-    weights += sum(layer.weight_bytes() for layer in linear_layers(model) if layer.packed is not None
+    table_in_head = any(isinstance(m, nn.Embedding) and m.weight is None for m in model.modules())
+    weights += sum(layer.weight_bytes() for layer in linear_layers(model) if layer.weight is None
                    and not (layer is model.lm_head and model.cfg.tie_word_embeddings and not table_in_head))
     kv_pool = sum(t.numel() * t.element_size() for pair in runner.kv_caches for t in pair)
     mb = 10**6

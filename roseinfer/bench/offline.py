@@ -56,6 +56,7 @@ from typing import Any, Protocol
 
 import torch
 
+from roseinfer.config import resolve_device
 from roseinfer.sampling_params import SamplingParams
 
 from .datasets import random_requests
@@ -224,7 +225,7 @@ def build_prompts(args: argparse.Namespace, tokenizer: Any, run_index: int,
     """Token-id prompts for one run: --prompts cycled to the run's size, else --prompt n times, else
     generated. Generated prompts are drawn afresh per run (seed + run index), the same in every
     run with --keep-prefix-cache-across-runs."""
-    n = num_requests if num_requests is not None else num_requests_for(args, args.max_batch_size)
+    n = num_requests if num_requests is not None else num_requests_for(args, args.max_num_seqs)
     if args.prompts:
         return [tokenizer.encode(args.prompts[i % len(args.prompts)]) for i in range(n)]
     if args.prompt is not None:
@@ -344,7 +345,8 @@ def run_offline_bench(args: argparse.Namespace) -> dict[str, Any]:
         if args.floor_steps < 1 or args.floor_warmup < 0:
             raise ValueError("--floor-steps must be >= 1 and --floor-warmup >= 0")
         floor_mode = floor_mode_for(modes)
-    batch_sizes = args.batch_sizes or [args.max_batch_size]
+    args.device = resolve_device(args.device)
+    batch_sizes = args.batch_sizes or [args.max_num_seqs]
     if args.num_threads:
         # the engine sets this itself, but an hf-only run builds no engine; torch's count
         # is process-wide, so both backends then run on the same number of threads

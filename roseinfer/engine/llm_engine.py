@@ -12,13 +12,13 @@ import time
 
 import torch
 
-from roseinfer.config import EngineConfig
+from roseinfer.config import EngineConfig, resolve_device
+from roseinfer.backends import select_backend
 from roseinfer.engine.block_manager import BlockManager
 from roseinfer.engine.model_runner import ModelRunner
 from roseinfer.engine.request import Request, RequestOutput
 from roseinfer.engine.sampler import Sampler
 from roseinfer.engine.scheduler import Scheduler
-from roseinfer.layers.native import native_kernels_available
 from roseinfer.loader.generation_config import sampling_defaults
 from roseinfer.loader.model_loader import load_model, load_model_config, resolve_model_folder
 from roseinfer.sampling_params import SamplingParams
@@ -34,7 +34,7 @@ class LLMEngine:
         start = time.perf_counter()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.device = torch.device(config.device)
+        self.device = torch.device(resolve_device(config.device))
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' was asked for but torch sees no CUDA device")
         self.dtype = DTYPES["bfloat16" if config.dtype == "auto" and self.device.type == "cuda" else
@@ -48,18 +48,16 @@ class LLMEngine:
             self.default_sampling_params()
         except ValueError as exc:
             raise ValueError(f"the generation config's sampling defaults: {exc}") from None
-        self.native_kernels = config.native_kernels and native_kernels_available(self.dtype, self.device)
-        model = load_model(self.model_folder, self.model_config, self.dtype, self.device, config.prepack_weights,
-                           self.native_kernels, config.mmap_embeddings)
+        self.backend = select_backend(config.attention_backend, self.device, self.dtype, self.model_config)
+        model = load_model(self.model_folder, self.model_config, self.dtype, self.device, self.backend)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         self.num_kv_blocks = config.num_kv_blocks or self._auto_num_blocks()
         self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         eos = self.tokenizer.eos_token_ids
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, eos)
-        self.runner = ModelRunner(model, self.model_config, self.num_kv_blocks, config.block_size,
-                                  self.dtype, self.device, Sampler(eos, self.device, config.seed, self.native_kernels),
-                                  self.native_kernels)
+        self.runner = ModelRunner(model, self.model_config, self.num_kv_blocks, config.block_size, self.backend,
+                                  Sampler(eos, self.device, config.seed, self.backend.argmax))
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.load_seconds = time.perf_counter() - start

@@ -13,8 +13,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from roseinfer.layers import native
-
 
 def _gelu_new(x: torch.Tensor) -> torch.Tensor:
     return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
@@ -37,21 +35,14 @@ def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 class ActivationAndMul(nn.Module):
-    """act(gate) * up over a fused [gate | up] projection; SiLU has a native kernel (one pass)."""
-
-    native = False
+    """act(gate) * up over a fused [gate | up] projection."""
 
     def __init__(self, name: str) -> None:
         super().__init__()
         self.name = name
         self.act = get_activation(name)
 
-    def use_native(self) -> None:
-        self.native = self.name in ("silu", "swish")
-
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if self.native and gate_up.dim() == 2:
-            return native.silu_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         # multiply in place: one [T, intermediate] buffer fewer per layer
         return self.act(gate).mul_(up)

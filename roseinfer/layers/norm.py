@@ -1,34 +1,23 @@
-"""Normalisation layers. The torch path rounds exactly as transformers does; the native kernel
-(CPU fp32, switched on by the loader) differs from it only in summation order."""
+"""Normalisation layers, in torch ops that round exactly as transformers does (a backend may swap in
+its own kernel at load: backends/cpu/layers.py)."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from roseinfer.layers import native
-
 
 class RMSNorm(nn.Module):
     """RMSNorm; given the residual stream too, it adds x into it first and returns (normed, stream),
-    so a decoder layer's residual add and its next norm are one pass with the native kernel."""
-
-    native = False
+    so that a kernel may do a decoder layer's residual add and its next norm in one pass."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def use_native(self) -> None:
-        self.native = True
-
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if self.native and x.dim() == 2:
-            if residual is None:
-                return native.rms_norm(x, self.weight, self.eps)
-            return native.rms_norm(x, self.weight, self.eps, residual), residual  # residual updated in place
         if residual is None:
             return self._normalise(x)
         residual = residual + x

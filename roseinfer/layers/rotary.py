@@ -13,8 +13,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from roseinfer.layers import native
-
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -61,13 +59,9 @@ class RotaryEmbedding(nn.Module):
         return self.rotations[positions].unsqueeze(1)
 
 
-def apply_rotary(x: torch.Tensor, rotations: torch.Tensor, native_inplace: bool = False) -> torch.Tensor:
-    """x: [T, heads, D] with rotary pairs adjacent; rotations: [T, 1, D/2] complex. Returns [T, heads, D].
-    native_inplace (CPU fp32): one C pass that overwrites x (a fresh projection output nothing else
-    reads) instead of five torch ops and a new tensor; it rounds once less (an FMA) than this path,
-    which equals transformers' rotary bit for bit."""
-    if native_inplace:
-        return native.rotary_(x, rotations)
+def apply_rotary(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D] with rotary pairs adjacent; rotations: [T, 1, D/2] complex. Returns [T, heads, D],
+    equal to transformers' rotary bit for bit (a backend may rotate in place instead: backends/cpu)."""
     tokens, heads, dim = x.shape
     pairs = torch.view_as_complex(x.float().reshape(tokens, heads, dim // 2, 2))
     return torch.view_as_real(pairs * rotations).view(tokens, heads, dim).to(x.dtype)

@@ -1,20 +1,14 @@
 """Resolve a model argument (HF folder, GGUF file, hub id, or nothing) to a HF folder and load it."""
 from __future__ import annotations
 
-import ctypes
-import functools
 import json
-import mmap
 from pathlib import Path
 from typing import Iterator
 
 import torch
 from torch import nn
 
-from roseinfer.layers.activation import ActivationAndMul
-from roseinfer.layers.embedding import VocabEmbedding
-from roseinfer.layers.linear import Linear, can_prepack, linear_layers, prepack_linears
-from roseinfer.layers.norm import RMSNorm
+from roseinfer.backends.base import Backend
 from roseinfer.loader.default_model import default_model_path
 from roseinfer.loader.gguf import convert_gguf
 from roseinfer.models.config import ModelConfig
@@ -87,96 +81,11 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(folder: Path, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
-               prepack: bool = True, native: bool = False, mmap_embeddings: bool = True) -> nn.Module:
-    """`native`: switch the layers that have a C kernel (RMSNorm, SiLU-and-mul, matmuls of up to 256 rows)
-    onto it; the caller has checked `native_kernels_available`. `mmap_embeddings=False` copies embedding tables out of
-    the checkpoint's memory map (models/weights.py), so nothing reads the file after loading."""
+               backend: Backend) -> nn.Module:
+    """The model with the checkpoint's weights, prepared by `backend` (which may swap its own layers in)."""
     with torch.device(device):
         model = build_model(model_config)
     model.to(dtype)
     model.load_weights(iter_safetensors(folder))
-    if prepack and can_prepack(dtype, device):
-        tied = _tied_embeddings(model)  # before packing drops the heads' dense weights
-        prepack_linears(model)
-        for head, embedding in tied:
-            embedding.read_rows_from(head)
-    if native:
-        for module in model.modules():
-            if isinstance(module, (RMSNorm, ActivationAndMul, Linear)):
-                module.use_native()
-    if not mmap_embeddings:
-        _copy_mapped_params(model)
-    if device.type == "cpu":
-        return_freed_memory()
-        _drop_mapped_pages(model)
+    backend.prepare_model(model)
     return model.eval()
-
-
-def _tied_embeddings(model: nn.Module) -> list[tuple[Linear, VocabEmbedding]]:
-    """(LM head, embedding) pairs that share one weight: after prepacking, the embedding can look
-    its rows up in the head's packed copy instead of keeping a dense table (layers/embedding.py)."""
-    tables = {id(m.weight): m for m in model.modules() if isinstance(m, VocabEmbedding)}
-    return [(layer, tables[id(layer.weight)]) for layer in linear_layers(model) if id(layer.weight) in tables]
-
-
-def return_freed_memory() -> None:
-    """Loading frees the checkpoint's tensors and, with prepacking, the dense weights; glibc keeps
-    much of that in its heap. Handing it back cut resident memory after loading the default model
-    from 948 to 877 MiB (the engine's peak RSS counts against weights + KV pool + 300 MB)."""
-    libc = _libc()
-    if libc is not None and hasattr(libc, "malloc_trim"):  # not glibc: nothing to trim this way
-        libc.malloc_trim(0)
-
-
-def _mapped_params(model: nn.Module) -> Iterator[nn.Parameter]:
-    """Parameters that are the checkpoint's memory map (models/weights.py)."""
-    return (param for param in model.parameters() if getattr(param, "checkpoint_mapped", False))
-
-
-def _copy_mapped_params(model: nn.Module) -> None:
-    for param in _mapped_params(model):
-        param.data = param.data.clone()
-        param.checkpoint_mapped = False
-
-
-def _drop_mapped_pages(model: nn.Module) -> None:
-    """A mapped table that is still the embedding's after prepacking (a tied one whose packed layout
-    the embedding could not read, layers/embedding.py) was read whole to pack the head, and its
-    pages would stay in this process's resident set. Dropping them is safe because the mapping is
-    read-only in use and backed by the file: a later lookup pages its rows back in."""
-    libc = _libc()
-    if libc is None:
-        return
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    page = mmap.PAGESIZE
-    for param in _mapped_params(model):
-        address, size = param.data_ptr(), param.numel() * param.element_size()
-        start, end = -(-address // page) * page, (address + size) // page * page
-        # MADV_DONTNEED on anonymous memory would zero it: only ever on a range the file maps
-        if end <= start or not _file_backed(start, end):
-            continue
-        libc.madvise(start, end - start, mmap.MADV_DONTNEED)
-        # lookups read scattered rows: without this, each one faults in the kernel's read-around too
-        libc.madvise(start, end - start, mmap.MADV_RANDOM)
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL | None:
-    try:
-        return ctypes.CDLL("libc.so.6")
-    except OSError:  # not a glibc system
-        return None
-
-
-def _file_backed(start: int, end: int) -> bool:
-    """[start, end) lies in one private mapping of a regular file (from /proc/self/maps)."""
-    try:
-        lines = Path("/proc/self/maps").read_text().splitlines()
-    except OSError:
-        return False
-    for line in lines:
-        fields = line.split()
-        low, high = (int(x, 16) for x in fields[0].split("-"))
-        if low <= start and end <= high:
-            return len(fields) >= 6 and fields[1].endswith("p") and int(fields[4]) != 0 and fields[5].startswith("/")
-    return False

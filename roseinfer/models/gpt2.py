@@ -8,13 +8,11 @@ import torch
 from torch import nn
 
 from roseinfer.layers.activation import get_activation
-from roseinfer.layers.attention import AttentionMetadata, PagedAttention
-from roseinfer.layers.embedding import VocabEmbedding
+from roseinfer.layers.attention import AttentionMetadata, KVCache, PagedAttention
 from roseinfer.layers.linear import Linear, in_row_chunks
 from roseinfer.models.config import ModelConfig
 from roseinfer.models.weights import WeightLoader
 
-KVCache = tuple[torch.Tensor, torch.Tensor]
 CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
@@ -37,7 +35,7 @@ class GPT2Block(nn.Module):
         q, k, v = self.c_attn(self.ln_1(x)).view(tokens, 3, self.num_heads, self.head_dim).unbind(1)
         attn = self.attn(q, k, v, kv_cache, meta)
         x = x + self.c_proj(attn.reshape(tokens, -1))
-        return x + in_row_chunks(self._mlp, self.ln_2(x))
+        return x + in_row_chunks(self._mlp, self.ln_2(x), meta.mlp_chunk_rows)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp_proj(self.act(self.c_fc(x)))
@@ -47,7 +45,7 @@ class GPT2LMHeadModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.wte = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
         self.h = nn.ModuleList(GPT2Block(cfg) for _ in range(cfg.num_layers))
         self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)

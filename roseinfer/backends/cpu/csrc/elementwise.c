@@ -1,11 +1,12 @@
 /* Row-wise kernels (fp32, CPU), each one pass over memory where torch runs several ops (~10 us
  * of dispatch each): RMSNorm with the residual add folded in, SiLU(gate) * up, the rotary
- * embedding in place, and the greedy argmax over logits. Bound with ctypes in layers/native.py;
- * called by layers/norm.py, layers/activation.py, layers/rotary.py and engine/sampler.py. Rows
- * are split over threads only when there is enough work to pay for waking them. */
+ * embedding in place, and the greedy argmax over logits, for the CPU backend's layers and sampler
+ * (backends/cpu). Rows are split over threads only when there is enough work to pay for waking
+ * them. */
 #include <math.h>
 #include <stdint.h>
 
+#include "kernels.h"
 #include "simd.h"
 
 #define PARALLEL_MIN_FLOATS 65536

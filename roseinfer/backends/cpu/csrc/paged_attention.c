@@ -4,7 +4,7 @@
  * and re-reads the whole context (46 KB per token for the default model) on every step. Here one
  * task per sequence walks its block table and reads each cached token's K and V rows once, in
  * place: a token's rows for all KV heads are adjacent, so a block is one contiguous stretch.
- * Bound with ctypes in layers/native.py; called by layers/attention.py.
+ * Called by the CPU backend's attention (backends/cpu/attention.py).
  *
  * q:                 [n, num_heads, head_dim], rows q_row_stride floats apart (heads contiguous); with
  *                    rope set, each row is a whole qkv row: q, then the new token's K, then its V

@@ -1,6 +1,6 @@
 /* y = x W^T (+ bias) for decode-sized batches, reading W where oneDNN packed it.
  *
- * The layout is the one layers/linear.py verifies before calling this: rows of W in blocks of 64,
+ * The layout is the one backends/cpu/onednn.py verifies before this is called: rows of W in blocks of 64,
  * each column's 64 values side by side, element (r, c) at ((r / 64) * k + c) * 64 + r % 64, the last
  * block padded. Read front to back a block is a stream of 64-float rows. One task multiplies a group
  * of up to 6 rows of x by one block: per column, four 16-float vectors of weights into 6 x 4
@@ -9,7 +9,7 @@
  * for k = 576).
  *
  * With few rows this streams the weights at close to what two cores can read, where oneDNN's fp32
- * matmul ran well below it; up to a few hundred rows it was still ahead (layers/linear.py has the
+ * matmul ran well below it; up to a few hundred rows it was still ahead (backends/cpu/layers.py has the
  * measurements).
  *
  * Two entry points also compute the matmul's input from the rows they are given, in the same

@@ -1,6 +1,9 @@
-/* The kernels' entry points that other C code calls: csrc/decode_layers.c chains them, and the
- * AddressSanitizer harnesses in tests/ drive them. Python binds the same functions with ctypes
- * (layers/native.py), whose DecodeLayer mirrors decode_layer_t. */
+/* Every entry point of the kernels, declared once. The kernels' own files include it (so the
+ * compiler checks each definition against it), csrc/decode_layers.c chains them, the
+ * AddressSanitizer harnesses in tests/ drive them, and Python builds its ctypes bindings by reading
+ * this file (backends/cpu/kernels.py): its calls pass every argument by the name it has here, so
+ * a parameter moved or renamed fails loudly instead of passing a wrong value. Keep each
+ * declaration in the plain form that reader takes: no macros, no function pointers. */
 #ifndef ROSEINFER_KERNELS_H
 #define ROSEINFER_KERNELS_H
 
@@ -14,6 +17,17 @@ typedef struct {
     float *k_cache, *v_cache;              /* [slots, num_kv_heads, head_dim] */
 } decode_layer_t;
 
+void rms_norm_f32(const float *x, int64_t x_row_stride, float *residual, const float *weight, float *out,
+                  int64_t n, int64_t dim, float eps, int num_threads);
+void silu_mul_f32(const float *gate_up, float *out, int64_t n, int64_t width, int num_threads);
+void rotary_f32(float *x, int64_t x_row_stride, const float *rope, int64_t n, int64_t heads, int64_t head_dim,
+                int num_threads);
+void argmax_rows_f32(const float *x, int64_t n, int64_t width, int64_t *out, int num_threads);
+void store_kv_f32(const float *k, int64_t k_row_stride, const float *v, int64_t v_row_stride,
+                  const int64_t *slots, int64_t n, int64_t row_floats, float *k_cache, float *v_cache);
+void packed_matmul_steps_f32(const float *const *packed, const float *const *bias, const int64_t *n, const int64_t *k,
+                             int64_t count, const float *x, int64_t x_stride, float *out, int64_t m, int64_t steps,
+                             int num_threads);
 void packed_matmul_f32(const float *x, int64_t x_stride, const float *packed, const float *bias, float *out,
                        int64_t m, int64_t n, int64_t k, int num_threads);
 int rms_norm_packed_matmul_f32(const float *x, int64_t x_stride, float *residual, const float *norm_weight, float eps,

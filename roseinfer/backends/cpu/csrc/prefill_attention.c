@@ -10,7 +10,7 @@
  * causal mask is a comparison per lane and the softmax runs across lanes; then each lane's
  * weighted sum of V goes straight to its output row. K/V are read where they lie in the cache,
  * which the caller has already written this chunk's rows into.
- * Bound with ctypes in layers/native.py; called by layers/attention.py.
+ * Called by the CPU backend's attention (backends/cpu/attention.py).
  *
  * q:                 [rows, num_heads, head_dim], rows q_row_stride floats apart (heads contiguous)
  * out:               [rows, num_heads, head_dim], contiguous; only the rows of the sequences given
@@ -32,7 +32,7 @@
 /* Query vectors of one task: four 16-float chunks. Six keys at a time make 24 accumulators, so each
  * step over head_dim does 24 FMAs for 4 loads and 6 broadcasts; four keys (16 FMAs a step) ran
  * 4-16 % slower, more at longer prompts (interleaved A/B, 64 x 32 to 1 x 2048 tokens). A task's
- * lanes hold at least one row's query heads: native.py (PREFILL_LANES) refuses more per KV head. */
+ * lanes hold at least one row's query heads: backends/cpu/ops.py (PREFILL_LANES) refuses more per KV head. */
 #define LANES 64
 #define KEYS_AT_ONCE 6
 
@@ -90,7 +90,7 @@ static void softmax_lanes(float *scores, int64_t len, const int64_t *last, float
 
 /* out_rows[i] = inv[lane0 + i] * sum_t p[t][lane0 + i] * v_t for `block` lanes at once (block x
  * head_dim / 16 accumulators: 24 for head_dim 64 with 6 lanes). head_dim is a multiple of 16, at
- * most 128 (native.py checks). */
+ * most 128 (backends/cpu/ops.py checks). */
 static inline __attribute__((always_inline)) void weigh_values(const float *p, const float *v_cache,
                                                                const int64_t *rows, int64_t len, int lane0,
                                                                const int block, const int64_t head_dim,

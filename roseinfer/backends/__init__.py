@@ -1,0 +1,46 @@
+"""Backends, chosen once at engine start by `--attention-backend` (EngineConfig.attention_backend).
+
+auto picks `cpu` for fp32 on a CPU where the C kernels build, `triton` on CUDA, else `torch` (the
+reference, on any device; also the way to run without any of the CPU kernels).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from roseinfer.backends.base import Backend
+from roseinfer.config import BACKEND_NAMES
+from roseinfer.models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+def backend_class(name: str) -> type[Backend]:
+    if name == "torch":
+        from roseinfer.backends.torch_sdpa import TorchBackend
+
+        return TorchBackend
+    if name == "cpu":
+        from roseinfer.backends.cpu import CPUBackend
+
+        return CPUBackend
+    if name == "triton":
+        from roseinfer.backends.triton import TritonBackend
+
+        return TritonBackend
+    if name == "flashinfer":
+        raise ValueError("the flashinfer backend is not built yet; use triton on CUDA")
+    raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
+
+
+def select_backend(name: str, device: torch.device, dtype: torch.dtype, model_config: ModelConfig) -> Backend:
+    """The backend `name` for this device and dtype; `auto` picks the fastest that runs here."""
+    if name == "auto":
+        candidates = ("triton", "torch") if device.type == "cuda" else ("cpu", "torch")
+        name = next(c for c in candidates if backend_class(c).supports(device, dtype))
+        logger.info("attention backend: %s", name)
+    cls = backend_class(name)
+    if not cls.supports(device, dtype):
+        raise ValueError(f"the {name} backend cannot run {dtype} on {device.type} here")
+    return cls(device, dtype, model_config)

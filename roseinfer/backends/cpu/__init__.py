@@ -1,0 +1,66 @@
+"""The CPU backend: C kernels for attention over the paged cache and the row-wise ops, oneDNN-prepacked
+linears with a C kernel for decode-sized matmuls, and the Llama decode stack in one call. fp32 only,
+where the kernels build (kernels.py)."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from roseinfer.backends.base import Backend, BatchLayout
+from roseinfer.backends.cpu import layers, llama, ops
+from roseinfer.backends.cpu.attention import CPUMetadata, NativeDecodeGroup, NativePrefillGroup
+from roseinfer.backends.cpu.kernels import kernels_available
+from roseinfer.backends.cpu.layers import PackedLinear
+from roseinfer.backends.torch_sdpa import AttentionGroup, padded_block_tables, sdpa_group, split_decode_prefill
+from roseinfer.layers.linear import Linear
+from roseinfer.models.config import ModelConfig
+
+
+class CPUBackend(Backend):
+    name = "cpu"
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, model_config: ModelConfig) -> None:
+        super().__init__(device, dtype, model_config)
+        # the C prefill kernel takes head dims of whole 16-float chunks up to 128; others use SDPA
+        self.native_prefill = ops.prefill_attention_supported(
+            model_config.head_dim, model_config.num_heads // model_config.num_kv_heads)
+
+    @staticmethod
+    def supports(device: torch.device, dtype: torch.dtype) -> bool:
+        return device.type == "cpu" and dtype == torch.float32 and kernels_available()
+
+    def prepare_model(self, model: nn.Module) -> None:
+        layers.install(model)
+        llama.install(model)
+        super().prepare_model(model)
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        # ~10x faster than torch's on [64, 49152] fp32 logits (2.6 ms a step there)
+        return ops.argmax_rows(logits)
+
+    def matmul_loop(self, layers: list[Linear], inputs: dict[int, torch.Tensor]) -> Callable[[int], None]:
+        rows = next(iter(inputs.values())).shape[0]
+        if not all(isinstance(layer, PackedLinear) and layer.takes_native_rows(rows) for layer in layers):
+            return super().matmul_loop(layers, inputs)
+        weights = [(layer.native_weights, layer.bias, layer.out_features, layer.in_features) for layer in layers]
+        widest = inputs[max(inputs)]
+        return lambda count: ops.packed_matmul_steps(weights, widest, count)
+
+    def build_metadata(self, layout: BatchLayout) -> CPUMetadata:
+        decode, prefill = split_decode_prefill(layout)
+        groups: list[AttentionGroup] = []
+        if decode:
+            kv_lens = self.tensor([layout.kv_lens[i] for i in decode])
+            groups.append(NativeDecodeGroup(self.tensor([layout.q_starts[i] for i in decode]),
+                                            padded_block_tables(self, layout, decode), kv_lens, layout.block_size,
+                                            whole_batch=not prefill))
+        if prefill and self.native_prefill:
+            groups.append(NativePrefillGroup(
+                padded_block_tables(self, layout, prefill), self.tensor([layout.q_starts[i] for i in prefill]),
+                self.tensor([layout.q_lens[i] for i in prefill]), self.tensor([layout.kv_lens[i] for i in prefill]),
+                layout.block_size))
+        elif prefill:
+            groups.append(sdpa_group(self, layout, prefill))
+        return CPUMetadata(self.tensor(layout.slot_mapping), groups, self.mlp_chunk_rows, fused_decode=not prefill)

@@ -1,0 +1,246 @@
+"""The C kernels as torch functions: CPU fp32 tensors in, tensors out (csrc/kernels.h documents each
+kernel; the arguments below are passed by the names it gives them)."""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from roseinfer.backends.cpu.kernels import cpu_flags, native_library
+
+PREFILL_LANES = 64  # LANES in csrc/prefill_attention.c: query vectors one task holds side by side
+PACKED_MATMUL_MAX_ROWS = 256  # above it oneDNN's blocked GEMM is as fast or faster (backends/cpu/layers.py)
+PACKED_MATMUL_BLOCK = 64  # BLOCK in csrc/packed_matmul.c: the row-block size of the packed layout it reads
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t with contiguous rows (last dims dense), whatever the stride between rows. Checked on the
+    strides: indexing a row to ask it took 2 us, a quarter of a small kernel's whole call."""
+    dense = 1
+    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
+        if size != 1 and stride != dense:
+            return t.contiguous()
+        dense *= size
+    return t
+
+
+def _address(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                           kv_lens: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
+    """q: [n, H, D], one query per sequence; caches: [slots, Hkv, D]; block_tables: [n, max_blocks];
+    kv_lens: [n] tokens each query attends to. Returns [n, H, D]."""
+    q = _rows(q)
+    n, num_heads, head_dim = q.shape
+    out = _decode_attention(q, None, None, k_cache, v_cache, block_tables, kv_lens, block_size, num_heads, scale)
+    return out.view(n, num_heads, head_dim)
+
+
+def decode_attention_qkv(qkv: torch.Tensor, rotations: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor, block_size: int,
+                         num_heads: int, scale: float) -> torch.Tensor:
+    """Rotary on q and k, the KV write and decode attention in one call, for a batch where every row
+    decodes. qkv: the projection's output [n, (H + 2 * Hkv) * D], rotated in place (where its rows
+    are dense; otherwise a dense copy is); rotations: [n, 1, D / 2] complex64 (layers/rotary.py);
+    slots: [n] cache slot of each new token. Returns [n, H * D]: exactly what rotary_, store_kv and
+    paged_decode_attention give one after another."""
+    angles = torch.view_as_real(rotations).contiguous()
+    return _decode_attention(_rows(qkv), angles, slots, k_cache, v_cache, block_tables, kv_lens, block_size,
+                             num_heads, scale)
+
+
+def _decode_attention(q_rows: torch.Tensor, angles: torch.Tensor | None, slots: torch.Tensor | None,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor,
+                      block_size: int, num_heads: int, scale: float) -> torch.Tensor:
+    """The kernel over q_rows [n, ...] whose first H * D floats per row are the query; with angles
+    and slots, the row is a whole qkv row, rotated and stored first. Returns [n, H * D]."""
+    n, num_kv_heads, head_dim = q_rows.shape[0], k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty(n, num_heads * head_dim, dtype=q_rows.dtype)
+    failed = native_library().paged_decode_attention_f32(
+        q=q_rows.data_ptr(), q_row_stride=q_rows.stride(0), rope=_address(angles), new_slots=_address(slots),
+        k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(), out=out.data_ptr(),
+        block_tables=block_tables.data_ptr(), kv_lens=kv_lens.data_ptr(), n=n, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, max_blocks=block_tables.shape[1],
+        scale=scale, num_threads=min(torch.get_num_threads(), n))  # one task per sequence: idle threads only cost
+    if failed:
+        raise MemoryError("paged attention could not allocate its scratch buffers")
+    return out
+
+
+def prefill_attention_supported(head_dim: int, group: int) -> bool:
+    """paged_prefill_attention's vector loops take head dims that are whole 16-float chunks, up to 128,
+    and a task holds at least one query row: the `group` query heads sharing a KV head fit its lanes."""
+    return head_dim % 16 == 0 and head_dim <= 128 and group <= PREFILL_LANES
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                            q_starts: torch.Tensor, q_lens: torch.Tensor, kv_lens: torch.Tensor, block_size: int,
+                            scale: float, out: torch.Tensor) -> None:
+    """Causal attention for prompt chunks: sequence i's queries are rows q_starts[i] .. + q_lens[i] - 1
+    of q [rows, H, D], at the last q_lens[i] of its kv_lens[i] cached positions (this chunk's K/V
+    already written). Writes those rows of out [rows, H, D] (contiguous); other rows are left alone."""
+    q = _rows(q)
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    group = num_heads // k_cache.shape[1]
+    if not prefill_attention_supported(head_dim, group) or not out.is_contiguous():
+        raise ValueError(f"paged_prefill_attention needs a head dim that is a multiple of 16 up to 128 "
+                         f"(got {head_dim}), at most {PREFILL_LANES} query heads per KV head (got {group}) "
+                         f"and a contiguous out")
+    failed = native_library().paged_prefill_attention_f32(
+        q=q.data_ptr(), q_row_stride=q.stride(0), k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(),
+        out=out.data_ptr(), block_tables=block_tables.data_ptr(), q_starts=q_starts.data_ptr(),
+        q_lens=q_lens.data_ptr(), kv_lens=kv_lens.data_ptr(), n=q_lens.shape[0], num_heads=num_heads,
+        num_kv_heads=k_cache.shape[1], head_dim=head_dim, block_size=block_size, max_blocks=block_tables.shape[1],
+        scale=scale, num_threads=torch.get_num_threads())
+    if failed:
+        raise MemoryError("prefill attention could not allocate its scratch buffers")
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """k_cache[slots] = k and v_cache[slots] = v; k, v: [n, Hkv, D]."""
+    k, v = _rows(k), _rows(v)
+    native_library().store_kv_f32(k=k.data_ptr(), k_row_stride=k.stride(0), v=v.data_ptr(), v_row_stride=v.stride(0),
+                                  slots=slots.data_ptr(), n=k.shape[0], row_floats=k[0].numel() if k.shape[0] else 0,
+                                  k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr())
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm over the last dim of x [n, dim]; with `residual` (contiguous [n, dim]), residual += x
+    first, in place, and the sum is what gets normalised."""
+    if residual is not None and not residual.is_contiguous():
+        raise ValueError("rms_norm's residual is updated in place and must be contiguous")
+    x = _rows(x)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)  # 1 us; torch.empty(x.shape, ...) took 3
+    native_library().rms_norm_f32(x=x.data_ptr(), x_row_stride=x.stride(0), residual=_address(residual),
+                                  weight=weight.data_ptr(), out=out.data_ptr(), n=x.shape[0], dim=x.shape[1], eps=eps,
+                                  num_threads=torch.get_num_threads())
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [gate | up]: [n, 2 * width] (contiguous) -> [n, width]."""
+    n, width = gate_up.shape[0], gate_up.shape[1] // 2
+    gate_up = gate_up.contiguous()  # kept in a name: a temporary would be freed before the call reads it
+    out = torch.empty(n, width, dtype=gate_up.dtype)
+    native_library().silu_mul_f32(gate_up=gate_up.data_ptr(), out=out.data_ptr(), n=n, width=width,
+                                  num_threads=torch.get_num_threads())
+    return out
+
+
+def rotary_(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
+    """Rotates x [n, heads, head_dim] (heads contiguous; rows may be strided) in place by
+    rotations [n, 1, head_dim / 2] complex64 (layers/rotary.py); returns x."""
+    if _rows(x) is not x:  # rotated where it lies, so it cannot be copied into shape
+        raise ValueError("rotary_ needs each row's heads contiguous")
+    angles = torch.view_as_real(rotations).contiguous()
+    native_library().rotary_f32(x=x.data_ptr(), x_row_stride=x.stride(0), rope=angles.data_ptr(), n=x.shape[0],
+                                heads=x.shape[1], head_dim=x.shape[2], num_threads=torch.get_num_threads())
+    return x
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, dim=-1) for contiguous fp32 x [n, width]: ties and NaNs resolved the same way."""
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.long)
+    native_library().argmax_rows_f32(x=x.data_ptr(), n=x.shape[0], width=x.shape[1], out=out.data_ptr(),
+                                     num_threads=torch.get_num_threads())
+    return out
+
+
+@functools.cache
+def packed_matmul_suits_cpu() -> bool:
+    """The kernel holds 24 accumulators of 16 floats plus 4 of weights: AVX-512's 32 registers, where
+    it was measured. With AVX2's 16 half-width ones they would spill, so other CPUs keep oneDNN."""
+    return "avx512f" in cpu_flags().split()
+
+
+def packed_matmul(x: torch.Tensor, packed_ptr: int, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [m, k] @ W.T (+ bias), where W [out_features, k] is packed at packed_ptr in 64-row blocks
+    (backends/cpu/onednn.py checks that layout). Returns [m, out_features]."""
+    x = _rows(x)
+    m, k = x.shape
+    out = torch.empty(m, out_features, dtype=x.dtype)
+    native_library().packed_matmul_f32(x=x.data_ptr(), x_stride=x.stride(0), packed=packed_ptr, bias=_address(bias),
+                                       out=out.data_ptr(), m=m, n=out_features, k=k,
+                                       num_threads=torch.get_num_threads())
+    return out
+
+
+def rms_norm_packed_matmul(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
+                           packed_ptr: int, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """packed_matmul(rms_norm(x, norm_weight, eps, residual), ...) in one call, with the same results
+    (residual, when given, updated in place the same way)."""
+    if residual is not None and not residual.is_contiguous():
+        raise ValueError("rms_norm_packed_matmul's residual is updated in place and must be contiguous")
+    x = _rows(x)
+    m, k = x.shape
+    out = torch.empty(m, out_features, dtype=x.dtype)
+    failed = native_library().rms_norm_packed_matmul_f32(
+        x=x.data_ptr(), x_stride=x.stride(0), residual=_address(residual), norm_weight=norm_weight.data_ptr(), eps=eps,
+        packed=packed_ptr, bias=_address(bias), out=out.data_ptr(), m=m, n=out_features, k=k,
+        num_threads=torch.get_num_threads())
+    if failed:
+        raise MemoryError("rms_norm_packed_matmul could not allocate the normalised rows")
+    return out
+
+
+def silu_mul_packed_matmul(gate_up: torch.Tensor, packed_ptr: int, out_features: int,
+                           bias: torch.Tensor | None) -> torch.Tensor:
+    """packed_matmul(silu_mul(gate_up), ...) in one call, with the same results."""
+    m, k = gate_up.shape[0], gate_up.shape[1] // 2
+    gate_up = gate_up.contiguous()  # kept in a name: a temporary would be freed before the call reads it
+    out = torch.empty(m, out_features, dtype=gate_up.dtype)
+    failed = native_library().silu_mul_packed_matmul_f32(
+        gate_up=gate_up.data_ptr(), packed=packed_ptr, bias=_address(bias), out=out.data_ptr(), m=m, n=out_features,
+        k=k, num_threads=torch.get_num_threads())
+    if failed:
+        raise MemoryError("silu_mul_packed_matmul could not allocate the activation")
+    return out
+
+
+def decode_layer_struct() -> type[ctypes.Structure]:
+    """decode_layer_t of csrc/kernels.h: a decoder layer's norm weights, packed matmul weights (64-row
+    blocks) and biases (NULL for none), and its K/V cache."""
+    return native_library().structs["decode_layer_t"]
+
+
+def decode_layers(layers: ctypes.Array, x: torch.Tensor, rotations: torch.Tensor, slots: torch.Tensor,
+                  block_tables: torch.Tensor, kv_lens: torch.Tensor, block_size: int, num_heads: int,
+                  num_kv_heads: int, head_dim: int, intermediate: int, eps: float, scale: float) -> torch.Tensor:
+    """Every decoder layer of a decode step where each row decodes, in one call: the results of
+    norm + q/k/v, decode_attention_qkv, o_proj, norm + gate/up and SiLU + down layer after layer.
+    x: the embeddings [n, hidden], contiguous; it becomes the residual stream, updated in place.
+    Returns the last layer's MLP output [n, hidden]."""
+    if not x.is_contiguous():
+        raise ValueError("decode_layers updates x in place and needs it contiguous")
+    n, hidden = x.shape
+    angles = torch.view_as_real(rotations).contiguous()
+    out = torch.empty_like(x)
+    failed = native_library().decode_layers_f32(
+        layers=ctypes.addressof(layers), num_layers=len(layers), x=x.data_ptr(), out=out.data_ptr(),
+        rope=angles.data_ptr(), new_slots=slots.data_ptr(), block_tables=block_tables.data_ptr(),
+        kv_lens=kv_lens.data_ptr(), n=n, hidden=hidden, intermediate=intermediate, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, max_blocks=block_tables.shape[1],
+        eps=eps, scale=scale, num_threads=torch.get_num_threads())
+    if failed:
+        raise MemoryError("decode_layers could not allocate its buffers")
+    return out
+
+
+def packed_matmul_steps(weights: list[tuple[int, torch.Tensor | None, int, int]], x: torch.Tensor, steps: int) -> None:
+    """`steps` times, x's rows times every packed weight (address, bias, out_features, in_features) in
+    turn, all in one call: the matmul floor of a decode step that runs in C (decode_layers)."""
+    count = len(weights)
+    pointers = ctypes.c_void_p * count
+    sizes = ctypes.c_int64 * count
+    x = _rows(x)
+    if any(in_features > x.shape[1] for _, _, _, in_features in weights):
+        raise ValueError("packed_matmul_steps needs x as wide as the widest input")
+    out = torch.empty(x.shape[0], max(w[2] for w in weights), dtype=x.dtype)
+    native_library().packed_matmul_steps_f32(
+        packed=pointers(*(w[0] for w in weights)), bias=pointers(*(_address(w[1]) for w in weights)),
+        n=sizes(*(w[2] for w in weights)), k=sizes(*(w[3] for w in weights)), count=count, x=x.data_ptr(),
+        x_stride=x.stride(0), out=out.data_ptr(), m=x.shape[0], steps=steps, num_threads=torch.get_num_threads())
