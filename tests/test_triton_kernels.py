@@ -17,7 +17,9 @@ from roseinfer.backends.triton import kernels
 
 pytestmark = pytest.mark.triton
 DEVICE = triton_interpret.device()
-TOL = {"atol": 1e-5, "rtol": 1e-5}
+# fp16/bf16: inputs are rounded alike for the reference, but the kernels also round P before P @ V
+TOL = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.float16: {"atol": 2e-3, "rtol": 1e-2},
+       torch.bfloat16: {"atol": 2e-2, "rtol": 5e-2}}
 
 # head_dim, num_heads, num_kv_heads, block_size, index dtype: G = 1, 2, 4, 8 and MQA (G = 8 and 3)
 CASES = [
@@ -28,7 +30,17 @@ CASES = [
     (64, 16, 2, 32, torch.int32),
     (80, 3, 1, 16, torch.int64),
 ]
-CASE_IDS = [f"d{c[0]}-h{c[1]}-kv{c[2]}-bs{c[3]}-{str(c[4])[6:]}" for c in CASES]
+# prefill runs a program per query head, so fewer heads keep the interpreter quick: G = 1, 2, 4, 8
+PREFILL_CASES = [
+    (64, 2, 2, 16, torch.int32),
+    (80, 4, 2, 32, torch.int64),
+    (96, 4, 1, 16, torch.int64),
+    (128, 8, 1, 64, torch.int32),
+]
+
+
+def case_ids(cases: list[tuple[int, int, int, int, torch.dtype]]) -> list[str]:
+    return [f"d{d}-h{h}-kv{kv}-bs{bs}-{str(dtype)[6:]}" for d, h, kv, bs, dtype in cases]
 
 
 def slots_of(block_table: torch.Tensor, n: int, block_size: int) -> torch.Tensor:
@@ -57,9 +69,10 @@ def make_cache(kv_lens: list[int], num_kv_heads: int, head_dim: int, block_size:
     return k_cache, v_cache, block_tables
 
 
-def fused_q(num_rows: int, num_heads: int, num_kv_heads: int, head_dim: int, gen: torch.Generator) -> torch.Tensor:
+def fused_q(num_rows: int, num_heads: int, num_kv_heads: int, head_dim: int, gen: torch.Generator,
+            dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """q as the leading heads of a fused qkv projection's output: rows strided by (H + 2 Hkv) * D."""
-    qkv = torch.randn(num_rows, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(DEVICE)
+    qkv = torch.randn(num_rows, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(DEVICE, dtype)
     return qkv[:, :num_heads * head_dim].view(num_rows, num_heads, head_dim)
 
 
@@ -107,7 +120,7 @@ def test_store_kv_writes_rows_and_skips_negative_slots(index_dtype: torch.dtype)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3], ids=["one-split", "3-splits"])
-@pytest.mark.parametrize("head_dim, num_heads, num_kv_heads, block_size, index_dtype", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("head_dim, num_heads, num_kv_heads, block_size, index_dtype", CASES, ids=case_ids(CASES))
 def test_decode_matches_reference(head_dim: int, num_heads: int, num_kv_heads: int, block_size: int,
                                   index_dtype: torch.dtype, num_splits: int) -> None:
     # 0: a padding row; 203 crosses 4 tiles and 4 to 13 blocks, and leaves the third of 3 splits empty
@@ -121,7 +134,7 @@ def test_decode_matches_reference(head_dim: int, num_heads: int, num_kv_heads: i
                                          num_splits=num_splits)
     assert out.shape == q.shape and out.dtype == q.dtype
     expected = decode_reference(q, k_cache, v_cache, block_tables, kv_lens, block_size, scale)
-    torch.testing.assert_close(out.cpu().double(), expected, **TOL)
+    torch.testing.assert_close(out.cpu().double(), expected, **TOL[torch.float32])
 
 
 def test_decode_long_context_with_the_most_splits_into_given_out() -> None:
@@ -136,7 +149,7 @@ def test_decode_long_context_with_the_most_splits_into_given_out() -> None:
                                               num_splits=kernels.MAX_SPLITS)
     assert returned is out
     expected = decode_reference(q, k_cache, v_cache, block_tables, kv_lens, block_size, 0.1)
-    torch.testing.assert_close(out.cpu().double(), expected, **TOL)
+    torch.testing.assert_close(out.cpu().double(), expected, **TOL[torch.float32])
 
 
 def test_decode_default_splits() -> None:
@@ -147,7 +160,7 @@ def test_decode_default_splits() -> None:
     out = kernels.paged_decode_attention(q, k_cache.to(DEVICE), v_cache.to(DEVICE), block_tables.to(DEVICE),
                                          torch.tensor(kv_lens, device=DEVICE), 32, 0.125)
     expected = decode_reference(q, k_cache, v_cache, block_tables, kv_lens, 32, 0.125)
-    torch.testing.assert_close(out.cpu().double(), expected, **TOL)
+    torch.testing.assert_close(out.cpu().double(), expected, **TOL[torch.float32])
 
 
 def test_choose_num_splits() -> None:
@@ -158,7 +171,8 @@ def test_choose_num_splits() -> None:
 
 
 def run_prefill(head_dim: int, num_heads: int, num_kv_heads: int, block_size: int, index_dtype: torch.dtype,
-                chunks: list[tuple[int, int]], seed: int, max_q_len: int | None = None) -> None:
+                chunks: list[tuple[int, int]], seed: int, max_q_len: int | None = None,
+                dtype: torch.dtype = torch.float32) -> None:
     """chunks: (q_len, kv_len) per sequence, laid out in q with one foreign row (say, a decode)
     after each chunk; those rows of out must be left alone."""
     q_lens = [q_len for q_len, _ in chunks]
@@ -167,8 +181,9 @@ def run_prefill(head_dim: int, num_heads: int, num_kv_heads: int, block_size: in
     num_rows = sum(q_lens) + len(chunks)
     gen = torch.Generator().manual_seed(seed)
     k_cache, v_cache, block_tables = make_cache(kv_lens, num_kv_heads, head_dim, block_size, index_dtype, gen)
-    q = fused_q(num_rows, num_heads, num_kv_heads, head_dim, gen)
-    out = torch.full((num_rows, num_heads, head_dim), -7.0, device=DEVICE)
+    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+    q = fused_q(num_rows, num_heads, num_kv_heads, head_dim, gen, dtype)
+    out = torch.full((num_rows, num_heads, head_dim), -7.0, dtype=dtype, device=DEVICE)
     scale = head_dim ** -0.5
 
     def index(values: list[int]) -> torch.Tensor:
@@ -182,10 +197,11 @@ def run_prefill(head_dim: int, num_heads: int, num_kv_heads: int, block_size: in
         slots = slots_of(block_tables[i], kv_len, block_size)
         rows = slice(start, start + q_len)
         expected[rows] = reference(q[rows].cpu(), k_cache[slots], v_cache[slots], kv_len - q_len, scale)
-    torch.testing.assert_close(out.cpu().double(), expected, **TOL)
+    torch.testing.assert_close(out.cpu().double(), expected, **TOL[dtype])
 
 
-@pytest.mark.parametrize("head_dim, num_heads, num_kv_heads, block_size, index_dtype", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("head_dim, num_heads, num_kv_heads, block_size, index_dtype", PREFILL_CASES,
+                         ids=case_ids(PREFILL_CASES))
 def test_prefill_matches_reference(head_dim: int, num_heads: int, num_kv_heads: int, block_size: int,
                                    index_dtype: torch.dtype) -> None:
     chunks = [
@@ -198,4 +214,23 @@ def test_prefill_matches_reference(head_dim: int, num_heads: int, num_kv_heads: 
 
 
 def test_prefill_with_max_q_len() -> None:
-    run_prefill(96, 4, 1, 64, torch.int32, [(1, 40), (17, 17), (66, 80)], seed=5, max_q_len=66)
+    run_prefill(64, 6, 2, 16, torch.int32, [(1, 40), (17, 17), (66, 80)], seed=5, max_q_len=66)  # G = 3
+
+
+@pytest.mark.parametrize("dtype", [
+    torch.float16,
+    pytest.param(torch.bfloat16, marks=pytest.mark.skipif(DEVICE.type == "cpu", reason="the interpreter's tl.dot "
+                                                          "multiplies bf16 operands as their raw uint16 bits")),
+], ids=["fp16", "bf16"])
+def test_half_precision_keeps_its_dtype(dtype: torch.dtype) -> None:
+    kv_lens = [150, 0, 33]
+    gen = torch.Generator().manual_seed(6)
+    k_cache, v_cache, block_tables = make_cache(kv_lens, 2, 80, 16, torch.int32, gen)
+    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+    q = fused_q(len(kv_lens), 4, 2, 80, gen, dtype)
+    out = kernels.paged_decode_attention(q, k_cache.to(DEVICE), v_cache.to(DEVICE), block_tables.to(DEVICE),
+                                         torch.tensor(kv_lens, device=DEVICE), 16, 0.1, num_splits=2)
+    assert out.dtype == dtype
+    expected = decode_reference(q, k_cache, v_cache, block_tables, kv_lens, 16, 0.1)
+    torch.testing.assert_close(out.cpu().double(), expected, **TOL[dtype])
+    run_prefill(80, 4, 2, 16, torch.int64, [(70, 70), (20, 90)], seed=7, dtype=dtype)

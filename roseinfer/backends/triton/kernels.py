@@ -194,9 +194,9 @@ def _block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
-    # fp32 caches would otherwise be multiplied in TF32 on the GPU (10-bit mantissa)
-    return "ieee" if dtype == torch.float32 else "tf32"
+def _dot_precision(dtype: torch.dtype) -> str | None:
+    # fp32 caches would otherwise be multiplied in TF32 on the GPU (10-bit mantissa); fp16/bf16 take the default
+    return "ieee" if dtype == torch.float32 else None
 
 
 def _check_rows(**tensors: torch.Tensor) -> None:
