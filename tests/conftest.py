@@ -16,6 +16,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "cuda: needs a CUDA device")
     config.addinivalue_line("markers", "slow: loads the default model")
     config.addinivalue_line("markers", "install: builds the wheel and installs it into an empty venv from PyPI")
+    config.addinivalue_line("markers", "triton: Triton kernels, run on CPU under TRITON_INTERPRET=1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
