@@ -57,7 +57,8 @@ def main() -> None:
         out = scheduler.schedule()
         t1 = time.perf_counter()
         with torch.inference_mode():
-            layout, ids, positions, rows = runner._prepare(out.scheduled)
+            layout, rows = runner._prepare(out.scheduled)
+            ids, positions = runner.backend.tensor(layout.input_ids), runner.backend.tensor(layout.positions)
             meta = runner.backend.build_metadata(layout)
             t2 = time.perf_counter()
             hidden = runner.model(ids, positions, runner.kv_caches, meta)

@@ -3,6 +3,7 @@ HF transformers greedy reference. Built once per test session into a temp folder
 
 from __future__ import annotations
 
+import os
 import pathlib
 from typing import Callable, Iterator
 
@@ -12,6 +13,12 @@ from tiny_models import ARCHS, build_tiny_model, hf_greedy, train_tokenizer
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # Triton kernels run on CPU tensors in Triton's interpreter where there is no GPU. It must be on
+    # before anything imports triton, and transformers does as it loads.
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     # Also declared in pyproject.toml; repeated here so the markers exist under any rootdir.
     config.addinivalue_line("markers", "cuda: needs a CUDA device")
     config.addinivalue_line("markers", "slow: loads the default model")

@@ -170,7 +170,8 @@ def test_cpu_and_torch_backends_attend_alike_through_the_layer() -> None:
     q, k_cache, v_cache, tables, kv_lens = _paged_case(1, heads, kv_heads, head_dim, lens, block_size)
     k, v = torch.randn(len(lens), kv_heads, head_dim), torch.randn(len(lens), kv_heads, head_dim)
     slots = [int(tables[i, (n - 1) // block_size]) * block_size + (n - 1) % block_size for i, n in enumerate(lens)]
-    layout = BatchLayout(block_size, slots, list(range(len(lens))), [1] * len(lens), lens, tables.tolist())
+    layout = BatchLayout(block_size, [0] * len(lens), [n - 1 for n in lens], slots, list(range(len(lens))),
+                         [1] * len(lens), lens, tables.tolist())
     shape = SimpleNamespace(head_dim=head_dim, num_heads=heads, num_kv_heads=kv_heads)
     attention = PagedAttention(heads, kv_heads, head_dim, head_dim ** -0.5)
     outs, caches = [], []

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-import triton_interpret  # before triton: turns the interpreter on where there is no GPU
+import triton_interpret
 
 pytest.importorskip("triton")
 triton_interpret.patch_interpreter()

@@ -1,14 +1,10 @@
-"""Triton kernels on CPU tensors: import this before triton. Where no CUDA device is present it
-turns TRITON_INTERPRET=1 on, so kernels run in Triton's interpreter (numpy underneath), and
-`device()` names where the tests' tensors go."""
+"""Triton kernels on CPU tensors: where no CUDA device is present, conftest.py turns
+TRITON_INTERPRET=1 on before anything imports triton, so kernels run in Triton's interpreter (numpy
+underneath); `device()` names where the tests' tensors go, and `patch_interpreter` mends an old
+interpreter."""
 from __future__ import annotations
 
-import os
-
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def device() -> torch.device:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import mmap
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable, ClassVar
@@ -15,7 +16,8 @@ from typing import Callable, ClassVar
 import torch
 from torch import nn
 
-from roseinfer.layers.attention import AttentionMetadata
+from roseinfer.config import EngineConfig
+from roseinfer.layers.attention import AttentionMetadata, KVCache
 from roseinfer.layers.linear import Linear
 from roseinfer.models.config import ModelConfig
 
@@ -31,6 +33,8 @@ class BatchLayout:
     scheduled sequence); a backend turns it into its metadata's tensors once per step."""
 
     block_size: int
+    input_ids: list[int]  # per token
+    positions: list[int]  # per token: its position in its sequence
     slot_mapping: list[int]  # per token: its cache slot
     q_starts: list[int]  # per sequence: its first row of the flat batch
     q_lens: list[int]  # per sequence: its rows this step (1 for a decode)
@@ -61,6 +65,16 @@ class Backend(ABC):
     def build_metadata(self, layout: BatchLayout) -> AttentionMetadata:
         """The step's metadata, shared by every layer's attention."""
 
+    def forward(self, model: nn.Module, layout: BatchLayout, kv_caches: list[KVCache]) -> torch.Tensor:
+        """One forward over the step's flat batch; returns the hidden states, a row per token."""
+        return model(self.tensor(layout.input_ids), self.tensor(layout.positions), kv_caches,
+                     self.build_metadata(layout))
+
+    def capture(self, model: nn.Module, kv_caches: list[KVCache], max_num_seqs: int, max_blocks: int,
+                block_size: int) -> None:
+        """Once the KV pool exists, record what later steps replay (CUDA graphs of decode steps,
+        where the backend has them); the engine skips this with --enforce-eager."""
+
     def prepare_model(self, model: nn.Module) -> None:
         """After the weights are loaded. On CPU: glibc keeps much of what loading freed, and an
         embedding table read through the checkpoint's memory map (models/weights.py) holds pages
@@ -70,6 +84,22 @@ class Backend(ABC):
 
             return_freed_memory()
             drop_mapped_pages(model)
+
+    def kv_pool_bytes(self, config: EngineConfig, profile: Callable[[], None]) -> int:
+        """What the KV pool may take. On CUDA: what --gpu-memory-utilization leaves of the GPU once the
+        weights are in and `profile` has run the largest step (its activations' peak); on a CPU:
+        --kv-cache-memory-gb, else 1 GiB or 10 % of RAM, whichever is less (the pool is written
+        whole at startup, and a laptop runs other things too)."""
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            profile()
+            torch.cuda.synchronize(self.device)
+            total = torch.cuda.mem_get_info(self.device)[1]
+            return int(total * config.gpu_memory_utilization - torch.cuda.max_memory_allocated(self.device))
+        if config.kv_cache_memory_gb is not None:
+            return int(config.kv_cache_memory_gb * 2**30)
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return int(min(2**30, 0.1 * ram))
 
     def allocate_kv_pool(self, shape: tuple[int, ...]) -> torch.Tensor:
         """The KV pool, allocated once and zeroed: padded and masked key slots still enter the

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 
 import torch
@@ -52,29 +51,26 @@ class LLMEngine:
         model = load_model(self.model_folder, self.model_config, self.dtype, self.device, self.backend)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
-        self.num_kv_blocks = config.num_kv_blocks or self._auto_num_blocks()
+        self.num_kv_blocks = config.num_kv_blocks or self._auto_num_blocks(model)
         self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         eos = self.tokenizer.eos_token_ids
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, eos)
         self.runner = ModelRunner(model, self.model_config, self.num_kv_blocks, config.block_size, self.backend,
                                   Sampler(eos, self.device, config.seed, self.backend.argmax))
+        if not config.enforce_eager:
+            self.runner.capture(config.max_num_seqs, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.load_seconds = time.perf_counter() - start
 
-    def _auto_num_blocks(self) -> int:
-        per_block = ModelRunner.kv_bytes_per_block(self.model_config, self.config.block_size, self.dtype)
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - (1 - self.config.gpu_memory_utilization) * total
-        elif self.config.kv_cache_memory_gb is not None:
-            budget = self.config.kv_cache_memory_gb * 2**30
-        else:
-            ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            # modest by default: the pool is zeroed up front, and a laptop runs other things too
-            budget = min(2**30, 0.1 * ram)
+    def _auto_num_blocks(self, model: torch.nn.Module) -> int:
+        config = self.config
+        per_block = ModelRunner.kv_bytes_per_block(self.model_config, config.block_size, self.dtype)
+        step_tokens = min(config.max_num_batched_tokens, self.max_model_len)
+        budget = self.backend.kv_pool_bytes(config, lambda: ModelRunner.profile(
+            model, self.model_config, self.backend, config.block_size, step_tokens, config.max_num_seqs))
         # never more than every sequence at full length could use
-        ceiling = self.config.max_num_seqs * -(-self.max_model_len // self.config.block_size)
+        ceiling = config.max_num_seqs * -(-self.max_model_len // config.block_size)
         blocks = min(int(budget // per_block), ceiling)
         if blocks < 1:
             raise ValueError("the KV cache budget is too small for even one block")

@@ -28,6 +28,11 @@ class ModelRunner:
         pool = backend.allocate_kv_pool(shape)
         self.kv_caches = [(pool[layer, 0], pool[layer, 1]) for layer in range(model_config.num_layers)]
 
+    def capture(self, max_num_seqs: int, max_model_len: int) -> None:
+        """What the backend records for later steps (CUDA graphs of decode steps, where it has them)."""
+        self.backend.capture(self.model, self.kv_caches, max_num_seqs, -(-max_model_len // self.block_size),
+                             self.block_size)
+
     @staticmethod
     def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         return 2 * model_config.num_layers * block_size * model_config.num_kv_heads * model_config.head_dim * dtype.itemsize
@@ -37,8 +42,8 @@ class ModelRunner:
         """Run one forward over the scheduled tokens; returns a token (or None) per scheduled request,
         its logprobs, and the prompt logprobs of the prompt positions this step computed."""
         items = out.scheduled
-        layout, input_ids, positions, sample_rows = self._prepare(items)
-        hidden = self.model(input_ids, positions, self.kv_caches, self.backend.build_metadata(layout))
+        layout, sample_rows = self._prepare(items)
+        hidden = self.backend.forward(self.model, layout, self.kv_caches)
         sampled: list[int | None] = [None] * len(items)
         logprobs: list[TokenLogprobs | None] = [None] * len(items)
         sampling = [i for i, item in enumerate(items) if item.samples]
@@ -71,27 +76,38 @@ class ModelRunner:
             offset += item.num_tokens
         return result
 
-    def _prepare(self, items: list[ScheduledRequest]
-                 ) -> tuple[BatchLayout, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The step's flat batch: its layout for the backend, and the token ids, positions and the
-        rows whose logits are sampled."""
-        input_ids: list[int] = []
-        positions: list[int] = []
+    def _prepare(self, items: list[ScheduledRequest]) -> tuple[BatchLayout, torch.Tensor]:
+        """The step's flat batch for the backend, and the rows whose logits are sampled."""
         bs = self.block_size
-        layout = BatchLayout(bs, [], [], [], [], [])
+        layout = BatchLayout(bs, [], [], [], [], [], [], [])
         sample_rows: list[int] = []
         for item in items:
             req = item.request
             start, end = req.num_computed_tokens, req.num_computed_tokens + item.num_tokens
-            layout.q_starts.append(len(input_ids))
+            layout.q_starts.append(len(layout.input_ids))
             layout.q_lens.append(item.num_tokens)
             layout.kv_lens.append(end)
             layout.block_tables.append(req.block_table)
-            input_ids.extend(req.token_ids[start:end])
-            positions.extend(range(start, end))
+            layout.input_ids.extend(req.token_ids[start:end])
+            layout.positions.extend(range(start, end))
             table = req.block_table
             layout.slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             if item.samples:
-                sample_rows.append(len(input_ids) - 1)
-        tensor = self.backend.tensor
-        return layout, tensor(input_ids), tensor(positions), tensor(sample_rows)
+                sample_rows.append(len(layout.input_ids) - 1)
+        return layout, self.backend.tensor(sample_rows)
+
+    @staticmethod
+    @torch.inference_mode()
+    def profile(model: nn.Module, model_config: ModelConfig, backend: Backend, block_size: int,
+                num_tokens: int, num_logits: int) -> None:
+        """One forward of the largest step, a prompt of num_tokens into a throwaway pool, and the LM
+        head on num_logits rows: its peak memory sizes the real pool (Backend.kv_pool_bytes)."""
+        blocks = -(-num_tokens // block_size)
+        pool = backend.allocate_kv_pool((model_config.num_layers, 2, blocks * block_size, model_config.num_kv_heads,
+                                         model_config.head_dim))
+        caches = [(pool[layer, 0], pool[layer, 1]) for layer in range(model_config.num_layers)]
+        tokens = list(range(num_tokens))
+        layout = BatchLayout(block_size, [0] * num_tokens, tokens, tokens, [0], [num_tokens], [num_tokens],
+                             [list(range(blocks))])
+        hidden = backend.forward(model, layout, caches)
+        model.compute_logits(hidden[-min(num_logits, num_tokens):])
