@@ -18,7 +18,7 @@ from roseinfer.engine.model_runner import ModelRunner
 from roseinfer.engine.request import Request, RequestOutput
 from roseinfer.engine.sampler import Sampler
 from roseinfer.engine.scheduler import Scheduler
-from roseinfer.layers.native import native_kernels_available
+from roseinfer.layers.native import argmax_rows, native_kernels_available
 from roseinfer.loader.generation_config import sampling_defaults
 from roseinfer.loader.model_loader import load_model, load_model_config, resolve_model_folder
 from roseinfer.sampling_params import SamplingParams
@@ -58,7 +58,8 @@ class LLMEngine:
         eos = self.tokenizer.eos_token_ids
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, eos)
         self.runner = ModelRunner(model, self.model_config, self.num_kv_blocks, config.block_size,
-                                  self.dtype, self.device, Sampler(eos, self.device, config.seed, self.native_kernels),
+                                  self.dtype, self.device,
+                                  Sampler(eos, self.device, config.seed, argmax_rows if self.native_kernels else None),
                                   self.native_kernels)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
