@@ -117,7 +117,9 @@ class Sampler:
         if "output" in ints:
             # OpenAI definition over generated tokens: logit -= f * count + p * (count > 0)
             out = ints["output"]
-            counts = torch.zeros_like(work).scatter_add_(1, out, torch.ones_like(out, dtype=work.dtype)).gather(1, out)
+            # each id's count within its row, from the row sorted: no [N, V] count buffer
+            ordered = out.sort(dim=1).values
+            counts = (torch.searchsorted(ordered, out, right=True) - torch.searchsorted(ordered, out)).to(work.dtype)
             delta = floats["frequency"].unsqueeze(1) * counts + \
                 floats["presence"].unsqueeze(1) * (counts > 0).to(work.dtype)
             work.scatter_(1, out, work.gather(1, out) - delta)
