@@ -101,7 +101,8 @@ class Sampler:
 
     def _process(self, logits: torch.Tensor, ints: Tensors, floats: Tensors) -> torch.Tensor:
         """Penalties, logit bias and the stop mask over the whole block, each by its definition
-        (in this order), as gathers and scatters at the rows' ids; returns a new [N, V] tensor."""
+        (in this order), as gathers and scatters at the rows' ids. The input is left as it is: the
+        result is a new [N, V] tensor, or logits itself when no row needs any of them."""
         if not any(name in ints for name in PROCESSED_BY):
             return logits
         n, vocab = logits.shape
