@@ -34,7 +34,8 @@ test: $(STAMP)
 # What `pip install roseinfer` does on a new machine: the built wheel into an empty venv with no
 # pip cache, torch first as above; fails if any package would have to be built from source.
 check-install:
-	rm -rf $(CHECK_DIR)
+	# setuptools builds in ./build: files an older tree left there would go into the wheel
+	rm -rf $(CHECK_DIR) build/lib build/bdist.*
 	python3 -m pip wheel -q --no-cache-dir --no-deps -w $(CHECK_DIR)/dist .
 	python3 -m venv $(CHECK_DIR)/venv
 	$(CHECK_DIR)/venv/bin/python $(TORCH_INSTALL) --no-cache-dir

@@ -5,7 +5,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 ADMISSION_POLICIES = ("fifo", "pack")
-BACKEND_NAMES = ("auto", "torch", "cpu", "triton", "flashinfer")  # backends/__init__.py
+BACKEND_NAMES = ("auto", "torch", "cpu", "triton")  # backends/__init__.py
 
 
 @dataclass

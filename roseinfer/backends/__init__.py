@@ -29,8 +29,6 @@ def backend_class(name: str) -> type[Backend]:
         from roseinfer.backends.triton import TritonBackend
 
         return TritonBackend
-    if name == "flashinfer":
-        raise ValueError("the flashinfer backend is not built yet; use triton on CUDA")
     raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
 
 
