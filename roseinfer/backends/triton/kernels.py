@@ -35,12 +35,13 @@ def _store_kv_kernel(k_ptr, v_ptr, slots_ptr, k_cache_ptr, v_cache_ptr,
                      stride_k_row, stride_k_head, stride_v_row, stride_v_head, stride_c_slot, stride_c_head,
                      num_kv_heads, head_dim, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     # One program per token: its [Hkv, D] K and V rows go to its cache slot. A slot < 0 marks a
-    # padding row (CUDA-graph batches) and is masked out rather than branched on.
+    # padding row (CUDA-graph batches) and is masked out rather than branched on: it has no valid
+    # heads. (A scalar & a tensor mask makes an int32 mask that Triton 3.9's interpreter refuses.)
     row = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + row).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, BLOCK_D)[None, :]
-    mask = (heads < num_kv_heads) & (dims < head_dim) & (slot >= 0)
+    mask = (heads < tl.where(slot >= 0, num_kv_heads, 0)) & (dims < head_dim)
     dst = slot * stride_c_slot + heads * stride_c_head + dims
     k = tl.load(k_ptr + row * stride_k_row + heads * stride_k_head + dims, mask=mask)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
