@@ -181,12 +181,12 @@ def test_python_dash_m_prints_the_blogs_lines(tiny_model_factory, extra: tuple[s
 
 
 def test_bench_help_lists_every_benchmark(capsys) -> None:
-    """`roseinfer bench` lists all three benchmarks and `bench serve` is wired to the HTTP client."""
+    """`roseinfer bench` lists every benchmark and `bench serve` is wired to the HTTP client."""
     with pytest.raises(SystemExit) as exc:
         main(["bench", "--help"])
     assert exc.value.code == 0
     listing = capsys.readouterr().out
-    assert all(name in listing for name in ("streaming", "offline", "serve"))
+    assert all(name in listing for name in ("streaming", "offline", "throughput", "serve"))
     # nothing listens on the discard port: the client says so and exits 1
     assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--num-prompts", "1", "--no-progress"]) == 1
     assert "is the server up?" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""``roseinfer bench {streaming,offline,serve}``: the benchmark subcommands.
+"""``roseinfer bench {streaming,offline,throughput,serve}``: the benchmark subcommands.
 
 Each subcommand is registered here once, for both ways of calling it: under the main
 ``roseinfer`` CLI (``add_bench_parser``) and as the blog's stand-alone modules
@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from . import offline, serve, streaming
+from . import offline, serve, streaming, throughput
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,11 @@ def _run_streaming(args: argparse.Namespace) -> int:
 
 def _run_offline(args: argparse.Namespace) -> int:
     offline.run_offline_bench(args)
+    return 0
+
+
+def _run_throughput(args: argparse.Namespace) -> int:
+    throughput.run_throughput_bench(args)
     return 0
 
 
@@ -58,6 +63,10 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                     "time and throughput; --backend hf runs transformers' generate for comparison. "
                     "Same as `python -m roseinfer.benchmark_scheduler`.",
         add_args=offline.add_offline_args, run=_run_offline),
+    "throughput": Subcommand(
+        help="offline throughput on nano-vllm's workload (random prompts and lengths), optionally vs HF",
+        description=throughput.__doc__.split("\n\n")[0].replace("``", "`"),
+        add_args=throughput.add_throughput_args, run=_run_throughput),
     "serve": Subcommand(
         help="load-test a running OpenAI-compatible server over HTTP (vLLM's benchmark_serving)",
         description=serve.__doc__.split("\n\n")[0].replace("``", "`"),
@@ -67,7 +76,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser(
-        "bench", help="benchmarks: streaming, offline, serve",
+        "bench", help="benchmarks: streaming, offline, throughput, serve",
         description="Benchmarks. `roseinfer bench COMMAND --help` lists a benchmark's flags.")
     sub = bench.add_subparsers(dest="bench_command", required=True, metavar="COMMAND")
     for name, cmd in SUBCOMMANDS.items():

@@ -7,7 +7,10 @@ claim.
 Where the CPU backend runs a decode step's layers from C in one call (backends/cpu/llama.py), with
 no Python between matmuls, the decode floor runs its matmuls from one C loop too (Backend.matmul_loop):
 called one by one from Python they would pay ~8 us of cache-cold Python each that the engine no
-longer pays, and the engine would beat its own floor."""
+longer pays, and the engine would beat its own floor.
+
+On a GPU a decode step is bound by memory, not matmuls: the bandwidth floor is the bytes a step
+must read (decode_step_bytes) over the copy bandwidth measured in the same run (copy_bandwidth)."""
 from __future__ import annotations
 
 import time
@@ -75,3 +78,22 @@ def prefill_matmul_floor(model: nn.Module, num_prompts: int, prompt_len: int, st
 
     prefill(steps[:1], False)
     return total / _timed(lambda: prefill(steps, True), reference.device.type == "cuda")
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, repeats: int = 10) -> float:
+    """Bytes/s of a device-to-device copy, bytes read and written both counted (the figure a memory
+    bound is quoted in): the bandwidth floor's yardstick, measured in the run it is compared in."""
+    if nbytes < 4 or repeats < 1:
+        raise ValueError("copy_bandwidth needs nbytes >= 4 and repeats >= 1")
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch: pages and caches are set up outside the timing
+    seconds = _timed(lambda: [dst.copy_(src) for _ in range(repeats)], device.type == "cuda")
+    return 2 * src.numel() * 4 * repeats / seconds
+
+
+def decode_step_bytes(model: nn.Module, kv_bytes_per_token: int, context_lens: list[int]) -> int:
+    """Bytes a decode step must read at least: every matmul weight once (the LM head included) and
+    every sequence's whole KV context; activations, norms and the step's new K/V are left out."""
+    weights = sum(layer.weight_bytes() for layer in linear_layers(model))
+    return weights + kv_bytes_per_token * sum(context_lens)

@@ -1,0 +1,74 @@
+"""Write a randomly initialised checkpoint of a real model's shape, for benchmarks on machines that
+cannot download one (the GPU figures in benchmarks/README.md): config.json and safetensors as
+`save_pretrained` writes them, and a byte-level tokenizer (256 byte tokens and <|endoftext|>, no
+merges), so text prompts work; the model's vocabulary stays its real size. Random weights make
+random text: benchmark them with --ignore-eos / --no-stop-on-eos.
+
+Usage: python benchmarks/random_model.py SHAPE OUT_DIR [--dtype bfloat16] [--num-layers N]
+SHAPE: gpt2-small (the roseinfer blog's benchmark model) or qwen3-0.6b (nano-vllm's).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+EOS = "<|endoftext|>"
+SHAPES: dict[str, dict[str, Any]] = {
+    "gpt2-small": {"model_type": "gpt2", "n_layer": 12, "n_embd": 768, "n_head": 12, "n_positions": 1024,
+                   "vocab_size": 50257},
+    "qwen3-0.6b": {"model_type": "qwen3", "num_hidden_layers": 28, "hidden_size": 1024, "intermediate_size": 3072,
+                   "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+                   "max_position_embeddings": 40960, "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6,
+                   "vocab_size": 151936, "tie_word_embeddings": True},
+}
+LAYER_KEYS = {"gpt2": "n_layer", "qwen3": "num_hidden_layers"}
+
+
+def write_tokenizer(out: Path, max_length: int) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {EOS: 0, **{symbol: i + 1 for i, symbol in enumerate(alphabet)}}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([EOS])
+    tok.save(str(out / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "model_max_length": max_length}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
+def write_model(shape: str, out: Path, dtype: torch.dtype, num_layers: int | None = None, seed: int = 0) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    values = dict(SHAPES[shape])
+    model_type = values.pop("model_type")
+    if num_layers is not None:
+        values[LAYER_KEYS[model_type]] = num_layers
+    config = AutoConfig.for_model(model_type, bos_token_id=0, eos_token_id=0, pad_token_id=0, **values)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out))
+    write_tokenizer(out, config.max_position_embeddings)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("shape", choices=sorted(SHAPES))
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "float16", "bfloat16"),
+                        help="dtype of the saved weights (default: %(default)s)")
+    parser.add_argument("--num-layers", type=int, default=None, help="fewer layers than the shape's (for tests)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    write_model(args.shape, args.out_dir, getattr(torch, args.dtype), args.num_layers, args.seed)
+    print(f"wrote a random {args.shape} to {args.out_dir}")
+
+
+if __name__ == "__main__":
+    main()
