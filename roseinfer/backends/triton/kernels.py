@@ -50,6 +50,16 @@ def _store_kv_kernel(k_ptr, v_ptr, slots_ptr, k_cache_ptr, v_cache_ptr,
 
 
 @triton.jit
+def _paged_kv_tile(block_table, keys, key_mask, d, kv_head, stride_c_slot, stride_c_head, head_dim,
+                   BLOCK_SIZE: tl.constexpr):
+    # Where the keys' K/V rows of one KV head sit in the pool: through the block table, a key at a time.
+    blocks = tl.load(block_table + keys // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
+    slots = blocks * BLOCK_SIZE + keys % BLOCK_SIZE
+    offsets = slots[:, None] * stride_c_slot + kv_head * stride_c_head + d[None, :]
+    return offsets, key_mask[:, None] & (d < head_dim)[None, :]
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, kv_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
                    qk_scale, stride_q_row, stride_q_head, stride_c_slot, stride_c_head, stride_bt_row,
                    stride_o_row, stride_o_head, num_heads, head_dim, num_splits,
@@ -83,10 +93,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, kv_lens_pt
     for tile in range(start, end, BLOCK_N):
         keys = tile + tl.arange(0, BLOCK_N)
         key_mask = keys < end
-        blocks = tl.load(block_table + keys // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
-        slots = blocks * BLOCK_SIZE + keys % BLOCK_SIZE
-        offsets = slots[:, None] * stride_c_slot + kv_head * stride_c_head + d[None, :]
-        kv_mask = key_mask[:, None] & (d < head_dim)[None, :]
+        offsets, kv_mask = _paged_kv_tile(block_table, keys, key_mask, d, kv_head, stride_c_slot, stride_c_head,
+                                          head_dim, BLOCK_SIZE)
         k = tl.load(k_cache_ptr + offsets, mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(key_mask[None, :], s, float("-inf"))
@@ -171,10 +179,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, q_starts_
     for tile_start in range(0, key_end, BLOCK_N):
         keys = tile_start + tl.arange(0, BLOCK_N)
         key_mask = keys < key_end
-        blocks = tl.load(block_table + keys // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
-        slots = blocks * BLOCK_SIZE + keys % BLOCK_SIZE
-        offsets = slots[:, None] * stride_c_slot + kv_head * stride_c_head + d[None, :]
-        kv_mask = key_mask[:, None] & (d < head_dim)[None, :]
+        offsets, kv_mask = _paged_kv_tile(block_table, keys, key_mask, d, kv_head, stride_c_slot, stride_c_head,
+                                          head_dim, BLOCK_SIZE)
         k = tl.load(k_cache_ptr + offsets, mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(key_mask[None, :] & (keys[None, :] <= positions[:, None]), s, float("-inf"))
