@@ -13,13 +13,16 @@ import gc
 import random
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from roseinfer.config import resolve_device
 from roseinfer.engine_args import add_engine_args, engine_config_from_args
 from roseinfer.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from roseinfer.llm import LLM
 
 BACKENDS = ("roseinfer", "hf")
 WARMUP_PROMPTS = 4
@@ -86,7 +89,7 @@ def run_roseinfer(args: argparse.Namespace, workload: Workload, warmup: Workload
     return ThroughputResult("roseinfer", seconds, made, workload.input_tokens)
 
 
-def _generate(llm: Any, workload: Workload) -> int:
+def _generate(llm: LLM, workload: Workload) -> int:
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.output_lens]
     return sum(len(o.token_ids) for o in llm.generate(workload.prompts, params, use_tqdm=False))
 
@@ -171,6 +174,8 @@ def run_throughput_bench(args: argparse.Namespace) -> list[ThroughputResult]:
     if args.num_prompts < 1:
         raise ValueError("--num-prompts must be >= 1")
     args.device = resolve_device(args.device)
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)  # process-wide: an hf-only run builds no engine to set it
     folder = resolve_model_folder(args.model)
     vocab = load_model_config(folder).vocab_size
     workload = make_workload(args.num_prompts, args.input_len, args.output_len, vocab, args.seed)
