@@ -60,6 +60,21 @@ def _paged_kv_tile(block_table, keys, key_mask, d, kv_head, stride_c_slot, strid
 
 
 @triton.jit
+def _attend_tile(q, k_ptrs, v_ptrs, kv_mask, score_mask, m, row_sum, acc, qk_scale, DOT_PRECISION: tl.constexpr):
+    # One K/V tile of online softmax (exp2: qk_scale carries log2 e): the running max m, sum row_sum and
+    # output acc of each query row, updated with the tile's scores where score_mask allows them.
+    k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    s = tl.where(score_mask, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, row_sum * alpha + tl.sum(p, axis=1), acc
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, kv_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
                    qk_scale, stride_q_row, stride_q_head, stride_c_slot, stride_c_head, stride_bt_row,
                    stride_o_row, stride_o_head, num_heads, head_dim, num_splits,
@@ -86,7 +101,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, kv_lens_pt
     q = tl.load(q_ptr + seq * stride_q_row + heads[:, None] * stride_q_head + d[None, :], mask=hd_mask, other=0.0)
 
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_G], tl.float32)
+    row_sum = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     block_table = block_tables_ptr + seq * stride_bt_row
     # an empty split (start >= end: a short or zero-length context) reads nothing, not even its block table
@@ -95,22 +110,15 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, kv_lens_pt
         key_mask = keys < end
         offsets, kv_mask = _paged_kv_tile(block_table, keys, key_mask, d, kv_head, stride_c_slot, stride_c_head,
                                           head_dim, BLOCK_SIZE)
-        k = tl.load(k_cache_ptr + offsets, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(key_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + offsets, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m = m_new
+        m, row_sum, acc = _attend_tile(q, k_cache_ptr + offsets, v_cache_ptr + offsets, kv_mask, key_mask[None, :],
+                                       m, row_sum, acc, qk_scale, DOT_PRECISION)
 
-    o = acc / tl.where(l > 0, l, 1.0)[:, None]  # nothing attended (empty split or kv_len 0): zeros
+    o = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]  # nothing attended (empty split or kv_len 0): zeros
     if SPLIT:
         part = (seq * num_heads + heads) * num_splits + split
         tl.store(part_out_ptr + part[:, None] * head_dim + d[None, :], o, mask=hd_mask)
-        lse = tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))  # empty: weighs nothing
+        lse = tl.where(row_sum > 0, m + tl.log2(tl.where(row_sum > 0, row_sum, 1.0)),
+                       float("-inf"))  # empty: weighs nothing
         tl.store(part_lse_ptr + part, lse, mask=g < GROUP)
     else:
         dst = out_ptr + seq * stride_o_row + heads[:, None] * stride_o_head + d[None, :]
@@ -171,7 +179,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, q_starts_
     q = tl.load(q_ptr + q_rows * stride_q_row + head * stride_q_head + d[None, :], mask=row_mask, other=0.0)
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
+    row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     block_table = block_tables_ptr + seq * stride_bt_row
     # Key 0 is visible to every row (padding rows past q_len too), so no row's max stays -inf.
@@ -181,18 +189,11 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, q_starts_
         key_mask = keys < key_end
         offsets, kv_mask = _paged_kv_tile(block_table, keys, key_mask, d, kv_head, stride_c_slot, stride_c_head,
                                           head_dim, BLOCK_SIZE)
-        k = tl.load(k_cache_ptr + offsets, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(key_mask[None, :] & (keys[None, :] <= positions[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + offsets, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m = m_new
+        causal = key_mask[None, :] & (keys[None, :] <= positions[:, None])
+        m, row_sum, acc = _attend_tile(q, k_cache_ptr + offsets, v_cache_ptr + offsets, kv_mask, causal,
+                                       m, row_sum, acc, qk_scale, DOT_PRECISION)
 
-    o = acc / l[:, None]
+    o = acc / row_sum[:, None]
     tl.store(out_ptr + q_rows * stride_o_row + head * stride_o_head + d[None, :], o.to(out_ptr.dtype.element_ty),
              mask=row_mask)
 
