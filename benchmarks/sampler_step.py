@@ -31,7 +31,11 @@ def sampler_at(rev: str) -> ModuleType:
     source = subprocess.run(["git", "show", f"{rev}:roseinfer/engine/sampler.py"], cwd=REPO, check=True,
                             capture_output=True, text=True).stdout
     module = importlib.util.module_from_spec(importlib.util.spec_from_loader(f"sampler_at_{rev}", loader=None))
-    exec(compile(source, f"{rev}:roseinfer/engine/sampler.py", "exec"), module.__dict__)
+    try:
+        exec(compile(source, f"{rev}:roseinfer/engine/sampler.py", "exec"), module.__dict__)
+    except ImportError as exc:  # it runs against today's package: older modules may be gone
+        raise SystemExit(f"{rev}'s sampler imports what this tree no longer has ({exc}); run this script from "
+                         f"a checkout of a revision closer to {rev}") from None
     return module
 
 
