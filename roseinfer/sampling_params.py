@@ -5,6 +5,7 @@ server's request models publish it in their OpenAPI schema (server/protocol.py).
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +42,44 @@ BOUNDS: dict[str, Bounds] = {
 INT_FIELDS = ("top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs")
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on the output, enforced token by token (vLLM's names); exactly one is set.
+    json: a JSON schema (dict or its JSON text); regex: the whole output matches it; choice: the
+    output is one of these strings; grammar: a Lark grammar (llguidance's dialect, EBNF-like);
+    json_object: any JSON object."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] * bool(self.json_object)
+        if len(given) != 1:
+            raise ValueError("structured_outputs needs exactly one of json, regex, choice, grammar, json_object; "
+                             f"got {', '.join(given) or 'none'}")
+        if isinstance(self.json, str):
+            try:
+                object.__setattr__(self, "json", json.loads(self.json))
+            except ValueError as exc:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+        if self.json is not None and not isinstance(self.json, dict):
+            raise ValueError("structured_outputs.json must be a JSON schema (an object)")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None and not (isinstance(getattr(self, name), str) and getattr(self, name)):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in ("json", "regex", "choice", "grammar", "json_object")
+                    if getattr(self, name) not in (None, False))
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 1.0  # below SAMPLING_EPS: greedy
@@ -58,10 +97,13 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None  # None: no logprobs; N >= 0: chosen token plus N alternatives
     prompt_logprobs: int | None = None  # the same for every prompt token (the first gets None)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.top_k == 0:
             self.top_k = -1
         self._check()
