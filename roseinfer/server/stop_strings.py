@@ -1,7 +1,17 @@
 """OpenAI `stop` strings, matched on streamed text without ever emitting any part of a match."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+
+def held_length(text: str, markers: list[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of one of `markers`: text
+    that must be held back from a stream until the next delta says whether a marker begins there."""
+    for k in range(min(len(text), max(map(len, markers), default=1) - 1), 0, -1):
+        tail = text[-k:]
+        if any(m.startswith(tail) for m in markers):
+            return k
+    return 0
 
 
 @dataclass
@@ -15,12 +25,10 @@ class StopStringMatcher:
 
     stops: list[str]
     pending: str = ""  # text received but not yet released
-    _max_hold: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         if any(not s for s in self.stops):
             raise ValueError("stop strings must not be empty")
-        self._max_hold = max(len(s) for s in self.stops) - 1
 
     def add(self, delta: str) -> tuple[str, bool]:
         """Append `delta`; return (text to release now, whether a stop string matched).
@@ -33,7 +41,7 @@ class StopStringMatcher:
         if hits:
             self.pending = ""
             return text[:min(hits)], True
-        hold = self._held_length(text)
+        hold = held_length(text, self.stops)
         self.pending = text[len(text) - hold:] if hold else ""
         return text[:len(text) - hold], False
 
@@ -41,11 +49,3 @@ class StopStringMatcher:
         """The request ended without a match: the held-back tail is ordinary text after all."""
         text, self.pending = self.pending, ""
         return text
-
-    def _held_length(self, text: str) -> int:
-        """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
-        for k in range(min(len(text), self._max_hold), 0, -1):
-            tail = text[-k:]
-            if any(s.startswith(tail) for s in self.stops):
-                return k
-        return 0
