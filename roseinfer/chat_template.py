@@ -46,6 +46,18 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def compile_template(source: str) -> Any:
     """Compile a chat template in the environment transformers uses (jinja2 is imported only here)."""
+    return _environment().from_string(source)
+
+
+def template_variables(source: str) -> set[str]:
+    """The variables a template reads from its caller (messages, tools, add_generation_prompt, ...)."""
+    from jinja2 import meta
+
+    return meta.find_undeclared_variables(_environment().parse(source))
+
+
+def _environment() -> Any:
+    """transformers' sandboxed environment, with its filters and globals."""
     import jinja2.ext
     import jinja2.nodes
     from jinja2.exceptions import TemplateError
@@ -79,4 +91,4 @@ def compile_template(source: str) -> Any:
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source)
+    return env

@@ -1,10 +1,13 @@
 """Running the roseinfer app under a real uvicorn in a background thread, and reading /metrics."""
 from __future__ import annotations
 
+import json
+import shutil
 import socket
 import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Callable, Iterator
 
 import httpx
@@ -30,6 +33,22 @@ def serve_app(app: FastAPI) -> Iterator[str]:
         server.should_exit = True
         thread.join(timeout=30)
         assert not thread.is_alive(), "server did not stop"
+
+
+def model_copy(model_dir: Path, out: Path, max_position_embeddings: int | None = None,
+               chat_template: str | None = None) -> Path:
+    """A copy of a tiny checkpoint with a longer context (rotary models only: nothing learned is
+    per position) or another chat template."""
+    shutil.copytree(model_dir, out)
+    if max_position_embeddings is not None:
+        config = json.loads((out / "config.json").read_text())
+        config["max_position_embeddings"] = max_position_embeddings
+        (out / "config.json").write_text(json.dumps(config))
+    if chat_template is not None:
+        config = json.loads((out / "tokenizer_config.json").read_text())
+        config["chat_template"] = chat_template
+        (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out
 
 
 def free_port() -> int:

@@ -140,8 +140,10 @@ def test_bad_input_is_a_400_naming_the_field_and_the_connection_lives(http: http
 
 
 def test_unsupported_fields_are_named_and_tool_messages_with_their_id_pass(http: httpx.Client) -> None:
-    error = _error(http.post("/v1/chat/completions", json={"messages": MESSAGES, "tools": []}), 400)
-    assert error["message"] == "unsupported field 'tools': roseinfer does not implement it"
+    error = _error(http.post("/v1/chat/completions", json={"messages": MESSAGES, "web_search_options": {}}), 400)
+    assert error["message"] == "unsupported field 'web_search_options': web search is not supported"
+    error = _error(http.post("/v1/chat/completions", json={"messages": MESSAGES, "logit_bias_typo": {}}), 400)
+    assert error["message"] == "unsupported field 'logit_bias_typo': roseinfer does not implement it"
     history = [*MESSAGES, {"role": "assistant", "content": "In the south."},
                {"role": "tool", "content": "{}", "tool_call_id": "call_1"}]
     assert http.post("/v1/chat/completions", json={"messages": history, "max_tokens": 2}).status_code == 200

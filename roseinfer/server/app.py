@@ -27,9 +27,10 @@ from roseinfer.server.body_limit import BodyLimit
 from roseinfer.server.engine_loop import SchedulerManager
 from roseinfer.server.metrics import ServerMetrics
 from roseinfer.server.openapi import GENERATION_ERRORS, GENERATION_OK, TOKENIZER_ERRORS, error_responses, install_openapi
-from roseinfer.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                       TokenizeRequest, error_body)
+from roseinfer.server.protocol import (UNSUPPORTED_FIELDS, APIError, ChatCompletionRequest, CompletionRequest,
+                                       DetokenizeRequest, TokenizeRequest, error_body)
 from roseinfer.server.serving import OpenAIServing
+from roseinfer.server.tool_calls import shown_tools
 
 logger = logging.getLogger(__name__)
 # uvicorn waits this much longer than --shutdown-timeout, so the error chunks that end cut streams go out
@@ -67,7 +68,7 @@ def build_app(engine: LLMEngine, served_model_name: str, options: ServerOptions 
     started = int(time.time())  # /v1/models reports when this server started serving the model
     manager = SchedulerManager(engine, options.stream_interval, options.max_inflight_requests,
                                on_finished=metrics.observe_finished)
-    serving = OpenAIServing(manager, served_model_name, options.max_sequences_per_request)
+    serving = OpenAIServing(manager, served_model_name, options.max_sequences_per_request, options.tool_call_parser)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -123,7 +124,7 @@ def build_app(engine: LLMEngine, served_model_name: str, options: ServerOptions 
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", "prompt")
         if body.messages is not None:
-            ids = await serving.chat_prompt(body.messages)
+            ids = await serving.chat_prompt(body.messages, shown_tools(body.tools) if body.tools else None)
         else:
             ids = await serving.run_blocking(engine.tokenizer.encode, body.prompt, body.add_special_tokens)
         return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=engine.max_model_len)
@@ -181,7 +182,8 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
         param = fields[0][0] if fields[0] else None
         if errors[0].get("type") == "extra_forbidden":
             where = ".".join(fields[0])
-            return reply(400, error_body(400, f"unsupported field {where!r}: roseinfer does not implement it", param))
+            reason = UNSUPPORTED_FIELDS.get(where, "roseinfer does not implement it")
+            return reply(400, error_body(400, f"unsupported field {where!r}: {reason}", param))
         # a union field (prompt) fails once per accepted shape: say so once, naming the field
         reasons = list(dict.fromkeys(e["msg"] for e, f in zip(errors, fields) if (f[0] if f else None) == param))
         return reply(400, error_body(400, f"{param or 'body'}: {'; '.join(reasons[:4])}", param))

@@ -8,8 +8,11 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from roseinfer.server.tool_parsers import PARSERS
+
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+TOOL_CALL_PARSERS = ("auto", *PARSERS)
 
 
 @dataclass
@@ -21,6 +24,7 @@ class ServerOptions:
     api_key: str | None = None  # Bearer token required on /v1/*, /tokenize and /detokenize
     allowed_origins: list[str] = field(default_factory=list)  # CORS; empty = no CORS headers
     shutdown_timeout: float = 5.0  # seconds running requests get to finish on SIGINT/SIGTERM
+    tool_call_parser: str = "auto"  # the format tool calls are read in; auto: from the chat template
 
     def __post_init__(self) -> None:
         for name in ("stream_interval", "max_sequences_per_request"):
@@ -30,6 +34,8 @@ class ServerOptions:
             raise ValueError("--max-inflight-requests must be >= 1")
         if not self.max_request_body_mb > 0 or self.shutdown_timeout < 0:
             raise ValueError("--max-request-body-mb must be > 0 and --shutdown-timeout >= 0")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}")
 
     @property
     def max_request_body_bytes(self) -> int:
@@ -60,6 +66,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--shutdown-timeout", type=float, default=defaults.shutdown_timeout,
                        help="on SIGINT/SIGTERM, seconds running requests get to finish before their streams are "
                             "ended with an error (default: %(default)s)")
+    group.add_argument("--tool-call-parser", default=defaults.tool_call_parser, choices=TOOL_CALL_PARSERS,
+                       help="the format tool calls are read in: hermes (<tool_call>{...}</tool_call>), llama3_json "
+                            "({\"name\": ..., \"parameters\": ...}); auto picks it from the chat template, hermes "
+                            "when the template shows no tools (default: auto)")
     group.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="(default: info)")
 
 
@@ -67,7 +77,8 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
     return ServerOptions(stream_interval=args.stream_interval, max_inflight_requests=args.max_inflight_requests,
                          max_sequences_per_request=args.max_sequences_per_request,
                          max_request_body_mb=args.max_request_body_mb, api_key=args.api_key or None,
-                         allowed_origins=list(args.allowed_origins), shutdown_timeout=args.shutdown_timeout)
+                         allowed_origins=list(args.allowed_origins), shutdown_timeout=args.shutdown_timeout,
+                         tool_call_parser=args.tool_call_parser)
 
 
 def served_name(args: argparse.Namespace) -> str:

@@ -300,7 +300,10 @@ class SchedulerManager:
             request = self.engine.get_request(stream.request_id)
         except Exception as exc:  # noqa: BLE001 -- validated in submit(); whatever slips through fails one request
             logger.exception("could not add request %s", stream.request_id)
-            final = StreamDelta("", [], [], True, "abort", stream.num_prompt_tokens, 0, time.perf_counter(), str(exc))
+            # a ValueError is the request's fault (e.g. a grammar the engine cannot compile): a 400
+            status = 400 if isinstance(exc, ValueError) else 500
+            final = StreamDelta("", [], [], True, "abort", stream.num_prompt_tokens, 0, time.perf_counter(), str(exc),
+                                status)
             deltas.append((stream, final))
             self._done.append(stream.request_id)
             return

@@ -1,13 +1,16 @@
 """OpenAI-compatible request bodies (pydantic), the error body shape, and the limits both publish.
 
-Field names and types follow OpenAI's API; the extra sampling fields (top_k, min_p, ...) follow
-vLLM. A field roseinfer does not implement is refused (400 naming it), never silently dropped.
+Field names and types follow OpenAI's API; the extra sampling fields (top_k, min_p, ...) and the
+structured-output fields (structured_outputs, guided_*) follow vLLM. A field roseinfer does not
+implement is refused (400 naming it, with UNSUPPORTED_FIELDS' reason), never silently dropped;
+docs/server.md has the table of every OpenAI field and what happens to it.
 Numeric ranges come from SamplingParams' BOUNDS, so the OpenAPI document states the ranges that
 are enforced; non-finite floats and strings that are not valid Unicode (unpaired surrogates) are
 refused here, before anything reads them.
 """
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StrictStr, StringConstraints, model_validator
@@ -16,6 +19,20 @@ from roseinfer.sampling_params import BOUNDS
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit; vLLM's default max_logprobs is 20 too
 MAX_N = 128  # OpenAI's limit on choices per request
+MAX_TOOLS = 128  # OpenAI's limit on tools per request
+
+# OpenAI request fields that are refused, and why (the 400's message says it); undeclared, so that
+# the OpenAPI document does not offer them
+UNSUPPORTED_FIELDS = {
+    "audio": "audio output is not supported (text models only)",
+    "functions": "deprecated by OpenAI and not supported: send tools instead",
+    "function_call": "deprecated by OpenAI and not supported: send tool_choice instead",
+    "prediction": "predicted outputs are not supported",
+    "reasoning_effort": "no served model has reasoning controls",
+    "verbosity": "no served model has verbosity controls",
+    "web_search_options": "web search is not supported",
+    "suffix": "fill-in-the-middle (suffix) is not supported",
+}
 
 
 def _valid_unicode(text: str) -> str:
@@ -39,6 +56,9 @@ TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 TokenIdKey = Annotated[str, StringConstraints(pattern=r"^-?[0-9]{1,12}$")]
 Bias = Annotated[float, Field(ge=-100, le=100)]
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]  # OpenAI's roles
+# OpenAI's rule for function names; it also keeps them safe inside the tool-call markup we parse
+FunctionName = Annotated[StrictStr, StringConstraints(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+JsonSchema = dict[str, Any]
 
 
 class StrictModel(BaseModel):
@@ -49,6 +69,39 @@ class StrictModel(BaseModel):
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
+
+
+class JsonSchemaSpec(StrictModel):
+    name: FunctionName
+    description: Text | None = None
+    schema_: JsonSchema = Field(alias="schema")
+    strict: bool | None = None  # the schema is always enforced, strict or not
+
+
+class TextFormat(StrictModel):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(StrictModel):
+    type: Literal["json_object"]
+
+
+class JsonSchemaFormat(StrictModel):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = Annotated[Union[TextFormat, JsonObjectFormat, JsonSchemaFormat], Field(discriminator="type")]
+
+
+class StructuredOutputs(StrictModel):
+    """vLLM's structured_outputs request field: exactly one of these (see StructuredOutputsParams)."""
+
+    json_: JsonSchema | Text | None = Field(None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None  # Lark syntax, llguidance's dialect
+    json_object: bool | None = None
 
 
 class SamplingRequest(StrictModel):
@@ -76,6 +129,14 @@ class SamplingRequest(StrictModel):
     stop_token_ids: list[TokenId] | None = None
     # per prompt token: its logprob and this many alternatives
     prompt_logprobs: StrictInt | None = _bounded("prompt_logprobs", le=MAX_LOGPROBS)
+    # constraints on the output: OpenAI's response_format, vLLM's structured_outputs and the older
+    # guided_* fields; at most one per request (server/structured.py)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: JsonSchema | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -87,6 +148,7 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     # alternatives per token; with echo, the prompt's too
     logprobs: StrictInt | None = _bounded("logprobs", le=MAX_LOGPROBS)
+    best_of: StrictInt | None = Field(None, ge=1, le=MAX_N)  # only = n: no server-side ranking
 
 
 class ContentPart(StrictModel):
@@ -94,11 +156,44 @@ class ContentPart(StrictModel):
     text: Text
 
 
+class FunctionDefinition(StrictModel):
+    name: FunctionName
+    description: Text | None = None
+    parameters: JsonSchema | None = None  # none: the function takes no arguments
+    strict: bool | None = None  # arguments are enforced with tool_choice required or named, strict or not
+
+
+class Tool(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(StrictModel):
+    name: FunctionName
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
+class ToolCallFunction(StrictModel):
+    name: Text
+    arguments: Text  # JSON text, as OpenAI sends it
+
+
+class ToolCall(StrictModel):
+    id: Text
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
 class ChatMessage(StrictModel):
     role: Role
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
     tool_call_id: Text | None = None  # which tool call a "tool" message answers
+    tool_calls: list[ToolCall] | None = None  # the calls an assistant message made
 
     @model_validator(mode="after")
     def _role_fields(self) -> "ChatMessage":
@@ -106,16 +201,32 @@ class ChatMessage(StrictModel):
             raise ValueError("a message with role 'tool' needs its tool_call_id")
         if self.role == "function" and not self.name:
             raise ValueError("a message with role 'function' needs the function's name")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        for call in self.tool_calls or []:
+            try:
+                json.loads(call.function.arguments)
+            except ValueError:
+                raise ValueError(f"tool call {call.id!r}: function.arguments is not valid JSON") from None
         return self
 
+    @property
+    def text(self) -> str:
+        """The content as one string (parts joined)."""
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
     def to_template(self) -> dict[str, Any]:
-        """The dict a chat template expects: content parts joined into one string."""
-        content = self.content if isinstance(self.content, str) or self.content is None else \
-            "".join(part.text for part in self.content)
-        message = {"role": self.role, "content": content or ""}
+        """The dict a chat template expects: content as one string, tool-call arguments as the
+        dict that templates write out with tojson (OpenAI sends them as JSON text; vLLM converts too)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text}
         for key in ("name", "tool_call_id"):
             if getattr(self, key):
                 message[key] = getattr(self, key)
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+                "name": c.function.name, "arguments": json.loads(c.function.arguments)}} for c in self.tool_calls]
         return message
 
 
@@ -125,12 +236,26 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: StrictInt | None = Field(None, **BOUNDS["max_tokens"].field_kwargs())
     logprobs: bool = False
     top_logprobs: StrictInt | None = _bounded("logprobs", le=MAX_LOGPROBS)
+    tools: Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    modalities: list[Literal["text", "audio"]] | None = None  # "audio" is refused
+    # Accepted and ignored, because ignoring them changes nothing a client can see: nothing is
+    # stored (store true is refused), there is one service tier, the prefix cache needs no key,
+    # and no response echoes these.
+    metadata: Annotated[dict[Annotated[str, StringConstraints(max_length=64)],
+                             Annotated[Text, StringConstraints(max_length=512)]], Field(max_length=16)] | None = None
+    store: bool | None = None
+    service_tier: Literal["auto", "default"] | None = None
+    prompt_cache_key: Text | None = None
+    safety_identifier: Text | None = None
 
 
 class TokenizeRequest(StrictModel):
     model: Text | None = None
     prompt: Text | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    tools: Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None  # rendered as in chat
     add_special_tokens: bool = True
 
 

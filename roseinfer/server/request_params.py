@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from roseinfer.sampling_params import SEED_MAX, SamplingParams
-from roseinfer.server.protocol import APIError, SamplingRequest
+from roseinfer.sampling_params import SEED_MAX, SamplingParams, StructuredOutputsParams
+from roseinfer.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest
 
 
 def check_request(body: SamplingRequest, num_prompts: int, max_sequences: int, max_inflight: int | None) -> None:
@@ -28,15 +28,31 @@ def check_request(body: SamplingRequest, num_prompts: int, max_sequences: int, m
         raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
 
 
+def check_completion_fields(body: CompletionRequest) -> None:
+    """Fields taken only in the values that ask for nothing roseinfer lacks."""
+    if body.best_of is not None and body.best_of != body.n:
+        raise APIError(400, f"best_of must equal n ({body.n}): generating more candidates than are returned and "
+                            "ranking them is not supported", "best_of")
+
+
+def check_chat_fields(body: ChatCompletionRequest) -> None:
+    if body.modalities is not None and "audio" in body.modalities:
+        raise APIError(400, "audio output is not supported (text models only): modalities may only be ['text']",
+                       "modalities")
+    if body.store:
+        raise APIError(400, "store must be false: roseinfer keeps no completions", "store")
+
+
 def sampling_params(body: SamplingRequest, defaults: dict[str, Any], max_tokens: int, logprobs: int | None,
-                    prompt_logprobs: int | None) -> SamplingParams:
+                    prompt_logprobs: int | None,
+                    structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
     values = {"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
               "seed": body.seed, "presence_penalty": body.presence_penalty,
               "frequency_penalty": body.frequency_penalty,
               "logit_bias": {int(key): value for key, value in (body.logit_bias or {}).items()},
               "top_k": body.top_k, "min_p": body.min_p, "repetition_penalty": body.repetition_penalty,
               "ignore_eos": body.ignore_eos, "min_tokens": body.min_tokens, "stop_token_ids": body.stop_token_ids,
-              "logprobs": logprobs, "prompt_logprobs": prompt_logprobs}
+              "logprobs": logprobs, "prompt_logprobs": prompt_logprobs, "structured_outputs": structured_outputs}
     try:
         return SamplingParams(**{**defaults, **{k: v for k, v in values.items() if v is not None}})
     except ValueError as exc:

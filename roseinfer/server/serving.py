@@ -13,19 +13,25 @@ import dataclasses
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any, AsyncIterator, Callable, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from jinja2 import TemplateError
 
+from roseinfer.chat_template import template_variables
 from roseinfer.sampling_params import SamplingParams
 from roseinfer.server.engine_loop import OverloadedError, RequestStream, SchedulerManager, ShuttingDownError, StreamDelta
 from roseinfer.server.logprobs import LogprobsFormatter
 from roseinfer.server.protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest, error_body
-from roseinfer.server.request_params import bad_value, check_request, sampling_params
+from roseinfer.server.request_params import (bad_value, check_chat_fields, check_completion_fields, check_request,
+                                             sampling_params)
 from roseinfer.server.responses import (Choice, EventStream, Reply, prompt_entries, sse, wait_disconnect,
                                         without_output)
+from roseinfer.server.structured import requested_constraint
+from roseinfer.server.tool_calls import chat_inputs, pick_parser, plan_tools
+from roseinfer.server.tool_parsers import ToolParser
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_MAX_SEQUENCES_PER_REQUEST = 256  # prompts x n in one request
@@ -37,7 +43,7 @@ T = TypeVar("T")
 
 class OpenAIServing:
     def __init__(self, manager: SchedulerManager, model_name: str,
-                 max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST) -> None:
+                 max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST, tool_call_parser: str = "auto") -> None:
         engine = manager.engine
         self.manager = manager
         self.model_name = model_name
@@ -48,6 +54,12 @@ class OpenAIServing:
         # what one request can hold: the context, or the whole KV pool if that is smaller
         self.context_limit = min(engine.max_model_len, engine.num_kv_blocks * engine.config.block_size)
         self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="roseinfer-tokenize")
+        template = engine.tokenizer.chat_template
+        self.tool_parser = pick_parser(template, tool_call_parser)
+        try:  # templates that never read `tools` get them as a system prompt (server/tool_calls.py)
+            self.template_reads_tools = bool(template) and "tools" in template_variables(template)
+        except TemplateError:  # a broken template fails each chat request with a 400 instead
+            self.template_reads_tools = False
 
     # ---- endpoints ---------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
@@ -63,11 +75,14 @@ class OpenAIServing:
         prompt_logprobs = max(body.logprobs, body.prompt_logprobs or 0) if echo_logprobs else body.prompt_logprobs
         texts = [body.prompt] if isinstance(body.prompt, str) or isinstance(body.prompt[0], int) else body.prompt
         check_request(body, len(texts), self.max_sequences, self.manager.max_inflight_requests)
+        check_completion_fields(body)
+        constraint = requested_constraint(body)
         prompts = [(await self.run_blocking(self.tokenizer.encode, p), p) if isinstance(p, str) else (list(p), None)
                    for p in texts]
         max_tokens = self.defaults.get("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS) if body.max_tokens is None \
             else body.max_tokens
-        params = sampling_params(body, self.defaults, 1 if prompt_only else max_tokens, body.logprobs, prompt_logprobs)
+        params = sampling_params(body, self.defaults, 1 if prompt_only else max_tokens, body.logprobs, prompt_logprobs,
+                                 constraint.params if constraint else None)
         streams = self._submit([ids for ids, _ in prompts], body, params, start)
         echoes = [(text if text is not None else self.tokenizer.decode(ids)) if body.echo else ""
                   for ids, text in prompts for _ in range(body.n)]
@@ -97,24 +112,36 @@ class OpenAIServing:
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
         check_request(body, 1, self.max_sequences, self.manager.max_inflight_requests)
-        ids = await self.chat_prompt(body.messages)
+        check_chat_fields(body)
+        constraint = requested_constraint(body)
+        tools = plan_tools(body, self.tool_parser, output_constrained=constraint is not None)
+        constraint = constraint or tools.constraint
+        ids = await self.chat_prompt(body.messages, tools.shown)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_tokens is None:  # OpenAI's chat default: whatever room the context has left
             max_tokens = min(max(1, self.context_limit - len(ids)), self.defaults.get("max_tokens", self.context_limit))
         params = sampling_params(body, self.defaults, max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
-                                 body.prompt_logprobs)
+                                 body.prompt_logprobs, constraint.params if constraint else None)
         streams = self._submit([ids], body, params, start)
         reply = Reply(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name, "chat.completion",
                       [len(ids)], body.include_usage)
+        parsers = [tools.parser() if tools.parser else None for _ in streams]
         if body.stream:
-            return EventStream(self._stream_chat(streams, reply, body.logprobs), lambda: self.abort_unfinished(streams))
+            return EventStream(self._stream_chat(streams, reply, body.logprobs, parsers),
+                               lambda: self.abort_unfinished(streams))
         choices = await self._collect(streams, raw)
         if choices is None:
             return Response(status_code=CLIENT_CLOSED)
-        response = reply.body([{
-            "index": i, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason,
-            "logprobs": self.logprobs.chat(c.logprobs) if body.logprobs else None,
-        } for i, c in enumerate(choices)], choices)
+        out = []
+        for i, (c, parser) in enumerate(zip(choices, parsers)):
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            if parser is not None:
+                message["content"], calls = parser.parse(c.text)
+                if calls:
+                    message["tool_calls"] = [call.to_openai() for call in calls]
+            out.append({"index": i, "message": message, "finish_reason": finish_reason(c.finish_reason, parser),
+                        "logprobs": self.logprobs.chat(c.logprobs) if body.logprobs else None})
+        response = reply.body(out, choices)
         if body.prompt_logprobs is not None:  # vLLM's: one prompt, so once per response
             response["prompt_logprobs"] = self.logprobs.prompt(choices[0].prompt_logprobs or [], body.prompt_logprobs)
         return JSONResponse(response)
@@ -124,9 +151,11 @@ class OpenAIServing:
             raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
                            "model", "model_not_found")
 
-    async def chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
+    async def chat_prompt(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The conversation's prompt ids, with `tools` shown to the model (server/tool_calls.py)."""
+        rendered, variables = chat_inputs(messages, tools, self.tool_parser, self.template_reads_tools)
         try:
-            return await self.run_blocking(self.tokenizer.apply_chat_template, [m.to_template() for m in messages])
+            return await self.run_blocking(partial(self.tokenizer.apply_chat_template, rendered, **variables))
         except (ValueError, TemplateError) as exc:
             raise APIError(400, f"could not apply the chat template: {exc}", "messages") from None
 
@@ -188,19 +217,32 @@ class OpenAIServing:
         for line in reply.tail():
             yield line
 
-    async def _stream_chat(self, streams: list[RequestStream], reply: Reply, want_logprobs: bool
-                           ) -> AsyncIterator[str]:
+    async def _stream_chat(self, streams: list[RequestStream], reply: Reply, want_logprobs: bool,
+                           parsers: list[ToolParser | None]) -> AsyncIterator[str]:
+        """Content as it comes; with a tool parser, each call in OpenAI's delta.tool_calls chunks
+        (its id and name first, then its arguments), one chunk per entry."""
         for index in range(len(streams)):  # OpenAI's first chunk per choice names the role
             yield sse(reply.chunk({"index": index, "delta": {"role": "assistant", "content": ""},
                                    "logprobs": None, "finish_reason": None}))
         async for index, delta in self._merge(streams):
-            logprobs = self.logprobs.chat(delta.logprobs) if want_logprobs and delta.logprobs else None
+            reply.record(index, delta)
             if delta.error:
                 yield sse(error_body(delta.error_status, delta.error))
-            elif delta.text or delta.finished or logprobs:
-                yield sse(reply.chunk({"index": index, "delta": {"content": delta.text} if delta.text else {},
-                                       "logprobs": logprobs, "finish_reason": delta.finish_reason}))
-            reply.record(index, delta)
+                continue
+            logprobs = self.logprobs.chat(delta.logprobs) if want_logprobs and delta.logprobs else None
+            content, calls, parser = delta.text, [], parsers[index]
+            if parser is not None:
+                parsed = parser.feed(delta.text)
+                if delta.finished:
+                    parsed.extend(parser.finish())
+                content, calls = parsed.content, parsed.tool_calls
+            parts = ([{"content": content}] if content else []) + [{"tool_calls": [call]} for call in calls]
+            if not parts and (delta.finished or logprobs):
+                parts = [{}]
+            for i, part in enumerate(parts):  # logprobs with the first, the finish reason with the last
+                last = i == len(parts) - 1
+                yield sse(reply.chunk({"index": index, "delta": part, "logprobs": None if i else logprobs,
+                                       "finish_reason": finish_reason(delta.finish_reason, parser) if last else None}))
         for line in reply.tail():
             yield line
 
@@ -254,3 +296,8 @@ class OpenAIServing:
         for stream in streams:
             if not stream.finished:
                 self.manager.abort(stream.request_id)
+
+
+def finish_reason(reason: str | None, parser: ToolParser | None) -> str | None:
+    """OpenAI's "tool_calls" when the output ended by itself with calls in it."""
+    return "tool_calls" if reason == "stop" and parser is not None and parser.calls else reason

@@ -1,0 +1,69 @@
+"""The output constraint a request asks for, from whichever field it came in: OpenAI's
+response_format, vLLM's structured_outputs or its older guided_* fields. One per request."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import llguidance
+
+from roseinfer.sampling_params import StructuredOutputsParams
+from roseinfer.server.protocol import APIError, JsonObjectFormat, JsonSchemaFormat, SamplingRequest
+
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
+
+
+@dataclass(frozen=True)
+class Constraint:
+    params: StructuredOutputsParams
+    field: str  # the request field it came from, which errors name
+
+
+def requested_constraint(body: SamplingRequest) -> Constraint | None:
+    """The constraint of response_format, structured_outputs or guided_*; a 400 if two are given."""
+    found: list[tuple[str, dict[str, Any]]] = []
+    if isinstance(body.response_format, JsonObjectFormat):
+        found.append(("response_format", {"json_object": True}))
+    elif isinstance(body.response_format, JsonSchemaFormat):
+        found.append(("response_format", {"json": body.response_format.json_schema.schema_}))
+    if body.structured_outputs is not None:
+        found.append(("structured_outputs", body.structured_outputs.model_dump(by_alias=True, exclude_none=True)))
+    found += [(name, {key: getattr(body, name)}) for name, key in GUIDED_FIELDS.items()
+              if getattr(body, name) is not None]
+    if not found:
+        return None
+    if len(found) > 1:
+        raise APIError(400, f"{found[0][0]} and {found[1][0]} both constrain the output; give one", found[1][0])
+    return constraint(found[0][0], **found[0][1])
+
+
+def constraint(field: str, **kwargs: Any) -> Constraint:
+    """StructuredOutputsParams(**kwargs), checked now: a 400 naming `field` if it cannot be enforced."""
+    try:
+        params = StructuredOutputsParams(**kwargs)
+    except ValueError as exc:
+        raise APIError(400, str(exc) if field == "structured_outputs" else f"{field}: {exc}", field) from None
+    error = grammar_error(params)
+    if error:
+        raise APIError(400, f"{field} cannot be enforced: {error}", field)
+    return Constraint(params, field)
+
+
+def grammar_error(params: StructuredOutputsParams) -> str:
+    """llguidance's complaint about the constraint ('' if none), found without the tokenizer in
+    the request's own thread: the engine compiles it at add_request in its worker thread, where a
+    mistake can no longer be answered with a 400 before the stream has begun."""
+    try:
+        if params.json is not None or params.json_object:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(params.json or {"type": "object"})
+        elif params.regex is not None:
+            grammar = llguidance.LLMatcher.grammar_from_regex(params.regex)
+        elif params.choice is not None:
+            grammar = llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(map(json.dumps, params.choice)))
+        else:
+            grammar = llguidance.LLMatcher.grammar_from_lark(params.grammar)
+    except ValueError as exc:
+        return str(exc)
+    return llguidance.LLMatcher.validate_grammar(grammar)
