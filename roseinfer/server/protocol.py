@@ -194,6 +194,12 @@ class ChatMessage(StrictModel):
     name: Text | None = None
     tool_call_id: Text | None = None  # which tool call a "tool" message answers
     tool_calls: list[ToolCall] | None = None  # the calls an assistant message made
+    # The rest of an OpenAI response message, so that one dumped whole (message.model_dump()) can be
+    # sent back: a refusal is that turn's text; citations and empty audio / function_call change nothing.
+    refusal: Text | None = None
+    annotations: list[dict[str, Any]] | None = None
+    audio: None = None
+    function_call: None = None
 
     @model_validator(mode="after")
     def _role_fields(self) -> "ChatMessage":
@@ -215,7 +221,7 @@ class ChatMessage(StrictModel):
         """The content as one string (parts joined)."""
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
-        return self.content or ""
+        return self.content or self.refusal or ""
 
     def to_template(self) -> dict[str, Any]:
         """The dict a chat template expects: content as one string, tool-call arguments as the
