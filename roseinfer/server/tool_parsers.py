@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,7 +49,7 @@ class ParsedDelta:
         return self
 
 
-class ToolParser:
+class ToolParser(ABC):
     """Base: what every parser records (all content, all calls) and how it emits them."""
 
     def __init__(self, max_calls: int | None = None) -> None:
@@ -58,11 +59,13 @@ class ToolParser:
         self._buffer = ""  # text fed but not yet resolved
         self._after_call = False  # whitespace after a call is dropped
 
+    @abstractmethod
     def feed(self, text: str) -> ParsedDelta:
-        raise NotImplementedError
+        """The next piece of output: what of it can be shown and which calls it completed."""
 
+    @abstractmethod
     def finish(self) -> ParsedDelta:
-        raise NotImplementedError
+        """The output has ended: whatever was held back, resolved."""
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """A whole output: its content (None when there is none besides whitespace) and its calls."""
@@ -191,15 +194,15 @@ class HermesParser(ToolParser):
 
 class JsonCallsParser(ToolParser):
     """A run of JSON call objects at the start of the output, `sep`-separated, optionally inside
-    `open`...`close`. What follows the last call that parses is content; if the first object is
+    `opener`...`closer`. What follows the last call that parses is content; if the first object is
     not a call, the whole output is content."""
 
-    def __init__(self, sep: str, open: str = "", close: str = "", prefix: str = "",
+    def __init__(self, sep: str, opener: str = "", closer: str = "", prefix: str = "",
                  max_calls: int | None = None) -> None:
         super().__init__(max_calls)
-        self.sep, self.open, self.close, self.prefix = sep, open, close, prefix
+        self.sep, self.opener, self.closer, self.prefix = sep, opener, closer, prefix
         self._mode = "start"  # start -> calls -> text, or start -> text
-        self._opened = not open
+        self._opened = not opener
         self._raw = ""  # all text while no call has been found: content if none will be
 
     def feed(self, text: str) -> ParsedDelta:
@@ -216,7 +219,7 @@ class JsonCallsParser(ToolParser):
                 head = head[len(self.prefix):].lstrip()
             if not head or (self.prefix and self.prefix.startswith(head)):
                 return out  # not yet known
-            if not head.startswith(self.open or "{"):
+            if not head.startswith(self.opener or "{"):
                 return self._to_text(out)
             self._mode, self._buffer = "calls", head
         while self._next_call(out):
@@ -226,12 +229,12 @@ class JsonCallsParser(ToolParser):
     def _next_call(self, out: ParsedDelta) -> bool:
         buf = self._buffer.lstrip()
         if not self._opened:
-            if not buf.startswith(self.open):
+            if not buf.startswith(self.opener):
                 return False
-            buf, self._opened = buf[len(self.open):], True
+            buf, self._opened = buf[len(self.opener):], True
         buf = buf.lstrip(self.sep + " \t\r\n")
         self._buffer = buf
-        if not buf or (self.close and buf.startswith(self.close)):
+        if not buf or (self.closer and buf.startswith(self.closer)):
             return False
         if buf[0] != "{":
             self._to_text(out)
@@ -251,8 +254,8 @@ class JsonCallsParser(ToolParser):
         """What is left is content: everything, if no call was found."""
         self._mode = "text"
         rest, self._buffer = (self._buffer if self.calls else self._raw), ""
-        if self.close and self.calls and rest.lstrip().startswith(self.close):
-            rest = rest.lstrip()[len(self.close):]
+        if self.closer and self.calls and rest.lstrip().startswith(self.closer):
+            rest = rest.lstrip()[len(self.closer):]
         self._text(rest, out)
         return out
 
@@ -291,7 +294,7 @@ def make_parser(kind: str, max_calls: int | None = None) -> ToolParser:
     if kind == "llama3_json":
         return JsonCallsParser(";", prefix=PYTHON_TAG, max_calls=max_calls)
     if kind == "required":
-        return JsonCallsParser(",", open="[", close="]", max_calls=max_calls)
+        return JsonCallsParser(",", opener="[", closer="]", max_calls=max_calls)
     raise ValueError(f"unknown tool-call parser {kind!r} (choose from {', '.join(PARSERS)})")
 
 
