@@ -4,7 +4,11 @@ For each library: the cold compile of a JSON schema, then B matchers walking a v
 lockstep (compact JSON: no free whitespace, as the engine asks), timing per step the batched mask fill and the token advance, and the coverage of a set
 of schema features. Either library may be absent (xgrammar is not a dependency: pip install it).
 
-    python benchmarks/grammar_mask.py [--model FOLDER] [--batch-sizes 1,16] [--steps 64]
+    python benchmarks/grammar_mask.py [--model FOLDER] [--batch-sizes 1,16] [--steps 64] [--engine]
+
+With --engine, also roseinfer's own decode step with every row constrained against the same
+batch free, alternating rounds in one process (a regex that never ends, ignore_eos, so both
+decode the same number of tokens).
 """
 from __future__ import annotations
 
@@ -119,15 +123,35 @@ def walk(lib: dict[str, Callable], grammar: Any, batch: int, steps: int, vocab: 
     return statistics.mean(fills) * 1e3, statistics.mean(advances) * 1e3
 
 
+def engine_steps(model: str | None, batch_sizes: list[int], rounds: int = 3) -> None:
+    from roseinfer import LLM, SamplingParams, StructuredOutputsParams
+
+    llm = LLM(model, enforce_eager=True)
+    prompt = llm.apply_chat_template([{"role": "user", "content": "Describe the sea in lowercase words."}])
+    modes = {"free": None, "constrained": StructuredOutputsParams(regex="[a-z ,.]+")}
+    for batch in batch_sizes:
+        steps: dict[str, list[float]] = {mode: [] for mode in modes}
+        for _ in range(rounds):
+            for mode, constraint in modes.items():
+                params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, structured_outputs=constraint)
+                for out in llm.generate([prompt] * batch, params, use_tqdm=False):
+                    steps[mode].append((out.metrics["finished"] - out.metrics["first_token"]) / (len(out.token_ids) - 1))
+        free, constrained = (statistics.median(steps[m]) * 1e3 for m in modes)
+        print(f"engine: batch {batch}: decode step free {free:.2f} ms, constrained {constrained:.2f} ms, "
+              f"ratio {constrained / free:.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="HF folder or .gguf (default: the default model)")
     parser.add_argument("--batch-sizes", default="1,16")
     parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--engine", action="store_true", help="also time roseinfer's decode step, free vs constrained")
     args = parser.parse_args()
     folder = str(resolve_model_folder(args.model))
     vocab = json.load(open(f"{folder}/config.json"))["vocab_size"]
-    torch.set_num_threads(1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the libraries' own thread pools do the work
     for name, build in (("llguidance", llguidance_library), ("xgrammar", xgrammar_library)):
         try:
             lib = build(folder, vocab)
@@ -149,6 +173,9 @@ def main() -> None:
                 failed.append(f"{feature} ({str(exc).splitlines()[0][:80]})")
         print(f"{name}: schema features compiled {len(FEATURES) - len(failed)}/{len(FEATURES)}"
               + (f"; refused: {'; '.join(failed)}" if failed else ""))
+    if args.engine:
+        torch.set_num_threads(threads)
+        engine_steps(args.model, [int(b) for b in args.batch_sizes.split(",")])
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
@@ -15,15 +16,30 @@ def _sampling_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--top-p", type=float, default=1.0)
     group.add_argument("--top-k", type=int, default=-1)
     group.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible sampled output)")
+    group.add_argument("--structured-outputs", metavar="JSON", default=None,
+                       help='constrain the output, e.g. \'{"json": SCHEMA}\', \'{"regex": "[0-9]+"}\', '
+                            '\'{"choice": ["yes", "no"]}\', \'{"grammar": LARK}\' or \'{"json_object": true}\'')
     group.add_argument("--no-chat-template", action="store_true",
                        help="send the prompt as is instead of wrapping it in the model's chat template")
 
 
 def _sampling_params(args: argparse.Namespace):
-    from roseinfer import SamplingParams
+    from roseinfer import SamplingParams, StructuredOutputsParams
 
+    constraint = None
+    if args.structured_outputs is not None:
+        try:
+            spec = json.loads(args.structured_outputs)
+        except ValueError as exc:
+            raise ValueError(f"--structured-outputs is not valid JSON: {exc}") from None
+        if not isinstance(spec, dict):
+            raise ValueError("--structured-outputs must be a JSON object such as '{\"regex\": \"[0-9]+\"}'")
+        try:
+            constraint = StructuredOutputsParams(**spec)
+        except TypeError as exc:  # an unknown key
+            raise ValueError(f"--structured-outputs: {exc}") from None
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, seed=args.seed)
+                          top_k=args.top_k, seed=args.seed, structured_outputs=constraint)
 
 
 def _prompt_ids(llm, text: str, use_template: bool, history: list[dict] | None = None) -> list[int]:

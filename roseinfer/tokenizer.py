@@ -64,6 +64,13 @@ class Tokenizer:
             return self._hf.convert_ids_to_tokens(int(token_id))
         return self._tok.id_to_token(int(token_id))
 
+    def backend_json(self) -> str:
+        """The tokenizer in `tokenizers`' JSON form (what grammar libraries read)."""
+        backend = self._tok if self._hf is None else getattr(self._hf, "backend_tokenizer", None)
+        if backend is None:
+            raise ValueError("structured output needs a fast tokenizer (tokenizer.json); this model has only a slow one")
+        return backend.to_str()
+
     # ---- text <-> ids ----
     @property
     def has_chat_template(self) -> bool:

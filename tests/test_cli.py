@@ -52,6 +52,18 @@ def test_bad_input_is_one_line_and_exit_code_2(model_dir, capsys):
     assert err.startswith("roseinfer: error: max_tokens") and err.count("\n") == 1
 
 
+def test_generate_takes_a_structured_output_constraint(model_dir, capsys):
+    argv = ["generate", "hi", "--model", model_dir, "--max-tokens", "20", "--num-kv-blocks", "32",
+            "--structured-outputs", '{"regex": "[a-c]{3}-[0-9]{2}"}']
+    assert main(argv) == 0
+    assert re.fullmatch(r"[a-c]{3}-[0-9]{2}", capsys.readouterr().out.rstrip("\n"))
+    for spec, message in (('{"regex": "[a-"}', "cannot be compiled"), ("[1]", "must be a JSON object"),
+                          ('{"pattern": "x"}', "unexpected keyword argument 'pattern'"), ("{", "not valid JSON")):
+        assert main(argv[:-1] + [spec]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("roseinfer: error: ") and message in err and err.count("\n") == 1, err
+
+
 def test_serve_on_a_port_in_use_fails_before_loading_the_model(capsys):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

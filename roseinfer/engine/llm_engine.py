@@ -18,6 +18,7 @@ from roseinfer.engine.model_runner import ModelRunner
 from roseinfer.engine.request import Request, RequestOutput
 from roseinfer.engine.sampler import Sampler
 from roseinfer.engine.scheduler import Scheduler
+from roseinfer.engine.structured_output import GrammarCompiler, GrammarMatcher
 from roseinfer.loader.generation_config import sampling_defaults
 from roseinfer.loader.model_loader import load_model, load_model_config, resolve_model_folder
 from roseinfer.sampling_params import SamplingParams
@@ -60,6 +61,7 @@ class LLMEngine:
         if not config.enforce_eager:
             self.runner.capture(config.max_num_seqs, self.max_model_len)
         self.requests: dict[str, Request] = {}
+        self.grammar_compiler: GrammarCompiler | None = None  # built on the first constrained request
         self._ids = itertools.count()
         self.load_seconds = time.perf_counter() - start
 
@@ -92,7 +94,7 @@ class LLMEngine:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        req = Request(request_id, prompt_ids, params, generator=generator)
+        req = Request(request_id, prompt_ids, params, generator=generator, grammar=self._grammar(params))
         self.requests[request_id] = req
         self.scheduler.add_request(req)
         return request_id
@@ -112,6 +114,14 @@ class LLMEngine:
         if needed > self.num_kv_blocks:
             raise ValueError(f"prompt + max_tokens needs {needed} KV blocks but the pool has only "
                              f"{self.num_kv_blocks}; lower max_tokens or raise num_kv_blocks")
+
+    def _grammar(self, params: SamplingParams) -> GrammarMatcher | None:
+        if params.structured_outputs is None:
+            return None
+        if self.grammar_compiler is None:
+            self.grammar_compiler = GrammarCompiler(self.tokenizer.backend_json(), self.model_config.vocab_size,
+                                             self.tokenizer.eos_token_ids)
+        return self.grammar_compiler.matcher(params.structured_outputs)
 
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()

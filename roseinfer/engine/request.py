@@ -4,10 +4,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from roseinfer.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from roseinfer.engine.structured_output import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -48,6 +52,7 @@ class Request:
     # with prompt_logprobs: one entry per prompt token taken so far, the first None (no context)
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     generator: torch.Generator | None = None
+    grammar: GrammarMatcher | None = None  # with structured_outputs: what may come next
     admitted_time: float | None = None
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)

@@ -1,4 +1,5 @@
-"""Batched sampling: penalties, logit bias, min_tokens, temperature, top-k / top-p / min-p, seeds.
+"""Batched sampling: grammar masks, penalties, logit bias, min_tokens, temperature, top-k / top-p /
+min-p, seeds.
 
 Greedy batches without penalties take one argmax. Otherwise every step works on the whole
 [N, V] block on the logits' device: what it needs from the host (token ids, settings) is gathered
@@ -17,6 +18,7 @@ from typing import Callable
 import torch
 
 from roseinfer.engine.request import Request, TokenLogprobs
+from roseinfer.engine.structured_output import GrammarMasks
 from roseinfer.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")
@@ -32,10 +34,16 @@ class Sampler:
         self.argmax = argmax or _torch_argmax
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.grammar_masks: GrammarMasks | None = None  # made on the first constrained row
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[TokenLogprobs | None]]:
         """logits: [N, V] float32, one row per request; returns token ids and optional logprobs."""
         params = [r.sampling_params for r in requests]
+        constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
+        if constrained:
+            # before everything else, logprobs included: what a constrained row reports is its grammar's choice
+            self.grammar_masks = self.grammar_masks or GrammarMasks()
+            logits = self.grammar_masks.apply(logits, constrained, [requests[i].grammar for i in constrained])
         ints, floats = self._inputs(requests, logits.shape[1], logits.device)
         if all(p.greedy for p in params) and not any(name in ints for name in PROCESSED_BY):
             tokens = self.argmax(logits)

@@ -193,7 +193,10 @@ class Scheduler:
                 req.first_token_time = now
             if logprob is not None:
                 req.logprobs.append(logprob)
-            reason = self._stop_reason(req, token)
+            if req.grammar is not None and not req.grammar.accept(token):
+                reason: str | None = "abort"  # cannot happen while the mask holds; never emit past a broken grammar
+            else:
+                reason = self._stop_reason(req, token)
             if reason is not None:
                 self.running.remove(req)
                 self._finish(req, reason)
@@ -204,6 +207,8 @@ class Scheduler:
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
         params = req.sampling_params
+        if req.grammar is not None and req.grammar.is_complete:
+            return "stop"  # the constrained output is whole: only its end could follow
         # The sampler masks EOS and stop ids for the first min_tokens tokens; this guards the same rule.
         if req.num_output_tokens > params.min_tokens:
             if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
