@@ -2,12 +2,14 @@
 response_format, vLLM's structured_outputs or its older guided_* fields. One per request."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
 import llguidance
 
+# the engine's grammar text and error formatting, so the server checks exactly what it will compile
+from roseinfer.engine.structured_output import _grammar as engine_grammar
+from roseinfer.engine.structured_output import _one_line as one_line
 from roseinfer.sampling_params import StructuredOutputsParams
 from roseinfer.server.protocol import APIError, JsonObjectFormat, JsonSchemaFormat, SamplingRequest
 
@@ -53,17 +55,11 @@ def constraint(field: str, **kwargs: Any) -> Constraint:
 
 def grammar_error(params: StructuredOutputsParams) -> str:
     """llguidance's complaint about the constraint ('' if none), found without the tokenizer in
-    the request's own thread: the engine compiles it at add_request in its worker thread, where a
-    mistake can no longer be answered with a 400 before the stream has begun."""
+    the request's own thread: the engine compiles it again at add_request, in its worker thread,
+    where a mistake could no longer be answered with a 400 before a stream has begun. The grammar is
+    the engine's own, so both judge the same text."""
     try:
-        if params.json is not None or params.json_object:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(params.json or {"type": "object"})
-        elif params.regex is not None:
-            grammar = llguidance.LLMatcher.grammar_from_regex(params.regex)
-        elif params.choice is not None:
-            grammar = llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(map(json.dumps, params.choice)))
-        else:
-            grammar = llguidance.LLMatcher.grammar_from_lark(params.grammar)
+        error = llguidance.LLMatcher.validate_grammar(engine_grammar(params))
     except ValueError as exc:
         return str(exc)
-    return llguidance.LLMatcher.validate_grammar(grammar)
+    return one_line(error) if error else ""
