@@ -16,9 +16,11 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
+from roseinfer.cli import build_parser
 from roseinfer.config import EngineConfig
 from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.server.app import build_app
+from roseinfer.server.args import ServerOptions, server_options
 from roseinfer.server.protocol import APIError, ChatCompletionRequest
 from roseinfer.server.tool_calls import NO_PARAMETERS, chat_inputs, pick_parser, plan_tools
 from roseinfer.server.tool_parsers import HermesParser, JsonCallsParser, NamedCallParser
@@ -89,6 +91,14 @@ def test_the_parser_follows_the_template_unless_the_flag_names_one() -> None:
     assert pick_parser("{% for m in messages %}{{ m.content }}{% endfor %}") == "hermes"
     assert pick_parser(None) == "hermes"
     assert pick_parser(HERMES_TEMPLATE, "llama3_json") == "llama3_json"
+
+
+def test_the_flag_is_checked_and_reaches_the_server_options() -> None:
+    args = build_parser().parse_args(["serve", "--tool-call-parser", "llama3_json"])
+    assert server_options(args).tool_call_parser == "llama3_json"
+    assert server_options(build_parser().parse_args(["serve"])).tool_call_parser == "auto"
+    with pytest.raises(ValueError, match="--tool-call-parser"):
+        ServerOptions(tool_call_parser="mistral")
 
 
 # ---- what tool_choice means ----------------------------------------------------------------------
@@ -188,6 +198,11 @@ def test_a_template_without_tools_gets_them_as_a_system_prompt(tokenizer_with) -
     assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}'
             '\n</tool_call><|im_end|>') in text
     assert '<|im_start|>user\n<tool_response>\n{"temperature": 21}\n</tool_response><|im_end|>' in text
+    body = request(messages=HISTORY)
+    messages, _ = chat_inputs(body.messages, plan_tools(body, "llama3_json", False).shown, "llama3_json", False)
+    llama = chatml.render_chat_template(messages)
+    assert '{"name": "<function name>", "parameters": <its arguments as a JSON object>}' in llama
+    assert '<|im_start|>assistant\n{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}' in llama
     plain = render(chatml, False, request(messages=HISTORY, tool_choice="none"))
     assert plain.startswith("<|im_start|>user\nWeather in Paris?") and "<tools>" not in plain
 
