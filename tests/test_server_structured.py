@@ -45,11 +45,14 @@ def chat(**fields: Any) -> ChatCompletionRequest:
 
 @pytest.mark.parametrize("fields,field,expected", [
     ({"response_format": {"type": "json_object"}}, "response_format", StructuredOutputsParams(json_object=True)),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER, "strict": True}}},
+    ({"response_format": {"type": "json_schema",
+                          "json_schema": {"name": "weather", "schema": WEATHER, "strict": True}}},
      "response_format", StructuredOutputsParams(json=WEATHER)),
-    ({"structured_outputs": {"json": json.dumps(WEATHER)}}, "structured_outputs", StructuredOutputsParams(json=WEATHER)),
+    ({"structured_outputs": {"json": json.dumps(WEATHER)}}, "structured_outputs",
+     StructuredOutputsParams(json=WEATHER)),
     ({"structured_outputs": {"regex": "[a-z]{3}"}}, "structured_outputs", StructuredOutputsParams(regex="[a-z]{3}")),
-    ({"structured_outputs": {"choice": ["yes", "no"]}}, "structured_outputs", StructuredOutputsParams(choice=["yes", "no"])),
+    ({"structured_outputs": {"choice": ["yes", "no"]}}, "structured_outputs",
+     StructuredOutputsParams(choice=["yes", "no"])),
     ({"structured_outputs": {"grammar": 'start: "a" | "b"'}}, "structured_outputs",
      StructuredOutputsParams(grammar='start: "a" | "b"')),
     ({"structured_outputs": {"json_object": True}}, "structured_outputs", StructuredOutputsParams(json_object=True)),
@@ -170,13 +173,16 @@ def test_completions_take_every_form(http: httpx.Client, fields: dict, check: An
      "guided_json"),
     ("/v1/chat/completions", {"messages": MESSAGES, "structured_outputs": {"regex": "a", "whitespace_pattern": " "}},
      "structured_outputs"),
-    ("/v1/chat/completions", {"messages": MESSAGES, "guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "guided_decoding_backend": "xgrammar"},
+     "guided_decoding_backend"),
     ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_schema",
-                                                                         "json_schema": {"name": "w"}}}, "response_format"),
+                                                                         "json_schema": {"name": "w"}}},
+     "response_format"),
     ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "structural_tag"}}, "response_format"),
     ("/v1/completions", {"prompt": "hi", "guided_regex": "(("}, "guided_regex"),
     ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {
-        "name": "w", "schema": {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}}}, "response_format"),
+        "name": "w", "schema": {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}}},
+     "response_format"),
 ])
 @pytest.mark.parametrize("stream", [False, True])
 def test_bad_constraints_are_a_400_before_any_stream(http: httpx.Client, path: str, body: dict, param: str,

@@ -43,7 +43,8 @@ T = TypeVar("T")
 
 class OpenAIServing:
     def __init__(self, manager: SchedulerManager, model_name: str,
-                 max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST, tool_call_parser: str = "auto") -> None:
+                 max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+                 tool_call_parser: str = "auto") -> None:
         engine = manager.engine
         self.manager = manager
         self.model_name = model_name
