@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import random
+import time
 
 import pytest
 
-from roseinfer.server.tool_parsers import NamedCallParser, ToolParser, format_calls, json_end, make_parser
+from roseinfer.server.tool_parsers import JsonScan, NamedCallParser, ToolParser, format_calls, make_parser
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}'
 TIME = '{"name": "get_time", "arguments": {"zone": "CET"}}'
@@ -116,10 +117,22 @@ def test_format_calls_reads_back_as_the_same_calls() -> None:
         assert whole(kind, format_calls(kind, calls)) == (None, [(c["name"], c["arguments"]) for c in calls])
 
 
-def test_json_end_ignores_brackets_in_strings_and_waits_for_the_close() -> None:
-    assert json_end('{"a": "}\\"]"} tail') == len('{"a": "}\\"]"}')
-    assert json_end('[{"a": [1, 2]}, {}]x') == len('[{"a": [1, 2]}, {}]')
-    assert json_end('{"a": {"b": 1}') is None
+def test_json_scan_ignores_brackets_in_strings_and_resumes_where_it_stopped() -> None:
+    assert JsonScan().end('{"a": "}\\"]"} tail') == len('{"a": "}\\"]"}')
+    assert JsonScan().end('[{"a": [1, 2]}, {}]x') == len('[{"a": [1, 2]}, {}]')
+    scan, text = JsonScan(), '{"a": "}\\"]", "b": [{}]}'
+    assert [scan.end(text[:i]) for i in range(1, len(text))] == [None] * (len(text) - 1)
+    assert scan.end(text) == len(text) and scan.pos == len(text)
+
+
+def test_a_long_call_streamed_in_small_deltas_is_scanned_once() -> None:
+    text = '[{"name": "write", "parameters": {"body": "' + "x" * 200_000 + '"}}]'
+    parser = make_parser("required")
+    start = time.perf_counter()
+    for i in range(0, len(text), 4):
+        parser.feed(text[i:i + 4])
+    parser.finish()
+    assert len(parser.calls) == 1 and time.perf_counter() - start < 5  # a rescan per delta: quadratic
 
 
 def test_unknown_parser_is_a_value_error() -> None:

@@ -113,28 +113,39 @@ def call_from_json(text: str) -> tuple[str, str] | None:
     return obj["name"], json.dumps(arguments, ensure_ascii=False)
 
 
-def json_end(text: str, start: int = 0) -> int | None:
-    """Where the JSON object or array opening at text[start] closes (the index after it), or None
-    while it is still open. Brackets inside strings do not count."""
-    depth, in_string, escaped = 0, False, False
-    for i in range(start, len(text)):
-        ch = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
+@dataclass
+class JsonScan:
+    """Finds where the JSON object or array at the start of a growing text closes, resuming where
+    the last look stopped, so a long call streamed in many deltas is scanned once, not per delta.
+    Brackets inside strings do not count."""
+
+    pos: int = 0
+    depth: int = 0
+    in_string: bool = False
+    escaped: bool = False
+
+    def end(self, text: str) -> int | None:
+        """The index after the closing bracket, or None while the value is still open."""
+        for i in range(self.pos, len(text)):
+            ch = text[i]
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
             elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.pos = i + 1
+                    return i + 1
+        self.pos = len(text)
+        return None
 
 
 class HermesParser(ToolParser):
@@ -204,6 +215,7 @@ class JsonCallsParser(ToolParser):
         self._mode = "start"  # start -> calls -> text, or start -> text
         self._opened = not opener
         self._raw = ""  # all text while no call has been found: content if none will be
+        self._scan = JsonScan()  # of the object the buffer starts with
 
     def feed(self, text: str) -> ParsedDelta:
         out = ParsedDelta()
@@ -239,7 +251,7 @@ class JsonCallsParser(ToolParser):
         if buf[0] != "{":
             self._to_text(out)
             return False
-        end = json_end(buf)
+        end = self._scan.end(buf)
         if end is None:
             return False
         call = call_from_json(buf[:end])
@@ -247,7 +259,7 @@ class JsonCallsParser(ToolParser):
             self._to_text(out)
             return False
         self._call(*call, out)
-        self._buffer = buf[end:]
+        self._buffer, self._scan = buf[end:], JsonScan()
         return True
 
     def _to_text(self, out: ParsedDelta) -> ParsedDelta:
