@@ -12,7 +12,8 @@ a call is dropped: it separates calls, it is not something the model said.
 - llama3_json (Llama 3.1+): the output starts with `{"name": ..., "parameters": {...}}` (optionally
   after `<|python_tag|>`), several separated by `;`.
 - required / named: the output constrained by tool_choice (server/tool_calls.py): a JSON array of
-  `{"name", "parameters"}` objects, or the named function's arguments themselves.
+  `{"name", "parameters"}` objects, or the named function's arguments themselves, which the
+  constraint keeps valid and so are streamed as they come.
 """
 from __future__ import annotations
 
