@@ -44,9 +44,12 @@ class GrammarCompiler:
         key = json.dumps([params.kind, getattr(params, params.kind)], sort_keys=True)
         compiled = self._compiled.get(key)
         if compiled is None:
-            compiled = llguidance.LLMatcher(self.tokenizer, _grammar(params), log_level=0)
+            try:
+                compiled = llguidance.LLMatcher(self.tokenizer, _grammar(params), log_level=0)
+            except ValueError as exc:  # a JSON schema llguidance cannot even read
+                raise _compile_error(params, str(exc)) from None
             if compiled.is_error():
-                raise ValueError(f"structured_outputs.{params.kind} cannot be compiled: {_one_line(compiled.get_error())}")
+                raise _compile_error(params, compiled.get_error())
             self._compiled[key] = compiled
             if len(self._compiled) > MAX_CACHED_GRAMMARS:
                 self._compiled.popitem(last=False)
@@ -54,13 +57,24 @@ class GrammarCompiler:
         return GrammarMatcher(compiled.deep_copy())
 
 
+def constraint_error(params: StructuredOutputsParams) -> str | None:
+    """Why GrammarCompiler.matcher would refuse the constraint, in one line, found without a
+    tokenizer: the server asks before it answers, where the answer can still be a 400."""
+    try:
+        error = llguidance.LLMatcher.validate_grammar(_grammar(params))
+    except ValueError as exc:  # a JSON schema llguidance cannot even read
+        return str(exc)
+    return _one_line(error) if error else None
+
+
+def _compile_error(params: StructuredOutputsParams, error: str) -> ValueError:
+    return ValueError(f"structured_outputs.{params.kind} cannot be compiled: {_one_line(error)}")
+
+
 def _grammar(params: StructuredOutputsParams) -> str:
     if params.json is not None or params.json_object:
         schema = params.json if params.json is not None else {"type": "object"}
-        try:
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, {"whitespace_pattern": JSON_WHITESPACE})
-        except ValueError as exc:
-            raise ValueError(f"structured_outputs.json is not a usable JSON schema: {exc}") from None
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, {"whitespace_pattern": JSON_WHITESPACE})
     if params.regex is not None:
         return llguidance.LLMatcher.grammar_from_regex(params.regex)
     if params.choice is not None:

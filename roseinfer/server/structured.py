@@ -5,11 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import llguidance
-
-# the engine's grammar text and error formatting, so the server checks exactly what it will compile
-from roseinfer.engine.structured_output import _grammar as engine_grammar
-from roseinfer.engine.structured_output import _one_line as one_line
+from roseinfer.engine.structured_output import constraint_error
 from roseinfer.sampling_params import StructuredOutputsParams
 from roseinfer.server.protocol import APIError, JsonObjectFormat, JsonSchemaFormat, SamplingRequest
 
@@ -47,19 +43,9 @@ def constraint(field: str, **kwargs: Any) -> Constraint:
         params = StructuredOutputsParams(**kwargs)
     except ValueError as exc:
         raise APIError(400, str(exc) if field == "structured_outputs" else f"{field}: {exc}", field) from None
-    error = grammar_error(params)
+    # the engine compiles it again at add_request, in its worker thread, where a mistake could no
+    # longer be a 400 before a stream has begun
+    error = constraint_error(params)
     if error:
         raise APIError(400, f"{field} cannot be enforced: {error}", field)
     return Constraint(params, field)
-
-
-def grammar_error(params: StructuredOutputsParams) -> str:
-    """llguidance's complaint about the constraint ('' if none), found without the tokenizer in
-    the request's own thread: the engine compiles it again at add_request, in its worker thread,
-    where a mistake could no longer be answered with a 400 before a stream has begun. The grammar is
-    the engine's own, so both judge the same text."""
-    try:
-        error = llguidance.LLMatcher.validate_grammar(engine_grammar(params))
-    except ValueError as exc:
-        return str(exc)
-    return one_line(error) if error else ""
