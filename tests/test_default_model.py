@@ -14,3 +14,37 @@ def test_default_model_knows_the_capital_of_france():
     assert "Paris" in out.text
     assert out.finish_reason == "stop"  # stops on <|im_end|>
     assert llm.kv_cache_stats()["used_blocks"] == 0
+
+
+@pytest.mark.slow
+def test_default_model_calls_the_weather_tool_when_required():
+    """Issue 25's check, through the server and the official openai client: the call is get_weather,
+    its arguments validate against the tool's schema, and the reply says tool_calls."""
+    import json
+
+    import httpx
+    import jsonschema
+    import openai
+
+    from roseinfer.config import EngineConfig
+    from roseinfer.engine.llm_engine import LLMEngine
+    from roseinfer.server.app import build_app
+    from server_helpers import serve_app
+
+    params = {"type": "object", "properties": {"city": {"type": "string", "description": "the city's name"}},
+              "required": ["city"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "The current weather in a city",
+                                               "parameters": params}}]
+    with serve_app(build_app(LLMEngine(EngineConfig(num_kv_blocks=64)), "default")) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
+                               http_client=httpx.Client(trust_env=False, timeout=120))
+        choice = client.chat.completions.create(
+            model="default", messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=tools,
+            tool_choice="required", temperature=0, max_tokens=64).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    calls = choice.message.tool_calls
+    assert calls and all(call.function.name == "get_weather" for call in calls)  # parallel calls allowed
+    arguments = [json.loads(call.function.arguments) for call in calls]
+    for each in arguments:
+        jsonschema.validate(each, params)
+    assert any("Paris" in each["city"] for each in arguments), arguments
