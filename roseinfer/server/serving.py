@@ -31,7 +31,7 @@ from roseinfer.server.responses import (Choice, EventStream, Reply, prompt_entri
                                         without_output)
 from roseinfer.server.structured import requested_constraint
 from roseinfer.server.tool_calls import chat_inputs, pick_parser, plan_tools
-from roseinfer.server.tool_parsers import ToolParser
+from roseinfer.server.tool_parsers import NamedCallParser, ToolParser
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_MAX_SEQUENCES_PER_REQUEST = 256  # prompts x n in one request
@@ -300,5 +300,7 @@ class OpenAIServing:
 
 
 def finish_reason(reason: str | None, parser: ToolParser | None) -> str | None:
-    """OpenAI's "tool_calls" when the output ended by itself with calls in it."""
-    return "tool_calls" if reason == "stop" and parser is not None and parser.calls else reason
+    """OpenAI's "tool_calls" when the output ended by itself with calls the model chose to make; a
+    call forced by naming its function ends with "stop", as OpenAI's and vLLM's do."""
+    chose = parser is not None and parser.calls and not isinstance(parser, NamedCallParser)
+    return "tool_calls" if reason == "stop" and chose else reason
