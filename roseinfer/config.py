@@ -1,11 +1,44 @@
 """Engine configuration: one dataclass, vLLM's names where they exist, validated once."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, fields
 from typing import Any
 
 ADMISSION_POLICIES = ("fifo", "pack")
 BACKEND_NAMES = ("auto", "torch", "cpu", "triton")  # backends/__init__.py
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's names): a proposer guesses the next tokens and one forward of
+    the target verifies them, so a step can emit several tokens."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4  # K: tokens proposed per step
+    prompt_lookup_min: int = 1  # n-gram sizes tried, longest first
+    prompt_lookup_max: int = 4
+    # no speculation in steps with more running decodes than this: a forward that is no longer
+    # memory-bound pays for every rejected position
+    disable_by_batch_size: int = 8
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config: method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"speculative_config: {name} must be >= 1, got {getattr(self, name)}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("speculative_config: prompt_lookup_min must be <= prompt_lookup_max")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "SpeculativeConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**values)
 
 
 @dataclass
@@ -38,6 +71,8 @@ class EngineConfig:
     pack_fifo_every: int = 8  # starvation guard: every Nth admitting step is FIFO
     decode_first: bool = False
     max_active_requests: int | None = None  # admitted (running) requests at once
+    # a dict or JSON object of SpeculativeConfig's fields; None = no speculation
+    speculative_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "pack_lookahead", "pack_fifo_every")
@@ -60,6 +95,15 @@ class EngineConfig:
             raise ValueError(f"dtype must be float32, float16, bfloat16 or auto, got {self.dtype!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        self.speculative  # noqa: B018 -- validated here, once, so a bad config fails at construction
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """speculative_config parsed (a JSON string is accepted too); None = no speculation."""
+        value = self.speculative_config
+        if value is None:
+            return None
+        return SpeculativeConfig.from_dict(json.loads(value) if isinstance(value, str) else value)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":

@@ -42,6 +42,9 @@ HELP = {
     "pack_fifo_every": "pack's starvation guard: every Nth admitting step is FIFO",
     "decode_first": "alternate decode-only and prefill-only steps instead of mixing them",
     "max_active_requests": "most admitted (running) requests at once (default: no limit)",
+    "speculative_config": "JSON of speculative decoding settings (vLLM's names), e.g. '{\"method\": \"ngram\", "
+                          "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 1, \"prompt_lookup_max\": 4, "
+                          "\"disable_by_batch_size\": 8}'; greedy requests only (default: none)",
 }
 
 

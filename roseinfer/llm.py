@@ -100,6 +100,9 @@ class LLM:
     def kv_cache_stats(self) -> dict[str, int]:
         return self.engine.kv_cache_stats()
 
+    def speculative_stats(self) -> dict[str, float]:
+        return self.engine.speculative_stats()
+
     def apply_chat_template(self, messages: Conversation, add_generation_prompt: bool = True,
                             **template_kwargs: Any) -> list[int]:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt, **template_kwargs)

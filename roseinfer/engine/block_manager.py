@@ -127,6 +127,17 @@ class BlockManager:
             req.block_table.append(self._allocate_block())
         return True
 
+    def shrink(self, req: Request) -> None:
+        """Give back the blocks past the request's computed tokens (a draft's rejected positions);
+        they were never indexed, since only computed full blocks are."""
+        keep = self.blocks_needed(req.num_computed_tokens)
+        for block_id in req.block_table[keep:]:
+            block = self.blocks[block_id]
+            assert block.ref_count == 1 and block.key is None, f"block {block_id} is shared or indexed"
+            block.ref_count = 0
+            self.free_ids.append(block_id)
+        del req.block_table[keep:]
+
     def _allocate_block(self) -> int:
         if self.free_ids:
             block_id = self.free_ids.pop()

@@ -18,6 +18,7 @@ from roseinfer.engine.model_runner import ModelRunner
 from roseinfer.engine.request import Request, RequestOutput
 from roseinfer.engine.sampler import Sampler
 from roseinfer.engine.scheduler import Scheduler
+from roseinfer.engine.speculative import SpecStats
 from roseinfer.engine.structured_output import GrammarCompiler, GrammarMatcher
 from roseinfer.loader.generation_config import sampling_defaults
 from roseinfer.loader.model_loader import load_model, load_model_config, resolve_model_folder
@@ -166,6 +167,12 @@ class LLMEngine:
 
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
+
+    def speculative_stats(self) -> dict[str, float]:
+        """Drafts verified, tokens proposed and accepted, mean tokens per verification (zeros
+        without speculative_config)."""
+        proposer = self.scheduler.proposer
+        return (proposer.stats if proposer is not None else SpecStats()).as_dict()
 
     def kv_cache_stats(self) -> dict[str, int]:
         """The block manager's counters, and preemptions since the engine started."""

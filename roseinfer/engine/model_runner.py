@@ -10,6 +10,7 @@ from roseinfer.backends.base import LOGITS_CHUNK_ROWS, Backend, BatchLayout
 from roseinfer.engine.request import TokenLogprobs
 from roseinfer.engine.sampler import Sampler, token_logprobs
 from roseinfer.engine.scheduler import ScheduledRequest, SchedulerOutput
+from roseinfer.engine.speculative import accept_greedy
 from roseinfer.models.config import ModelConfig
 
 PromptLogprobs = list[list[TokenLogprobs]]  # per scheduled request, the prompt logprobs this step took
@@ -38,22 +39,27 @@ class ModelRunner:
         return 2 * model_config.num_layers * block_size * model_config.num_kv_heads * model_config.head_dim * dtype.itemsize
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[list[int | None], list[TokenLogprobs | None], PromptLogprobs]:
-        """Run one forward over the scheduled tokens; returns a token (or None) per scheduled request,
-        its logprobs, and the prompt logprobs of the prompt positions this step computed."""
+    def execute(self, out: SchedulerOutput) -> tuple[list[list[int]], list[TokenLogprobs | None], PromptLogprobs]:
+        """Run one forward over the scheduled tokens; returns the new tokens per scheduled request
+        (none for a prompt chunk, one for a decode, 1 to K + 1 for a verified draft), the logprobs of a
+        single token, and the prompt logprobs of the prompt positions this step computed."""
         items = out.scheduled
         layout, sample_rows = self._prepare(items)
         hidden = self.backend.forward(self.model, layout, self.kv_caches)
-        sampled: list[int | None] = [None] * len(items)
+        # a draft's request samples every one of its 1 + K rows
+        owners = [i for i, item in enumerate(items) if item.samples for _ in range(1 + len(item.draft))]
+        row_tokens: list[list[int]] = [[] for _ in items]
         logprobs: list[TokenLogprobs | None] = [None] * len(items)
-        sampling = [i for i, item in enumerate(items) if item.samples]
-        chunk = self.backend.logits_chunk_rows or max(len(sampling), 1)
-        for start in range(0, len(sampling), chunk):
-            part = sampling[start:start + chunk]
+        chunk = self.backend.logits_chunk_rows or max(len(owners), 1)
+        for start in range(0, len(owners), chunk):
+            part = owners[start:start + chunk]
             logits = self.model.compute_logits(hidden[sample_rows[start:start + chunk]])
             tokens, lps = self.sampler(logits, [items[i].request for i in part])
             for i, token, lp in zip(part, tokens, lps):
-                sampled[i], logprobs[i] = token, lp
+                row_tokens[i].append(token)
+                logprobs[i] = lp
+        sampled = [accept_greedy(item.draft, row_tokens[i]) if item.draft else row_tokens[i]
+                   for i, item in enumerate(items)]
         return sampled, logprobs, self._prompt_logprobs(items, hidden)
 
     def _prompt_logprobs(self, items: list[ScheduledRequest], hidden: torch.Tensor) -> PromptLogprobs:
@@ -89,11 +95,12 @@ class ModelRunner:
             layout.kv_lens.append(end)
             layout.block_tables.append(req.block_table)
             layout.input_ids.extend(req.token_ids[start:end])
+            layout.input_ids.extend(item.draft)
             layout.positions.extend(range(start, end))
             table = req.block_table
             layout.slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             if item.samples:
-                sample_rows.append(len(layout.input_ids) - 1)
+                sample_rows.extend(range(len(layout.input_ids) - 1 - len(item.draft), len(layout.input_ids)))
         return layout, self.backend.tensor(sample_rows)
 
     @staticmethod

@@ -53,6 +53,9 @@ class Request:
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     generator: torch.Generator | None = None
     grammar: GrammarMatcher | None = None  # with structured_outputs: what may come next
+    # speculative decoding: verifications in a row that accepted nothing, and steps left without drafts
+    spec_misses: int = 0
+    spec_pause: int = 0
     admitted_time: float | None = None
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)

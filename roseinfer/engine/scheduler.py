@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from roseinfer.config import EngineConfig
 from roseinfer.engine.block_manager import BlockManager
 from roseinfer.engine.request import Request, RequestOutput, RequestStatus, TokenLogprobs
+from roseinfer.engine.speculative import NgramProposer
 
 UNLIMITED = 1 << 62
 
@@ -21,12 +22,13 @@ UNLIMITED = 1 << 62
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_tokens: int  # tokens whose K/V this step computes
+    num_tokens: int  # tokens whose K/V this step computes, the draft's included
+    draft: list[int] = field(default_factory=list)  # proposed tokens fed after the last known one
 
     @property
     def samples(self) -> bool:
         """The chunk reaches the end of the known tokens, so its last logits pick the next token."""
-        return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+        return self.request.num_computed_tokens + self.num_tokens - len(self.draft) == self.request.num_tokens
 
 
 @dataclass
@@ -53,6 +55,8 @@ class Scheduler:
         self._admitting_steps = 0
         self._decode_turn = True
         self.num_preemptions = 0  # since the engine started (a server exports it)
+        spec = config.speculative
+        self.proposer = NgramProposer(spec, max_model_len) if spec is not None else None
 
     # ---- lifecycle -------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -78,7 +82,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = [self.config.max_num_batched_tokens, self.config.prefill_max_tokens or UNLIMITED]
         phase = self._phase()
-        self._schedule_running(out, budget, phase)
+        self._schedule_running(out, budget, phase, self._speculating())
         if phase != "decode" and not out.preempted_ids:
             self._admit_waiting(out, budget)
         return out
@@ -95,7 +99,16 @@ class Scheduler:
         self._decode_turn = not self._decode_turn
         return "prefill" if self._decode_turn else "decode"
 
-    def _schedule_running(self, out: SchedulerOutput, budget: list[int], phase: str | None) -> None:
+    def _speculating(self) -> bool:
+        """Drafts only while the running decodes are few: a larger batch's forward is no longer
+        bound by reading the weights, so every rejected position costs compute."""
+        if self.proposer is None:
+            return False
+        decodes = sum(not r.in_prefill for r in self.running)
+        return decodes <= self.proposer.config.disable_by_batch_size
+
+    def _schedule_running(self, out: SchedulerOutput, budget: list[int], phase: str | None,
+                          speculating: bool) -> None:
         i = 0
         while i < len(self.running) and budget[0] > 0 and len(out.scheduled) < self.config.max_num_seqs:
             req = self.running[i]
@@ -104,7 +117,10 @@ class Scheduler:
             if (phase == "decode" and prefill) or (phase == "prefill" and not prefill):
                 continue
             remaining = req.num_tokens - req.num_computed_tokens
-            n = min(remaining, budget[0], budget[1]) if prefill else 1
+            draft = self.proposer.propose(req, budget[0]) if speculating and not prefill else []
+            if draft and not self.block_manager.can_append(req, 1 + len(draft)):
+                draft = []  # a draft never preempts anyone
+            n = min(remaining, budget[0], budget[1]) if prefill else 1 + len(draft)
             if n <= 0 or (n < remaining and not self.config.enable_chunked_prefill):
                 continue
             while not self.block_manager.can_append(req, n):
@@ -114,7 +130,7 @@ class Scheduler:
                 if victim is req:
                     return
             self.block_manager.append_slots(req, n)
-            out.scheduled.append(ScheduledRequest(req, n))
+            out.scheduled.append(ScheduledRequest(req, n, draft))
             budget[0] -= n
             if prefill:
                 budget[1] -= n
@@ -172,36 +188,47 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # ---- results ---------------------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: list[int | None], logprobs: list[TokenLogprobs | None],
+    def update(self, out: SchedulerOutput, sampled: list[list[int]], logprobs: list[TokenLogprobs | None],
                prompt_logprobs: list[list[TokenLogprobs]] | None = None) -> list[RequestOutput]:
-        """Apply one step's sampled tokens (None for rows that only computed a prompt chunk) and
-        the prompt logprobs it took."""
+        """Apply one step's tokens (none for rows that only computed a prompt chunk; a verified draft
+        may give several) and the prompt logprobs it took."""
         outputs: list[RequestOutput] = []
         now = time.perf_counter()
-        for i, (item, token, logprob) in enumerate(zip(out.scheduled, sampled, logprobs)):
+        for i, (item, tokens, logprob) in enumerate(zip(out.scheduled, sampled, logprobs)):
             req = item.request
             if prompt_logprobs:
                 req.prompt_logprobs += prompt_logprobs[i]
-            req.num_computed_tokens += item.num_tokens
             req.step_count += 1
+            if item.draft:
+                self.proposer.record(req, len(item.draft), len(tokens) - 1)
+            emitted: list[int] = []
+            reason: str | None = None
+            for token in tokens:
+                req.token_ids.append(token)
+                emitted.append(token)
+                if req.grammar is not None and not req.grammar.accept(token):
+                    reason = "abort"  # cannot happen while the mask holds; never emit past a broken grammar
+                else:
+                    reason = self._stop_reason(req, token)
+                if reason is not None:
+                    break  # nothing past a stop, even inside an accepted draft
+            # every input position whose token was kept has valid K/V; the last emitted token has none yet
+            req.num_computed_tokens += item.num_tokens - len(item.draft) + max(len(emitted) - 1, 0)
+            if item.draft:
+                self.block_manager.shrink(req)
             self.block_manager.cache_full_blocks(req)
-            if token is None:
+            if not emitted:
                 continue
-            req.token_ids.append(token)
-            req.token_times.append(now)
+            req.token_times += [now] * len(emitted)
             if req.first_token_time is None:
                 req.first_token_time = now
             if logprob is not None:
                 req.logprobs.append(logprob)
-            if req.grammar is not None and not req.grammar.accept(token):
-                reason: str | None = "abort"  # cannot happen while the mask holds; never emit past a broken grammar
-            else:
-                reason = self._stop_reason(req, token)
             if reason is not None:
                 self.running.remove(req)
                 self._finish(req, reason)
             outputs.append(RequestOutput(
-                req.request_id, [token], reason is not None, reason,
+                req.request_id, emitted, reason is not None, reason,
                 [logprob] if logprob is not None else [], req.num_prompt_tokens, req.num_cached_tokens))
         return outputs
 

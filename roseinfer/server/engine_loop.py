@@ -390,7 +390,8 @@ class SchedulerManager:
                 "kv_cache_usage_ratio": kv["used_blocks"] / kv["total_blocks"],
                 "kv_used_blocks": kv["used_blocks"], "kv_free_blocks": kv["free_blocks"],
                 "kv_total_blocks": kv["total_blocks"], "num_preemptions": kv["num_preemptions"],
-                "prefix_cache_queries": kv["prefix_cache_queries"], "prefix_cache_hits": kv["prefix_cache_hits"]}
+                "prefix_cache_queries": kv["prefix_cache_queries"], "prefix_cache_hits": kv["prefix_cache_hits"],
+                **engine.speculative_stats()}
 
 
 def _put_all(items: list[tuple[asyncio.Queue, StreamDelta]]) -> None:

@@ -41,6 +41,14 @@ class ServerMetrics:
                              registry=r)
         self.preemptions = Counter("roseinfer_num_preemptions", "Requests preempted (blocks freed, recomputed "
                                    "later) since the engine started", registry=r)
+        # speculative decoding (vLLM's spec_decode names); mean accepted length = 1 + accepted / drafts
+        self.spec_drafts = Counter("roseinfer_spec_decode_num_drafts", "Drafts verified (one per speculating "
+                                   "request per step)", registry=r)
+        self.spec_draft_tokens = Counter("roseinfer_spec_decode_num_draft_tokens", "Tokens proposed", registry=r)
+        self.spec_accepted = Counter("roseinfer_spec_decode_num_accepted_tokens", "Proposed tokens accepted",
+                                     registry=r)
+        self.spec_mean_length = Gauge("roseinfer_spec_decode_mean_accepted_length", "Tokens emitted per verified "
+                                      "draft since the engine started (0 before the first)", registry=r)
         self.ttft = Histogram("roseinfer_time_to_first_token_seconds", "Submission to first token",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("roseinfer_inter_token_latency_seconds", "Gap between consecutive tokens",
@@ -51,7 +59,11 @@ class ServerMetrics:
                                     buckets=REQUEST_BUCKETS, registry=r)
         self.prefill_time = Histogram("roseinfer_request_prefill_time_seconds", "Admission to first token",
                                       buckets=REQUEST_BUCKETS, registry=r)
-        self._seen = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0}  # at the last scrape
+        self._counted = {"prefix_cache_queries": self.prefix_queries, "prefix_cache_hits": self.prefix_hits,
+                         "num_preemptions": self.preemptions, "spec_num_drafts": self.spec_drafts,
+                         "spec_num_draft_tokens": self.spec_draft_tokens,
+                         "spec_num_accepted_tokens": self.spec_accepted}
+        self._seen = dict.fromkeys(self._counted, 0)  # at the last scrape
 
     def observe_finished(self, stream: RequestStream, final: StreamDelta, request: Request) -> None:
         """SchedulerManager's on_finished hook."""
@@ -78,8 +90,8 @@ class ServerMetrics:
         self.kv_used.set(stats["kv_used_blocks"])
         self.kv_free.set(stats["kv_free_blocks"])
         # the engine keeps running totals; the counters take what came since the last scrape
-        for key, counter in (("prefix_cache_queries", self.prefix_queries), ("prefix_cache_hits", self.prefix_hits),
-                             ("num_preemptions", self.preemptions)):
+        self.spec_mean_length.set(stats["spec_mean_accepted_length"])
+        for key, counter in self._counted.items():
             counter.inc(max(0, stats[key] - self._seen[key]))
             self._seen[key] = stats[key]
         return generate_latest(self.registry)
