@@ -185,6 +185,33 @@ def test_cpu_and_torch_backends_attend_alike_through_the_layer() -> None:
 
 
 @needs_kernels
+def test_short_chunks_attend_as_decode_rows_and_match_the_torch_backend() -> None:
+    """A step of a decode, a 3-row chunk (a speculative verification: 3 x 3 query heads per KV head
+    fill few of the prefill kernel's 64 lanes) and a 30-row chunk (90 lanes): the short chunk goes
+    to the decode kernel row by row, each row seeing the chunk's earlier rows, the long one to the
+    prefill kernel, and the step attends as the torch backend's does."""
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 4
+    lens, q_lens = [11, 20, 37], [1, 3, 30]
+    _, k_cache, v_cache, tables, _ = _paged_case(3, heads, kv_heads, head_dim, lens, block_size)
+    rows = sum(q_lens)
+    q = torch.randn(rows, heads, head_dim)
+    k, v = torch.randn(rows, kv_heads, head_dim), torch.randn(rows, kv_heads, head_dim)
+    positions = [p for n, m in zip(lens, q_lens) for p in range(n - m, n)]
+    owners = [i for i, m in enumerate(q_lens) for _ in range(m)]
+    slots = [int(tables[i, p // block_size]) * block_size + p % block_size for i, p in zip(owners, positions)]
+    layout = BatchLayout(block_size, [0] * rows, positions, slots, [0, 1, 4], q_lens, lens, tables.tolist())
+    shape = SimpleNamespace(head_dim=head_dim, num_heads=heads, num_kv_heads=kv_heads)
+    metadata = CPUBackend(CPU, torch.float32, shape).build_metadata(layout)
+    decode_rows = metadata.groups[0]
+    assert decode_rows.output_rows.tolist() == [0, 1, 2, 3] and decode_rows.kv_lens.tolist() == [11, 18, 19, 20]
+    assert not metadata.fused_decode and len(metadata.groups) == 2
+    attention = PagedAttention(heads, kv_heads, head_dim, head_dim ** -0.5)
+    outs = [attention(q, k, v, (k_cache.clone(), v_cache.clone()), m)
+            for m in (TorchBackend(CPU, torch.float32, shape).build_metadata(layout), metadata)]
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(6, 2, 64), (4, 4, 40)])
 def test_fused_decode_equals_rotary_store_and_attention_one_after_another(heads: int, kv_heads: int,
                                                                          head_dim: int) -> None:

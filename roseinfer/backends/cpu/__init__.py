@@ -23,9 +23,9 @@ class CPUBackend(Backend):
 
     def __init__(self, device: torch.device, dtype: torch.dtype, model_config: ModelConfig) -> None:
         super().__init__(device, dtype, model_config)
+        self.group = model_config.num_heads // model_config.num_kv_heads
         # the C prefill kernel takes head dims of whole 16-float chunks up to 128; others use SDPA
-        self.native_prefill = ops.prefill_attention_supported(
-            model_config.head_dim, model_config.num_heads // model_config.num_kv_heads)
+        self.native_prefill = ops.prefill_attention_supported(model_config.head_dim, self.group)
 
     @staticmethod
     def supports(device: torch.device, dtype: torch.dtype) -> bool:
@@ -50,12 +50,20 @@ class CPUBackend(Backend):
 
     def build_metadata(self, layout: BatchLayout) -> CPUMetadata:
         decode, prefill = split_decode_prefill(layout)
+        # A chunk of a few rows (a speculative verification, a chunked prefill's tail) would fill few
+        # of the prefill kernel's query lanes, which it computes all the same: as decode rows, one
+        # task each, it ran 2.4-15x faster (docs/profiling.md). Its K/V are all stored before any row
+        # attends, so each row can read the rows before it.
+        few_rows = [i for i in prefill if layout.q_lens[i] * self.group < ops.PREFILL_LANES]
+        prefill = [i for i in prefill if i not in few_rows]
         groups: list[AttentionGroup] = []
-        if decode:
-            kv_lens = self.tensor([layout.kv_lens[i] for i in decode])
-            groups.append(NativeDecodeGroup(self.tensor([layout.q_starts[i] for i in decode]),
-                                            padded_block_tables(self, layout, decode), kv_lens, layout.block_size,
-                                            whole_batch=not prefill))
+        if decode or few_rows:
+            seqs = sorted(decode + few_rows)
+            row_seqs = [i for i in seqs for _ in range(layout.q_lens[i])]
+            rows = [layout.q_starts[i] + j for i in seqs for j in range(layout.q_lens[i])]
+            kv_lens = [layout.kv_lens[i] - layout.q_lens[i] + 1 + j for i in seqs for j in range(layout.q_lens[i])]
+            groups.append(NativeDecodeGroup(self.tensor(rows), padded_block_tables(self, layout, row_seqs),
+                                            self.tensor(kv_lens), layout.block_size, whole_batch=not prefill))
         if prefill and self.native_prefill:
             groups.append(NativePrefillGroup(
                 padded_block_tables(self, layout, prefill), self.tensor([layout.q_starts[i] for i in prefill]),
@@ -63,4 +71,5 @@ class CPUBackend(Backend):
                 layout.block_size))
         elif prefill:
             groups.append(sdpa_group(self, layout, prefill))
-        return CPUMetadata(self.tensor(layout.slot_mapping), groups, self.mlp_chunk_rows, fused_decode=not prefill)
+        return CPUMetadata(self.tensor(layout.slot_mapping), groups, self.mlp_chunk_rows,
+                           fused_decode=not prefill and not few_rows)

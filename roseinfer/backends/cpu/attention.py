@@ -14,7 +14,8 @@ from roseinfer.layers.attention import AttentionMetadata, KVCache, PagedAttentio
 
 @dataclass
 class NativeDecodeGroup:
-    """Sequences with one query each; each attends to its first kv_lens tokens."""
+    """Rows with one query each (a decode, or one row of a short chunk); each attends to the first
+    kv_lens tokens of its sequence."""
 
     output_rows: torch.Tensor  # [B] their rows of the flat batch
     block_tables: torch.Tensor  # [B, max_blocks]
