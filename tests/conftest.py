@@ -91,9 +91,10 @@ def restore_torch_threads() -> Iterator[None]:
 
 @pytest.fixture
 def packed_matmul_on_any_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The engine sends matmuls to csrc/packed_matmul.c on AVX-512 CPUs only (on AVX2 its registers
-    would spill and oneDNN is faster), but the C is portable: tests run it on any CPU, so that its
-    results are checked wherever the suite runs. Use before building the model."""
+    """The engine sends matmuls to csrc/packed_matmul.c on AVX-512 and AVX2 CPUs only, up to a row
+    count that depends on the ISA, but the C is portable: tests run it on any CPU and up to AVX-512's
+    256 rows, so that its results are checked wherever the suite runs. Use before building the model."""
     from roseinfer.backends.cpu import ops
 
     monkeypatch.setattr(ops, "packed_matmul_suits_cpu", lambda: True)
+    monkeypatch.setattr(ops, "PACKED_MATMUL_MAX_ROWS", 256)

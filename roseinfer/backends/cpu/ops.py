@@ -10,7 +10,9 @@ import torch
 from roseinfer.backends.cpu.kernels import cpu_flags, native_library
 
 PREFILL_LANES = 64  # LANES in csrc/prefill_attention.c: query vectors one task holds side by side
-PACKED_MATMUL_MAX_ROWS = 256  # above it oneDNN's blocked GEMM is as fast or faster (backends/cpu/layers.py)
+# Above it oneDNN's blocked GEMM is as fast or faster (backends/cpu/layers.py): at 256 rows with
+# AVX-512's tiles, at 16 with AVX2's (fewer rows per weight read; docs/profiling.md).
+PACKED_MATMUL_MAX_ROWS = 256 if "avx512f" in cpu_flags().split() else 16
 PACKED_MATMUL_BLOCK = 64  # BLOCK in csrc/packed_matmul.c: the row-block size of the packed layout it reads
 
 
@@ -152,9 +154,10 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def packed_matmul_suits_cpu() -> bool:
-    """The kernel holds 24 accumulators of 16 floats plus 4 of weights: AVX-512's 32 registers, where
-    it was measured. With AVX2's 16 half-width ones they would spill, so other CPUs keep oneDNN."""
-    return "avx512f" in cpu_flags().split()
+    """The kernel's tiles are sized for AVX-512's and AVX2's register files (csrc/packed_matmul.c),
+    where it was measured; other CPUs (Arm among them: not measured) keep oneDNN."""
+    flags = cpu_flags().split()
+    return "avx512f" in flags or ("avx2" in flags and "fma" in flags)
 
 
 def packed_matmul(x: torch.Tensor, packed_ptr: int, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:

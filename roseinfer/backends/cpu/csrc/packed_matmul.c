@@ -3,10 +3,12 @@
  * The layout is the one backends/cpu/onednn.py verifies before this is called: rows of W in blocks of 64,
  * each column's 64 values side by side, element (r, c) at ((r / 64) * k + c) * 64 + r % 64, the last
  * block padded. Read front to back a block is a stream of 64-float rows. One task multiplies a group
- * of up to 6 rows of x by one block: per column, four 16-float vectors of weights into 6 x 4
- * accumulators (24 of AVX-512's 32 registers), each weight used once per row from a register. The
- * first group of a block reads it from memory, later groups from L2 (a block is 64 k floats: 147 KB
- * for k = 576).
+ * of rows of x by one block, in passes over column slices of it: per column, four vectors of weights
+ * into rows x 4 accumulators, each weight used once per row from a register. The tiling is the
+ * register file's: on AVX-512 a pass is the whole 64-float slice and a group 6 rows (24 of its 32
+ * registers); with AVX2's 16 registers of 8 floats a pass is 32 floats and a group 3 rows (12
+ * accumulators + 4 weights), two passes a block, the second reading it from L1/L2. The first group of
+ * a block reads it from memory, later groups from L2 (a block is 64 k floats: 147 KB for k = 576).
  *
  * With few rows this streams the weights at close to what two cores can read, where oneDNN's fp32
  * matmul ran well below it; up to a few hundred rows it was still ahead (backends/cpu/layers.py has the
@@ -18,22 +20,40 @@
  * 2-4x slower between matmuls than in a loop, the weights having evicted their rows. */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "kernels.h"
 #include "simd.h"
 
 #define BLOCK 64
+#if defined(__AVX512F__)
+typedef vec16 vec_t;
 #define GROUP 6
+#else
+/* AVX2, and the portable build: GCC/clang lower 8-float vectors to what the target has */
+typedef vec8 vec_t;
+#define GROUP 3
+#endif
+#define LANES ((int)(sizeof(vec_t) / sizeof(float)))
+#define SLICE (4 * LANES) /* the block's columns one pass covers */
 
-/* acc[r] = rows [0, m) of x (m <= GROUP) times the block's 64 rows of W, over all k columns */
-static inline __attribute__((always_inline)) void group_times_block(const float *x, int64_t x_stride,
+static inline vec_t load_vec(const float *p) {
+    vec_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* acc[r] = rows [0, m) of x (m <= GROUP) times the SLICE rows of W at w (within a block), over all k
+ * columns */
+static inline __attribute__((always_inline)) void group_times_slice(const float *x, int64_t x_stride,
                                                                     const float *w, int64_t k,
-                                                                    vec16 acc[GROUP][4], const int m) {
+                                                                    vec_t acc[GROUP][4], const int m) {
     for (int r = 0; r < m; r++)
-        for (int q = 0; q < 4; q++) acc[r][q] = (vec16){0};
+        for (int q = 0; q < 4; q++) acc[r][q] = (vec_t){0};
     for (int64_t c = 0; c < k; c++) {
         const float *wc = w + c * BLOCK;
-        const vec16 w0 = load16(wc), w1 = load16(wc + 16), w2 = load16(wc + 32), w3 = load16(wc + 48);
+        const vec_t w0 = load_vec(wc), w1 = load_vec(wc + LANES), w2 = load_vec(wc + 2 * LANES),
+                    w3 = load_vec(wc + 3 * LANES);
         for (int r = 0; r < m; r++) {
             const float xv = x[r * x_stride + c];
             acc[r][0] += xv * w0;
@@ -54,24 +74,29 @@ static void matmul_tasks(const float *x, int64_t x_stride, const float *packed, 
 #pragma omp for collapse(2) schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
         for (int64_t g = 0; g < groups; g++) {
-            vec16 acc[GROUP][4];
-            const float *xg = x + g * GROUP * x_stride, *w = packed + b * k * BLOCK;
+            const float *xg = x + g * GROUP * x_stride;
             const int rows = m - g * GROUP < GROUP ? (int)(m - g * GROUP) : GROUP;
-            /* constant row counts, so the accumulators stay in registers */
-            switch (rows) {
-            case 1: group_times_block(xg, x_stride, w, k, acc, 1); break;
-            case 2: group_times_block(xg, x_stride, w, k, acc, 2); break;
-            case 3: group_times_block(xg, x_stride, w, k, acc, 3); break;
-            case 4: group_times_block(xg, x_stride, w, k, acc, 4); break;
-            case 5: group_times_block(xg, x_stride, w, k, acc, 5); break;
-            default: group_times_block(xg, x_stride, w, k, acc, GROUP); break;
-            }
-            const int64_t first = b * BLOCK, width = n - first < BLOCK ? n - first : BLOCK;
-            for (int r = 0; r < rows; r++) {
-                float sums[BLOCK];
-                for (int q = 0; q < 4; q++) store16(sums + q * 16, acc[r][q]);
-                float *o = out + (g * GROUP + r) * n + first;
-                for (int64_t j = 0; j < width; j++) o[j] = bias != NULL ? sums[j] + bias[first + j] : sums[j];
+            for (int64_t first = b * BLOCK; first < (b + 1) * BLOCK && first < n; first += SLICE) {
+                vec_t acc[GROUP][4];
+                const float *w = packed + b * k * BLOCK + (first - b * BLOCK);
+                /* constant row counts, so the accumulators stay in registers */
+                switch (rows) {
+                case 1: group_times_slice(xg, x_stride, w, k, acc, 1); break;
+                case 2: group_times_slice(xg, x_stride, w, k, acc, 2); break;
+#if GROUP == 6
+                case 3: group_times_slice(xg, x_stride, w, k, acc, 3); break;
+                case 4: group_times_slice(xg, x_stride, w, k, acc, 4); break;
+                case 5: group_times_slice(xg, x_stride, w, k, acc, 5); break;
+#endif
+                default: group_times_slice(xg, x_stride, w, k, acc, GROUP); break;
+                }
+                const int64_t width = n - first < SLICE ? n - first : SLICE;
+                for (int r = 0; r < rows; r++) {
+                    float sums[SLICE];
+                    memcpy(sums, acc[r], sizeof sums);
+                    float *o = out + (g * GROUP + r) * n + first;
+                    for (int64_t j = 0; j < width; j++) o[j] = bias != NULL ? sums[j] + bias[first + j] : sums[j];
+                }
             }
         }
     }
