@@ -36,6 +36,7 @@ typedef vec8 vec_t;
 #endif
 #define LANES ((int)(sizeof(vec_t) / sizeof(float)))
 #define SLICE (4 * LANES) /* the block's columns one pass covers */
+#define ONE_ROW_BLOCKS (SLICE < BLOCK)
 
 static inline vec_t load_vec(const float *p) {
     vec_t v;
@@ -64,6 +65,17 @@ static inline __attribute__((always_inline)) void group_times_slice(const float 
     }
 }
 
+/* One row of x times a whole block in one pass, eight vectors: where a slice is narrower than the
+ * block (AVX2), a single row has the registers for it, and streams each weight from memory once. */
+static inline void row_times_block(const float *x, const float *w, int64_t k, float sums[BLOCK]) {
+    vec_t acc[BLOCK / LANES] = {0};
+    for (int64_t c = 0; c < k; c++) {
+        const float xv = x[c];
+        for (int q = 0; q < BLOCK / LANES; q++) acc[q] += xv * load_vec(w + c * BLOCK + q * LANES);
+    }
+    memcpy(sums, acc, sizeof acc);
+}
+
 /* The matmul's tasks, shared out over the threads of the enclosing parallel region. x: [m, k] rows
  * x_stride floats apart; packed: W [n, k] in 64-row blocks; bias: [n] or NULL; out: [m, n]
  * contiguous. */
@@ -76,6 +88,13 @@ static void matmul_tasks(const float *x, int64_t x_stride, const float *packed, 
         for (int64_t g = 0; g < groups; g++) {
             const float *xg = x + g * GROUP * x_stride;
             const int rows = m - g * GROUP < GROUP ? (int)(m - g * GROUP) : GROUP;
+            if (ONE_ROW_BLOCKS && m == 1) {
+                float sums[BLOCK];
+                const int64_t first = b * BLOCK, width = n - first < BLOCK ? n - first : BLOCK;
+                row_times_block(x, packed + b * k * BLOCK, k, sums);
+                for (int64_t j = 0; j < width; j++) out[first + j] = bias != NULL ? sums[j] + bias[first + j] : sums[j];
+                continue;
+            }
             for (int64_t first = b * BLOCK; first < (b + 1) * BLOCK && first < n; first += SLICE) {
                 vec_t acc[GROUP][4];
                 const float *w = packed + b * k * BLOCK + (first - b * BLOCK);
