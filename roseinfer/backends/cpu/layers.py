@@ -6,8 +6,8 @@ reordered once into oneDNN's blocked layout the default model's matmuls ran 1.2-
 caches one primitive per input shape for the life of the process (~0.6 MB per row count and layer
 shape; a server sees every row count up to its token budget), so rows are padded up to one of four
 sizes per octave (`padded_rows`). Decode batches go elsewhere: with few rows a matmul streams the
-weights, and where oneDNN's layout is 64-row blocks on an AVX-512 CPU, up to PACKED_MATMUL_MAX_ROWS
-rows go to csrc/packed_matmul.c, which reads the same packed copy, and can compute its input from
+weights, and where oneDNN's layout is 64-row blocks on an AVX-512 or AVX2 CPU, up to
+PACKED_MATMUL_MAX_ROWS rows (256 and 16) go to csrc/packed_matmul.c, which reads the same packed copy, and can compute its input from
 the previous op (RMSNorm, SiLU * up) in the same call.
 
 RMSNorm and SiLU * up: one C pass each instead of torch's chains of elementwise ops. A tied
