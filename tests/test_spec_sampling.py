@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import sample_prompts
 
 from roseinfer import LLM, SamplingParams
 from roseinfer.engine.request import Request
 from roseinfer.engine.sampler import Sampler
 from roseinfer.engine.speculative import accept_draft
-from tiny_models import sample_prompts
 
 VOCAB = 6
 TRIALS = 30_000
