@@ -50,8 +50,8 @@ class ModelRunner:
         # a draft's request samples every one of its 1 + K rows
         owners = [i for i, item in enumerate(items) if item.samples for _ in range(1 + len(item.draft))]
         # a seeded sampled request's generator before its rows' draws: see Sampler.rewind
-        states = {i: item.request.generator.get_state() for i, item in enumerate(items)
-                  if item.draft and item.request.generator is not None and not item.request.sampling_params.greedy}
+        states = {i: item.request.generator.get_state() for i, item in enumerate(items) if item.draft
+                  and item.request.generator is not None and not item.request.sampling_params.greedy}
         row_tokens: list[list[int]] = [[] for _ in items]
         logprobs: list[TokenLogprobs | None] = [None] * len(items)
         chunk = self.backend.logits_chunk_rows or max(len(owners), 1)

@@ -91,8 +91,8 @@ class Proposer:
             return []
         if not can_speculate(req):
             return []
-        k = min(self.config.num_speculative_tokens, budget - 1, req.sampling_params.max_tokens - req.num_output_tokens - 1,
-                self.max_model_len - req.num_tokens - 1)
+        k = min(self.config.num_speculative_tokens, budget - 1,
+                req.sampling_params.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1)
         if k < 1:
             return []
         return self.draft(req, k)
