@@ -7,7 +7,7 @@ from typing import Any
 
 ADMISSION_POLICIES = ("fifo", "pack")
 BACKEND_NAMES = ("auto", "torch", "cpu", "triton")  # backends/__init__.py
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 @dataclass
@@ -15,7 +15,8 @@ class SpeculativeConfig:
     """Speculative decoding (vLLM's names): a proposer guesses the next tokens and one forward of
     the target verifies them, so a step can emit several tokens."""
 
-    method: str = "ngram"
+    method: str | None = None  # None: "draft_model" when `model` is given, else "ngram"
+    model: str | None = None  # draft_model: a folder or hub id with the target's vocabulary
     num_speculative_tokens: int = 4  # K: tokens proposed per step
     prompt_lookup_min: int = 1  # n-gram sizes tried, longest first
     prompt_lookup_max: int = 4
@@ -24,6 +25,8 @@ class SpeculativeConfig:
     disable_by_batch_size: int = 8
 
     def __post_init__(self) -> None:
+        if self.method is None:
+            self.method = "draft_model" if self.model is not None else "ngram"
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config: method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
@@ -31,6 +34,8 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config: {name} must be >= 1, got {getattr(self, name)}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("speculative_config: prompt_lookup_min must be <= prompt_lookup_max")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative_config: method draft_model needs a model, and only it takes one")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "SpeculativeConfig":

@@ -459,3 +459,22 @@ def test_engine_flags_are_engine_configs_under_the_blogs_names_and_its_cuda_swit
     # --paged-attn picks the Triton backend on CUDA only: attention is always paged
     assert engine_config_from_flags(parser.parse_args(["--paged-attn", "--device", "cpu"])).attention_backend == "auto"
     assert engine_config_from_flags(parser.parse_args(["--paged-attn", "--device", "cuda"])).attention_backend == "triton"
+
+
+def test_speculative_counters_are_printed_and_reported(model: str, tmp_path, capsys) -> None:
+    """With --speculative-config the engine's counters follow its runs, in the text and the JSON;
+    without it there is no such block."""
+    out = tmp_path / "spec.json"
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
+    rc = main(["bench", "offline", "--hf-model-id", model, "--mode", "offline", "--num-requests", "2",
+               "--prompt", " ".join(["Hello world"] * 10), "--max-new-tokens", "8", "--warmup-runs", "0",
+               "--speculative-config", spec, "--json", str(out), *ONE_THREAD])
+    text = capsys.readouterr().out
+    assert rc == 0
+    assert "=== speculative decoding, all runs ===" in text
+    (stats,) = json.loads(out.read_text())["speculative"].values()  # one batch size
+    assert _value(text, "Drafts") == [stats["spec_num_drafts"]] and stats["spec_num_drafts"] > 0
+    assert _value(text, "Accepted tokens") == [stats["spec_num_accepted_tokens"]]
+    assert main(["bench", "offline", "--hf-model-id", model, "--mode", "offline", "--num-requests", "1",
+                 "--prompt-len", "8", "--max-new-tokens", "2", "--warmup-runs", "0", *ONE_THREAD]) == 0
+    assert "speculative decoding" not in capsys.readouterr().out

@@ -11,7 +11,7 @@ from roseinfer import LLM, SamplingParams
 from roseinfer.config import EngineConfig, SpeculativeConfig
 from roseinfer.engine.block_manager import BlockManager
 from roseinfer.engine.request import Request
-from roseinfer.engine.speculative import accept_greedy, ngram_lookup
+from roseinfer.engine.speculative import accept_draft, ngram_lookup
 from roseinfer.engine_args import add_engine_args, engine_config_from_args
 from tiny_models import hf_greedy, sample_prompts
 
@@ -63,8 +63,8 @@ def test_ngram_greedy_matches_hf(tiny_model_dir, references, mode):
 
 
 def test_mixed_batch_with_requests_that_do_not_speculate(tiny_model_dir, references):
-    """Logprobs, penalties and sampling leave a request out of speculation, in the same steps as
-    speculating ones; each gives what it gives without speculation."""
+    """Logprobs and penalties leave a request out of speculation, in the same steps as speculating
+    ones (greedy and a seeded sampled one); each gives what it gives without speculation."""
     prompts, refs = references
     others = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2),
               SamplingParams(temperature=0.8, max_tokens=MAX_TOKENS, ignore_eos=True, seed=7),
@@ -168,10 +168,10 @@ def test_ngram_lookup():
     assert ngram_lookup([1, 2, 1, 9, 1], 2, 2, 3) == []  # below prompt_lookup_min
 
 
-def test_accept_greedy():
-    assert accept_greedy([4, 5, 6], [4, 5, 6, 7]) == [4, 5, 6, 7]  # all accepted, plus the bonus token
-    assert accept_greedy([4, 5, 6], [4, 8, 6, 7]) == [4, 8]
-    assert accept_greedy([4, 5, 6], [9, 5, 6, 7]) == [9]
+def test_accept_draft():
+    assert accept_draft([4, 5, 6], [4, 5, 6, 7]) == [4, 5, 6, 7]  # all accepted, plus the bonus token
+    assert accept_draft([4, 5, 6], [4, 8, 6, 7]) == [4, 8]
+    assert accept_draft([4, 5, 6], [9, 5, 6, 7]) == [9]
 
 
 def test_shrink_gives_back_rejected_blocks():

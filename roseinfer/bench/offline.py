@@ -65,7 +65,7 @@ from .engine_flags import (add_engine_flags, add_sampling_flags, engine_config_f
 from .floor_report import floor_mode_for, floor_rows, floor_sampler, format_floor_table
 from .memory import EnginePeakRss, engine_memory
 from .metrics import RequestTiming
-from .offline_report import format_stats, format_summary, format_table, summary_rows
+from .offline_report import format_spec_stats, format_stats, format_summary, format_table, summary_rows
 
 MODES: tuple[str, ...] = ("naive", "offline", "online")
 BACKENDS: tuple[str, ...] = ("roseinfer", "hf")
@@ -367,6 +367,7 @@ def run_offline_bench(args: argparse.Namespace) -> dict[str, Any]:
     floors: dict[int, list[float]] = {}
     prefill_floors: dict[int, list[float]] = {}
     memory: dict[int, dict[str, float]] = {}
+    speculative: dict[int, dict[str, float]] = {}  # per batch size, with --speculative-config
     threads = torch.get_num_threads()
     for bs in batch_sizes:
         for backend in backends:
@@ -389,6 +390,10 @@ def run_offline_bench(args: argparse.Namespace) -> dict[str, Any]:
                 runner, tokenizer = hf, hf_tokenizer
             tag = f" | backend={backend} | batch_size={bs}" if several else ""
             results += _run_modes(args, runner, bs, modes, tokenizer, params, tag, around)
+            if backend == "roseinfer" and runner.engine.config.speculative is not None:
+                # warmup included: the counters are the engine's since it started
+                speculative[bs] = runner.engine.speculative_stats()
+                print(format_spec_stats(f"speculative decoding, all runs{tag}", speculative[bs]), flush=True)
             if backend == "roseinfer" and hf is None:  # with HF's model in the process the peak is not ours
                 memory[bs] = engine_memory(runner.engine, peak_rss.bytes())
             # Drop this engine's KV pool (and tokenizer) before the next one sizes its own from free memory.
@@ -401,6 +406,8 @@ def run_offline_bench(args: argparse.Namespace) -> dict[str, Any]:
         print(format_table(rows, args.model or DEFAULT_MODEL_NAME, args.device), flush=True)
     report = {"args": {k: v for k, v in vars(args).items() if k != "func"},
               "runs": [r.to_dict() for r in results], "summary": rows}
+    if speculative:
+        report["speculative"] = speculative
     if floor:
         table = floor_rows(args, results, floors, prefill_floors, floor_mode, memory)
         print(format_floor_table(table, threads, args.floor_steps), flush=True)

@@ -70,6 +70,17 @@ def format_summary(title: str, runs: list[RunResult], warmup_runs: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def format_spec_stats(title: str, stats: dict[str, float]) -> str:
+    """The engine's speculative counters (LLMEngine.speculative_stats), over all its runs."""
+    return "\n".join([
+        f"=== {title} ===",
+        f"Drafts: {stats['spec_num_drafts']}",
+        f"Draft tokens: {stats['spec_num_draft_tokens']}",
+        f"Accepted tokens: {stats['spec_num_accepted_tokens']}",
+        f"Mean accepted length: {stats['spec_mean_accepted_length']:.3f}",
+    ]) + "\n"
+
+
 def summary_rows(results: list[RunResult]) -> list[dict[str, Any]]:
     """One row per (backend, mode, batch size): means over its repeat runs."""
     groups: dict[tuple[str, str, int], list[RunResult]] = {}

@@ -14,6 +14,7 @@ import torch
 from roseinfer.config import EngineConfig, resolve_device
 from roseinfer.backends import select_backend
 from roseinfer.engine.block_manager import BlockManager
+from roseinfer.engine.draft_model import DraftModelProposer
 from roseinfer.engine.model_runner import ModelRunner
 from roseinfer.engine.request import Request, RequestOutput
 from roseinfer.engine.sampler import Sampler
@@ -53,10 +54,14 @@ class LLMEngine:
         model = load_model(self.model_folder, self.model_config, self.dtype, self.device, self.backend)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
+        spec = config.speculative
+        # before the pool is sized, so on CUDA the draft's weights and pool count against the budget
+        proposer = (DraftModelProposer(spec, config, self.model_config, self.max_model_len, self.device, self.dtype)
+                    if spec is not None and spec.method == "draft_model" else None)
         self.num_kv_blocks = config.num_kv_blocks or self._auto_num_blocks(model)
         self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         eos = self.tokenizer.eos_token_ids
-        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, eos)
+        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, eos, proposer)
         self.runner = ModelRunner(model, self.model_config, self.num_kv_blocks, config.block_size, self.backend,
                                   Sampler(eos, self.device, config.seed, self.backend.argmax))
         if not config.enforce_eager:

@@ -10,7 +10,7 @@ from roseinfer.backends.base import LOGITS_CHUNK_ROWS, Backend, BatchLayout
 from roseinfer.engine.request import TokenLogprobs
 from roseinfer.engine.sampler import Sampler, token_logprobs
 from roseinfer.engine.scheduler import ScheduledRequest, SchedulerOutput
-from roseinfer.engine.speculative import accept_greedy
+from roseinfer.engine.speculative import accept_draft
 from roseinfer.models.config import ModelConfig
 
 PromptLogprobs = list[list[TokenLogprobs]]  # per scheduled request, the prompt logprobs this step took
@@ -24,6 +24,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = backend.device
         self.sampler = sampler
+        self.vocab_size = model_config.vocab_size  # the logits' width
         shape = (model_config.num_layers, 2, num_kv_blocks * block_size, model_config.num_kv_heads,
                  model_config.head_dim)
         pool = backend.allocate_kv_pool(shape)
@@ -48,6 +49,9 @@ class ModelRunner:
         hidden = self.backend.forward(self.model, layout, self.kv_caches)
         # a draft's request samples every one of its 1 + K rows
         owners = [i for i, item in enumerate(items) if item.samples for _ in range(1 + len(item.draft))]
+        # a seeded sampled request's generator before its rows' draws: see Sampler.rewind
+        states = {i: item.request.generator.get_state() for i, item in enumerate(items) if item.draft
+                  and item.request.generator is not None and not item.request.sampling_params.greedy}
         row_tokens: list[list[int]] = [[] for _ in items]
         logprobs: list[TokenLogprobs | None] = [None] * len(items)
         chunk = self.backend.logits_chunk_rows or max(len(owners), 1)
@@ -58,8 +62,10 @@ class ModelRunner:
             for i, token, lp in zip(part, tokens, lps):
                 row_tokens[i].append(token)
                 logprobs[i] = lp
-        sampled = [accept_greedy(item.draft, row_tokens[i]) if item.draft else row_tokens[i]
+        sampled = [accept_draft(item.draft, row_tokens[i]) if item.draft else row_tokens[i]
                    for i, item in enumerate(items)]
+        for i, state in states.items():
+            self.sampler.rewind(items[i].request.generator, state, len(sampled[i]), self.vocab_size)
         return sampled, logprobs, self._prompt_logprobs(items, hidden)
 
     def _prompt_logprobs(self, items: list[ScheduledRequest], hidden: torch.Tensor) -> PromptLogprobs:

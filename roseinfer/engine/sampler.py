@@ -65,6 +65,15 @@ class Sampler:
             logprobs[i] = entry
         return token_list, logprobs
 
+    def rewind(self, generator: torch.Generator, state: torch.Tensor, num_kept: int, vocab: int) -> None:
+        """Set a seeded request's generator to `state` advanced by num_kept rows of draws, as _race
+        draws them: after a verification it has drawn one row per token emitted, as one token a step
+        would have, so its output does not depend on how many draft rows were drawn and rejected."""
+        generator.set_state(state)
+        row = torch.empty(vocab, dtype=torch.float32, device=self.device)
+        for _ in range(num_kept):
+            row.exponential_(generator=generator)
+
     def _masks_stops(self, req: Request) -> bool:
         return req.num_output_tokens < req.sampling_params.min_tokens
 

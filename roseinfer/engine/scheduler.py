@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from roseinfer.config import EngineConfig
 from roseinfer.engine.block_manager import BlockManager
 from roseinfer.engine.request import Request, RequestOutput, RequestStatus, TokenLogprobs
-from roseinfer.engine.speculative import NgramProposer
+from roseinfer.engine.speculative import NgramProposer, Proposer
 
 UNLIMITED = 1 << 62
 
@@ -43,7 +43,9 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
-                 eos_token_ids: set[int]) -> None:
+                 eos_token_ids: set[int], proposer: Proposer | None = None) -> None:
+        """proposer: the speculative proposer the engine built (a draft model's); without one, an
+        n-gram speculative_config gets its NgramProposer here."""
         self.config = config
         self.block_manager = block_manager
         self.max_model_len = max_model_len
@@ -56,7 +58,9 @@ class Scheduler:
         self._decode_turn = True
         self.num_preemptions = 0  # since the engine started (a server exports it)
         spec = config.speculative
-        self.proposer = NgramProposer(spec, max_model_len) if spec is not None else None
+        if proposer is None and spec is not None and spec.method != "ngram":
+            raise ValueError(f"speculative method {spec.method} needs its proposer built by the engine")
+        self.proposer = proposer or (NgramProposer(spec, max_model_len) if spec is not None else None)
 
     # ---- lifecycle -------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:

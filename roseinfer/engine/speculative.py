@@ -1,9 +1,10 @@
-"""Speculative decoding by n-gram prompt lookup: propose, verify, adapt.
+"""Speculative decoding: propose (n-gram prompt lookup here, a draft model in draft_model.py), verify, adapt.
 
 The scheduler asks `propose` for a running decode's draft; the draft's tokens ride in the step as
-a chunk of 1 + K query tokens, and the runner samples all K + 1 rows. `accept_greedy` keeps the
-draft's longest prefix the target agrees with, plus the target's own next token, so a greedy
-request emits exactly the tokens it would have one by one.
+a chunk of 1 + K query tokens, and the runner samples all K + 1 rows. `accept_draft` keeps the
+draft's longest prefix the target's samples agree with, plus the target's own next token, so a greedy
+request emits exactly the tokens it would have one by one, and a sampled one draws from exactly
+the target's distribution (see accept_draft).
 """
 from __future__ import annotations
 
@@ -34,10 +35,12 @@ class SpecStats:
 
 
 def can_speculate(req: Request) -> bool:
-    """Greedy requests whose next tokens depend on nothing but the logits. The others (sampling,
-    logprobs, grammars, penalties, a pending min_tokens stop mask) decode one token a step."""
+    """Requests whose next tokens' distributions depend on nothing but each row's logits. The others
+    decode one token a step: penalties and a pending min_tokens stop mask depend on the tokens
+    emitted before each row (row i would need the draft's first i tokens in its penalty context),
+    a grammar's mask on its matcher's state, and logprobs are kept for one token a step."""
     p = req.sampling_params
-    return (p.greedy and p.logprobs is None and req.grammar is None and p.repetition_penalty == 1.0
+    return (p.logprobs is None and req.grammar is None and p.repetition_penalty == 1.0
             and not p.frequency_penalty and not p.presence_penalty and req.num_output_tokens >= p.min_tokens)
 
 
@@ -57,16 +60,24 @@ def ngram_lookup(tokens: list[int], n_min: int, n_max: int, k: int) -> list[int]
     return []
 
 
-def accept_greedy(draft: list[int], targets: list[int]) -> list[int]:
+def accept_draft(draft: list[int], targets: list[int]) -> list[int]:
     """targets[i] is the target's token after the draft's first i tokens: keep the draft while it
-    agrees, then the target's correction (or its bonus token when all K agreed)."""
+    agrees, then the target's correction (or its bonus token when all K agreed).
+
+    For sampled rows this is rejection sampling (Leviathan et al. 2023) with a point-mass draft
+    q = 1[d]: t_i ~ p_i gives P(accept d_i) = p_i(d_i) = min(1, p_i(d_i) / q(d_i)), and given
+    t_i != d_i, t_i ~ p_i without d_i renormalised = norm(max(p_i - q, 0)), the residual; after K
+    acceptances t_K ~ p_K is the bonus token. Proposers here are deterministic, so q is one."""
     accepted = 0
     while accepted < len(draft) and draft[accepted] == targets[accepted]:
         accepted += 1
     return targets[:accepted + 1]
 
 
-class NgramProposer:
+class Proposer:
+    """Drafts for running decodes, with the back-off and counters every method shares; a subclass
+    says how to guess (`draft`)."""
+
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.config = config
         self.max_model_len = max_model_len
@@ -80,16 +91,19 @@ class NgramProposer:
             return []
         if not can_speculate(req):
             return []
-        c = self.config
-        k = min(c.num_speculative_tokens, budget - 1, req.sampling_params.max_tokens - req.num_output_tokens - 1,
-                self.max_model_len - req.num_tokens - 1)
+        k = min(self.config.num_speculative_tokens, budget - 1,
+                req.sampling_params.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1)
         if k < 1:
             return []
-        return ngram_lookup(req.token_ids, c.prompt_lookup_min, c.prompt_lookup_max, k)
+        return self.draft(req, k)
+
+    def draft(self, req: Request, k: int) -> list[int]:
+        """Up to k tokens to follow req.token_ids."""
+        raise NotImplementedError
 
     def record(self, req: Request, num_proposed: int, num_accepted: int) -> None:
         """Count one verification; a request whose proposals all fail pauses for 1, 2, 4 ... steps,
-        so where lookup does not help it costs a bounded share of steps."""
+        so where proposing does not help it costs a bounded share of steps."""
         self.stats.num_drafts += 1
         self.stats.num_draft_tokens += num_proposed
         self.stats.num_accepted_tokens += num_accepted
@@ -98,3 +112,9 @@ class NgramProposer:
         else:
             req.spec_pause = min(1 << req.spec_misses, MAX_BACKOFF_STEPS)
             req.spec_misses += 1
+
+
+class NgramProposer(Proposer):
+    def draft(self, req: Request, k: int) -> list[int]:
+        c = self.config
+        return ngram_lookup(req.token_ids, c.prompt_lookup_min, c.prompt_lookup_max, k)

@@ -1,0 +1,69 @@
+"""Speculative decoding with a draft model: a smaller model sharing the target's vocabulary proposes
+K tokens by its argmax, and the target verifies them as it verifies n-gram drafts.
+
+The draft keeps no per-request state between proposals: each proposal copies the request's tokens
+into a throwaway request in the draft's own KV pool and block manager, computes what the pool's
+prefix cache does not hold, decodes K - 1 more tokens one forward at a time, and frees it. Its full
+blocks stay indexed, so the next proposal recomputes only the tail since the last full block plus
+the tokens accepted since (under a block_size + K tokens); preemption and abort of the target
+request need nothing here. The cost is K draft forwards per proposal, one request at a time.
+"""
+from __future__ import annotations
+
+import torch
+
+from roseinfer.backends import select_backend
+from roseinfer.config import EngineConfig, SpeculativeConfig
+from roseinfer.engine.block_manager import BlockManager
+from roseinfer.engine.model_runner import ModelRunner
+from roseinfer.engine.request import Request
+from roseinfer.engine.sampler import Sampler
+from roseinfer.engine.scheduler import ScheduledRequest, SchedulerOutput
+from roseinfer.engine.speculative import Proposer
+from roseinfer.loader.model_loader import (
+    load_model,
+    load_model_config,
+    resolve_model_folder,
+)
+from roseinfer.models.config import ModelConfig
+from roseinfer.sampling_params import SamplingParams
+
+ARGMAX = SamplingParams(temperature=0.0)
+
+
+class DraftModelProposer(Proposer):
+    def __init__(self, config: SpeculativeConfig, engine_config: EngineConfig, target: ModelConfig,
+                 max_model_len: int, device: torch.device, dtype: torch.dtype) -> None:
+        folder = resolve_model_folder(config.model)
+        model_config = load_model_config(folder)
+        if model_config.vocab_size != target.vocab_size:
+            raise ValueError(f"speculative_config: the draft model's vocabulary ({model_config.vocab_size} tokens) "
+                             f"differs from the target's ({target.vocab_size}); a draft must share its tokenizer")
+        super().__init__(config, min(max_model_len, model_config.max_position_embeddings))
+        backend = select_backend(engine_config.attention_backend, device, dtype, model_config)
+        model = load_model(folder, model_config, dtype, device, backend)
+        bs = engine_config.block_size
+        # proposals run one at a time; this keeps a full-length context cached for each request that
+        # may speculate at once, so they do not evict each other's
+        num_blocks = (config.disable_by_batch_size + 1) * -(-self.max_model_len // bs)
+        self.block_manager = BlockManager(num_blocks, bs, enable_prefix_caching=True)
+        self.runner = ModelRunner(model, model_config, num_blocks, bs, backend,
+                                  Sampler(set(), device, engine_config.seed, backend.argmax))
+        self.chunk_tokens = engine_config.max_num_batched_tokens  # the draft's prefill chunk
+
+    def draft(self, req: Request, k: int) -> list[int]:
+        shadow = Request(req.request_id, list(req.token_ids), ARGMAX)
+        bm = self.block_manager
+        shadow.num_computed_tokens = bm.allocate_cached_prefix(shadow)
+        # the last draft token's K/V is never needed
+        if not bm.append_slots(shadow, shadow.num_tokens - shadow.num_computed_tokens + k - 1):
+            bm.free(shadow)
+            return []  # the draft pool is full of other proposals: no draft this step
+        while shadow.num_tokens < req.num_tokens + k:
+            n = min(shadow.num_tokens - shadow.num_computed_tokens, self.chunk_tokens)
+            sampled, _, _ = self.runner.execute(SchedulerOutput([ScheduledRequest(shadow, n)]))
+            shadow.num_computed_tokens += n
+            shadow.token_ids += sampled[0]  # empty for a prompt chunk that is not the last
+        bm.cache_full_blocks(shadow)
+        bm.free(shadow)
+        return shadow.token_ids[req.num_tokens:]
