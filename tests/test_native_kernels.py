@@ -204,7 +204,7 @@ def test_short_chunks_attend_as_decode_rows_and_match_the_torch_backend() -> Non
     metadata = CPUBackend(CPU, torch.float32, shape).build_metadata(layout)
     decode_rows = metadata.groups[0]
     assert decode_rows.output_rows.tolist() == [0, 1, 2, 3] and decode_rows.kv_lens.tolist() == [11, 18, 19, 20]
-    assert not metadata.fused_decode and len(metadata.groups) == 2
+    assert not metadata.fused_decode and len(metadata.groups) == 2  # the long chunk needs the layer path
     attention = PagedAttention(heads, kv_heads, head_dim, head_dim ** -0.5)
     outs = [attention(q, k, v, (k_cache.clone(), v_cache.clone()), m)
             for m in (TorchBackend(CPU, torch.float32, shape).build_metadata(layout), metadata)]
@@ -213,25 +213,30 @@ def test_short_chunks_attend_as_decode_rows_and_match_the_torch_backend() -> Non
 
 @needs_kernels
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(6, 2, 64), (4, 4, 40)])
-def test_fused_decode_equals_rotary_store_and_attention_one_after_another(heads: int, kv_heads: int,
-                                                                         head_dim: int) -> None:
+@pytest.mark.parametrize("rows_per_seq", [[1, 1, 1, 1, 1], [1, 4, 1, 3, 2]], ids=["decodes", "chunks"])
+def test_fused_decode_equals_rotary_store_and_attention_one_after_another(heads: int, kv_heads: int, head_dim: int,
+                                                                         rows_per_seq: list[int]) -> None:
     """decode_attention_qkv against the three calls it replaces: the same output, cache and rotated
-    qkv bit for bit, with each new token written to its slot and attended to in the same call."""
+    qkv bit for bit, with each new token written to its slot and attended to in the same call. With
+    chunks, a sequence has several rows (its last tokens, as a speculative verification has): each
+    row must see the rows before it, so every row's K/V is in the cache before any row attends."""
     block_size, lens = 4, [3, 9, 16, 21, 2]
-    _, k_cache, v_cache, tables, kv_lens = _paged_case(7, heads, kv_heads, head_dim, lens, block_size)
-    n, q_width, kv_width = len(lens), heads * head_dim, kv_heads * head_dim
+    _, k_cache, v_cache, tables, _ = _paged_case(7, heads, kv_heads, head_dim, lens, block_size)
+    rows = [(i, p) for i, (m, r) in enumerate(zip(lens, rows_per_seq)) for p in range(m - r, m)]
+    n, q_width, kv_width = len(rows), heads * head_dim, kv_heads * head_dim
+    row_tables = tables[torch.tensor([i for i, _ in rows])].contiguous()
+    kv_lens = torch.tensor([p + 1 for _, p in rows])
     qkv = torch.randn(n, q_width + 2 * kv_width) * 3
     rotations = torch.polar(torch.ones(n, 1, head_dim // 2), torch.randn(n, 1, head_dim // 2) * 50)
-    slots = torch.tensor([int(tables[i, (m - 1) // block_size]) * block_size + (m - 1) % block_size
-                          for i, m in enumerate(lens)])
+    slots = torch.tensor([int(tables[i, p // block_size]) * block_size + p % block_size for i, p in rows])
     separate_qkv, separate_cache = qkv.clone(), (k_cache.clone(), v_cache.clone())
     qk = separate_qkv[:, :q_width + kv_width].view(n, heads + kv_heads, head_dim)
     ops.rotary_(qk, rotations)
     ops.store_kv(qk[:, heads:], separate_qkv[:, q_width + kv_width:].view(n, kv_heads, head_dim), slots,
                     *separate_cache)
-    expected = ops.paged_decode_attention(qk[:, :heads], *separate_cache, tables, kv_lens, block_size,
+    expected = ops.paged_decode_attention(qk[:, :heads], *separate_cache, row_tables, kv_lens, block_size,
                                              head_dim ** -0.5)
-    got = ops.decode_attention_qkv(qkv, rotations, slots, k_cache, v_cache, tables, kv_lens, block_size,
+    got = ops.decode_attention_qkv(qkv, rotations, slots, k_cache, v_cache, row_tables, kv_lens, block_size,
                                       heads, head_dim ** -0.5)
     assert torch.equal(got, expected.view(n, q_width))
     assert torch.equal(qkv, separate_qkv)

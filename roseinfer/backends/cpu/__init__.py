@@ -52,8 +52,9 @@ class CPUBackend(Backend):
         decode, prefill = split_decode_prefill(layout)
         # A chunk of a few rows (a speculative verification, a chunked prefill's tail) would fill few
         # of the prefill kernel's query lanes, which it computes all the same: as decode rows, one
-        # task each, it ran 2.4-15x faster (docs/profiling.md). Its K/V are all stored before any row
-        # attends, so each row can read the rows before it.
+        # task each, it ran 2.4-15x faster (docs/profiling.md). Every row's K/V is stored before any
+        # row attends, so each row reads the rows before it; a step of such rows alone takes the
+        # fused decode path, the one-call decoder stack included.
         few_rows = [i for i in prefill if layout.q_lens[i] * self.group < ops.PREFILL_LANES]
         prefill = [i for i in prefill if i not in few_rows]
         groups: list[AttentionGroup] = []
@@ -71,5 +72,4 @@ class CPUBackend(Backend):
                 layout.block_size))
         elif prefill:
             groups.append(sdpa_group(self, layout, prefill))
-        return CPUMetadata(self.tensor(layout.slot_mapping), groups, self.mlp_chunk_rows,
-                           fused_decode=not prefill and not few_rows)
+        return CPUMetadata(self.tensor(layout.slot_mapping), groups, self.mlp_chunk_rows, fused_decode=not prefill)

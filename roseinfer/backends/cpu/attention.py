@@ -62,8 +62,8 @@ class CPUMetadata(AttentionMetadata):
     slot_mapping: torch.Tensor  # [T] cache slot of each token of the flat batch
     groups: list[AttentionGroup]
     mlp_chunk_rows: int | None = None
-    # every row decodes: a model may hand attend_qkv its projection output, and a Llama decode step
-    # may run all its layers in one call (backends/cpu/llama.py)
+    # every row is a decode row (a decode, or a row of a short chunk): a model may hand attend_qkv its
+    # projection output, and a Llama decode step may run all its layers in one call (backends/cpu/llama.py)
     fused_decode: bool = False
 
     def attend(self, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -85,11 +85,12 @@ static inline __attribute__((always_inline)) void attend_sequence(
     }
 }
 
-/* With `rope` set, q/k/v have just left the qkv projection, and each sequence's task first rotates
- * its q and k heads in place (rotate_heads), then writes its new K and V rows to `new_slots[seq]`,
- * then attends -- its own row is in the cache by then. That is three ctypes calls and their tensor
- * views a layer in one, and a token's new rows are still in the core's cache when its attention
- * reads them. Tasks only ever write their own slot, so they need no ordering between them.
+/* One query per row. A row is a sequence's decode, or one row of a short chunk of a sequence (a
+ * speculative verification): row i attends to the first kv_lens[i] tokens of its block table.
+ * With `rope` set, q/k/v have just left the qkv projection: every row's q and k heads are rotated in
+ * place (rotate_heads) and its new K and V rows written to `new_slots[row]`, all before any row
+ * attends, so a chunk's rows see the rows before them. That is three ctypes calls and their tensor
+ * views a layer in one.
  * rope: [n, head_dim / 2, 2] (cos, sin), or NULL for attention alone over a cache the caller has
  * already written (q is then only read). */
 int paged_decode_attention_f32(float *q, int64_t q_row_stride, const float *rope, const int64_t *new_slots,
@@ -105,16 +106,20 @@ int paged_decode_attention_f32(float *q, int64_t q_row_stride, const float *rope
         float *scores = malloc(sizeof(float) * (size_t)(num_heads * max_len)); /* [head][token] */
         int64_t *slots = malloc(sizeof(int64_t) * (size_t)max_len);
         failed = scores == NULL || slots == NULL;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t seq = 0; seq < n; seq++) {
-            if (failed) continue;
-            float *qs = q + seq * q_row_stride;
-            if (rope != NULL) {
+        if (rope != NULL) {
+#pragma omp for schedule(static)
+            for (int64_t seq = 0; seq < n; seq++) {
+                float *qs = q + seq * q_row_stride;
                 const float *k = qs + num_heads * head_dim;
                 rotate_heads(qs, rope + seq * head_dim, num_heads + num_kv_heads, head_dim);
                 memcpy(k_cache + new_slots[seq] * kv_floats, k, sizeof(float) * (size_t)kv_floats);
                 memcpy(v_cache + new_slots[seq] * kv_floats, k + kv_floats, sizeof(float) * (size_t)kv_floats);
             }
+        } /* the loop's barrier: every new row is in the cache before any row attends */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t seq = 0; seq < n; seq++) {
+            if (failed) continue;
+            float *qs = q + seq * q_row_stride;
             float *o = out + seq * num_heads * head_dim;
             const int64_t *table = block_tables + seq * max_blocks;
 #define ATTEND(dim) \
