@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import httpx
+import openai
 import uvicorn
 from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
@@ -49,6 +50,12 @@ def model_copy(model_dir: Path, out: Path, max_position_embeddings: int | None =
         config["chat_template"] = chat_template
         (out / "tokenizer_config.json").write_text(json.dumps(config))
     return out
+
+
+def openai_client(base_url: str, timeout: float = 120) -> openai.OpenAI:
+    """The official client against a test server: no retries (a failure shows at once), no proxy."""
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0,
+                         http_client=httpx.Client(trust_env=False, timeout=timeout))
 
 
 def free_port() -> int:

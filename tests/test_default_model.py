@@ -22,22 +22,19 @@ def test_default_model_calls_the_weather_tool_when_required():
     its arguments validate against the tool's schema, and the reply says tool_calls."""
     import json
 
-    import httpx
     import jsonschema
-    import openai
 
     from roseinfer.config import EngineConfig
     from roseinfer.engine.llm_engine import LLMEngine
     from roseinfer.server.app import build_app
-    from server_helpers import serve_app
+    from server_helpers import openai_client, serve_app
 
     params = {"type": "object", "properties": {"city": {"type": "string", "description": "the city's name"}},
               "required": ["city"], "additionalProperties": False}
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "The current weather in a city",
                                                "parameters": params}}]
     with serve_app(build_app(LLMEngine(EngineConfig(num_kv_blocks=64)), "default")) as url:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
-                               http_client=httpx.Client(trust_env=False, timeout=120))
+        client = openai_client(url)
         choice = client.chat.completions.create(
             model="default", messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=tools,
             tool_choice="required", temperature=0, max_tokens=64).choices[0]

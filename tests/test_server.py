@@ -23,7 +23,7 @@ from roseinfer.config import EngineConfig
 from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.server.app import build_app
 from roseinfer.server.args import ServerOptions
-from server_helpers import free_port, metric, serve_app, wait_for
+from server_helpers import free_port, metric, openai_client, serve_app, wait_for
 
 MODEL = "tiny-llama"
 PROMPT = "The cat sees a red apple"
@@ -56,8 +56,7 @@ def http(base_url: str) -> Iterator[httpx.Client]:
 
 @pytest.fixture(scope="module")
 def client(base_url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0,
-                         http_client=httpx.Client(trust_env=False, timeout=60))
+    return openai_client(base_url, timeout=60)
 
 
 def reference(llm: LLM, prompt: str | list[int], max_tokens: int) -> tuple[str, int]:

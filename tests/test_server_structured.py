@@ -22,7 +22,7 @@ from roseinfer.sampling_params import StructuredOutputsParams
 from roseinfer.server.app import build_app
 from roseinfer.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from roseinfer.server.structured import requested_constraint
-from server_helpers import model_copy, serve_app
+from server_helpers import model_copy, openai_client, serve_app
 
 MODEL = "tiny-llama"
 MESSAGES = [{"role": "user", "content": "The weather in Paris, as JSON."}]
@@ -107,8 +107,7 @@ def http(base_url: str) -> Iterator[httpx.Client]:
 
 @pytest.fixture(scope="module")
 def client(base_url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0,
-                         http_client=httpx.Client(trust_env=False, timeout=120))
+    return openai_client(base_url)
 
 
 SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER, "strict": True}}

@@ -25,7 +25,7 @@ from roseinfer.server.protocol import APIError, ChatCompletionRequest
 from roseinfer.server.tool_calls import NO_PARAMETERS, chat_inputs, pick_parser, plan_tools
 from roseinfer.server.tool_parsers import HermesParser, JsonCallsParser, NamedCallParser
 from roseinfer.tokenizer import Tokenizer
-from server_helpers import model_copy, serve_app
+from server_helpers import model_copy, openai_client, serve_app
 
 MODEL = "tiny-llama"
 MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
@@ -223,8 +223,7 @@ def base_url(long_model: Path) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def client(base_url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0,
-                         http_client=httpx.Client(trust_env=False, timeout=120))
+    return openai_client(base_url)
 
 
 def create(client: openai.OpenAI, stream: bool, **kwargs: Any) -> tuple[str | None, list[dict], str]:
