@@ -5,7 +5,7 @@ both alike. Two tasks: an input-grounded rewrite (the output mostly copies the ~
 where prompt lookup should pay) and an open-ended chat reply (where it should cost next to
 nothing). Checks the outputs are identical, and prints tok/s, the ratio and the draft counters.
 
-    python benchmarks/spec_decode.py [--model M] [--rounds 3] [--speculative-config JSON]
+    python benchmarks/spec_decode.py [--model M] [--rounds 3] [--batch-size 1] [--speculative-config JSON]
 """
 from __future__ import annotations
 
@@ -36,10 +36,10 @@ TASKS = {
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
 
-def _time(llm: LLM, prompt: list[int], params: SamplingParams) -> tuple[float, list[int]]:
+def _time(llm: LLM, prompt: list[int], params: SamplingParams, batch: int = 1) -> tuple[float, list[list[int]]]:
     start = time.perf_counter()
-    out = llm.generate([prompt], params, use_tqdm=False)[0]
-    return len(out.token_ids) / (time.perf_counter() - start), out.token_ids
+    outs = llm.generate([prompt] * batch, params, use_tqdm=False)
+    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start), [o.token_ids for o in outs]
 
 
 def main() -> None:
@@ -48,13 +48,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--num-threads", type=int, default=None)
+    parser.add_argument("--batch-size", type=int, default=1,
+                        help="copies of each task's prompt decoded together (speculation stops above the config's "
+                             "disable_by_batch_size: raise it to measure speculation there)")
     parser.add_argument("--speculative-config", default=json.dumps(NGRAM))
     args = parser.parse_args()
     common = {"num_threads": args.num_threads, "enable_prefix_caching": False}  # every round prefills afresh
     plain = LLM(args.model, **common)
     spec = LLM(args.model, speculative_config=args.speculative_config, **common)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    print(f"speculative_config={args.speculative_config} max_tokens={args.max_tokens} rounds={args.rounds}")
+    print(f"speculative_config={args.speculative_config} max_tokens={args.max_tokens} rounds={args.rounds} "
+          f"batch_size={args.batch_size}")
     for task, messages in TASKS.items():
         prompt = plain.apply_chat_template(messages)
         _time(plain, prompt, SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
@@ -62,8 +66,8 @@ def main() -> None:
         before = spec.speculative_stats()
         rates: dict[str, list[float]] = {"plain": [], "ngram": []}
         for _ in range(args.rounds):
-            plain_rate, plain_ids = _time(plain, prompt, params)
-            spec_rate, spec_ids = _time(spec, prompt, params)
+            plain_rate, plain_ids = _time(plain, prompt, params, args.batch_size)
+            spec_rate, spec_ids = _time(spec, prompt, params, args.batch_size)
             assert spec_ids == plain_ids, f"{task}: speculative output differs from plain"
             rates["plain"].append(plain_rate)
             rates["ngram"].append(spec_rate)
@@ -74,7 +78,8 @@ def main() -> None:
         p, s = statistics.median(rates["plain"]), statistics.median(rates["ngram"])
         # each round's pair ran back to back, so its ratio is the least disturbed by the machine's load
         ratio = statistics.median(b / a for a, b in zip(rates["plain"], rates["ngram"]))
-        print(f"{task}: prompt {len(prompt)} tokens, output {len(plain_ids)} tokens (identical)")
+        print(f"{task}: batch {args.batch_size}, prompt {len(prompt)} tokens, output {len(plain_ids[0])} tokens "
+              f"each (identical)")
         print(f"  plain  tok/s {' '.join(f'{r:.1f}' for r in rates['plain'])}  median {p:.1f}")
         print(f"  ngram  tok/s {' '.join(f'{r:.1f}' for r in rates['ngram'])}  median {s:.1f}")
         print(f"  ratio (median of rounds) {ratio:.2f}x  drafts {drafts}  proposed {proposed}  accepted {accepted}  "

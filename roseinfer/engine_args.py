@@ -44,7 +44,7 @@ HELP = {
     "max_active_requests": "most admitted (running) requests at once (default: no limit)",
     "speculative_config": "JSON of speculative decoding settings (vLLM's names), e.g. '{\"method\": \"ngram\", "
                           "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 1, \"prompt_lookup_max\": 4, "
-                          "\"disable_by_batch_size\": 8}', or '{\"model\": DRAFT, \"num_speculative_tokens\": 4}' "
+                          "\"disable_by_batch_size\": 1}', or '{\"model\": DRAFT, \"num_speculative_tokens\": 4}' "
                           "for a draft model with the target's vocabulary (default: none)",
 }
 

@@ -465,7 +465,7 @@ def test_speculative_counters_are_printed_and_reported(model: str, tmp_path, cap
     """With --speculative-config the engine's counters follow its runs, in the text and the JSON;
     without it there is no such block."""
     out = tmp_path / "spec.json"
-    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 2})  # both requests
     rc = main(["bench", "offline", "--hf-model-id", model, "--mode", "offline", "--num-requests", "2",
                "--prompt", " ".join(["Hello world"] * 10), "--max-new-tokens", "8", "--warmup-runs", "0",
                "--speculative-config", spec, "--json", str(out), *ONE_THREAD])

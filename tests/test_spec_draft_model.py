@@ -35,7 +35,7 @@ def target(tiny_model_factory):
 
 
 def _llm(model_dir, draft_dir, **options) -> LLM:
-    spec = {"model": str(draft_dir), "num_speculative_tokens": 3}
+    spec = {"model": str(draft_dir), "num_speculative_tokens": 3, "disable_by_batch_size": 8}  # batches draft too
     return LLM(model=str(model_dir), **{"num_kv_blocks": 64, "speculative_config": spec, **options})
 
 

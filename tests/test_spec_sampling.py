@@ -16,7 +16,9 @@ VOCAB = 6
 TRIALS = 30_000
 # chi-square critical value at significance 1e-3 for up to 5 degrees of freedom (df 5 is the largest)
 CHI2_CRITICAL = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52}
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# batches speculate too (the default stops above one sequence, where it stops paying on CPU)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+         "disable_by_batch_size": 8}
 
 
 def _target(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -17,7 +17,9 @@ from tiny_models import hf_greedy, sample_prompts
 
 MAX_TOKENS = 32
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# batches speculate too (the default stops above one sequence, where it stops paying on CPU)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+         "disable_by_batch_size": 8}
 
 MODES = {
     "default": {},
