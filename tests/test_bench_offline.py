@@ -156,7 +156,8 @@ def test_prefix_cache_is_emptied_between_runs_unless_kept(model: str, keep: bool
     import argparse
 
     from roseinfer.bench.engine_flags import sampling_params_from_flags
-    from roseinfer.bench.offline import RoseinferRunner, _run_modes, add_offline_args
+    from roseinfer.bench.offline import RoseinferRunner, _run_modes
+    from roseinfer.bench.offline_args import add_offline_args
 
     parser = argparse.ArgumentParser()
     add_offline_args(parser)

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from . import offline, serve, streaming, throughput
+from . import offline, offline_args, serve, streaming, throughput
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                     "or all at once stepping the engine by hand (online), and report prefill/decode/total "
                     "time and throughput; --backend hf runs transformers' generate for comparison. "
                     "Same as `python -m roseinfer.benchmark_scheduler`.",
-        add_args=offline.add_offline_args, run=_run_offline),
+        add_args=offline_args.add_offline_args, run=_run_offline),
     "throughput": Subcommand(
         help="offline throughput on nano-vllm's workload (random prompts and lengths), optionally vs HF",
         description=throughput.__doc__.split("\n\n")[0].replace("``", "`"),
