@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
@@ -315,32 +316,24 @@ def test_tokenize_detokenize_models_metrics(http: httpx.Client, llm: LLM) -> Non
 
 
 def test_sigterm_past_the_shutdown_timeout_ends_every_request_with_an_error_and_exits_0(model_dir: Path) -> None:
-    port = free_port()
-    proc = _serve(model_dir, port, "--shutdown-timeout", "0")
-    try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", trust_env=False, timeout=60) as c:
-            assert wait_for(lambda: _up(c, proc), timeout=60)
-            body = {"prompt": PROMPT, "max_tokens": 230, "ignore_eos": True}
-            lines: list[str] = []
-            answers: list[httpx.Response] = []
+    with _served(model_dir, "--shutdown-timeout", "0", timeout=60) as (proc, c):
+        body = {"prompt": PROMPT, "max_tokens": 230, "ignore_eos": True}
+        lines: list[str] = []
+        answers: list[httpx.Response] = []
 
-            def stream() -> None:
-                with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
-                    lines.extend(line for line in r.iter_lines() if line)
+        def stream() -> None:
+            with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                lines.extend(line for line in r.iter_lines() if line)
 
-            readers = [threading.Thread(target=stream),
-                       threading.Thread(target=lambda: answers.append(c.post("/v1/completions", json={**body, "n": 4})))]
-            for reader in readers:
-                reader.start()
-            assert wait_for(lambda: metric(c, "roseinfer_num_requests_running") == 5.0 and lines)
-            proc.send_signal(signal.SIGTERM)
-            for reader in readers:
-                reader.join(timeout=30)
-            output = proc.communicate(timeout=30)[0]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        readers = [threading.Thread(target=stream),
+                   threading.Thread(target=lambda: answers.append(c.post("/v1/completions", json={**body, "n": 4})))]
+        for reader in readers:
+            reader.start()
+        assert wait_for(lambda: metric(c, "roseinfer_num_requests_running") == 5.0 and lines)
+        proc.send_signal(signal.SIGTERM)
+        for reader in readers:
+            reader.join(timeout=30)
+        output = proc.communicate(timeout=30)[0]
     assert proc.returncode == 0, output
     assert "Traceback" not in output and "CancelledError" not in output, output
     # the stream ends with an error event and the end marker, not a torn body
@@ -348,11 +341,22 @@ def test_sigterm_past_the_shutdown_timeout_ends_every_request_with_an_error_and_
     assert answers[0].status_code == 503 and answers[0].json()["error"]["message"] == "the server is shutting down"
 
 
-def _serve(model_dir: Path, port: int, *flags: str) -> subprocess.Popen:
-    """`roseinfer serve` in its own process, output captured."""
-    return subprocess.Popen([sys.executable, "-m", "roseinfer.cli", "serve", "--model", str(model_dir),
+@contextmanager
+def _served(model_dir: Path, *flags: str, timeout: float) -> Iterator[tuple[subprocess.Popen, httpx.Client]]:
+    """`roseinfer serve` in its own process (output captured), once /health answers, with a client;
+    killed on the way out if it is still running."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "roseinfer.cli", "serve", "--model", str(model_dir),
                              "--port", str(port), *flags], env={**os.environ, "NO_PROXY": "127.0.0.1"},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", trust_env=False, timeout=timeout) as c:
+            assert wait_for(lambda: _up(c, proc), timeout=60)
+            yield proc, c
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def _up(c: httpx.Client, proc: subprocess.Popen) -> bool:
@@ -364,27 +368,19 @@ def _up(c: httpx.Client, proc: subprocess.Popen) -> bool:
 
 
 def test_sigterm_stops_roseinfer_serve_cleanly(model_dir: Path) -> None:
-    port = free_port()
-    proc = _serve(model_dir, port, "--log-level", "warning")
-    try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", trust_env=False, timeout=30) as c:
-            assert wait_for(lambda: _up(c, proc), timeout=60)
-            assert [m["id"] for m in c.get("/v1/models").json()["data"]] == [model_dir.name]
-            chunks: list[str] = []
-            body = {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with _served(model_dir, "--log-level", "warning", timeout=30) as (proc, c):
+        assert [m["id"] for m in c.get("/v1/models").json()["data"]] == [model_dir.name]
+        chunks: list[str] = []
+        body = {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True}
 
-            def stream() -> None:
-                with c.stream("POST", "/v1/completions", json=body) as r:
-                    chunks.extend(r.iter_lines())
+        def stream() -> None:
+            with c.stream("POST", "/v1/completions", json=body) as r:
+                chunks.extend(r.iter_lines())
 
-            reader = threading.Thread(target=stream)
-            reader.start()
-            assert wait_for(lambda: len(chunks) > 0)
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(timeout=30) == 0, proc.stdout.read()
-            reader.join(timeout=10)
-            assert chunks and chunks[-1] in ("data: [DONE]", "")  # the stream was ended, not torn
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert wait_for(lambda: len(chunks) > 0)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, proc.stdout.read()
+        reader.join(timeout=10)
+        assert chunks and chunks[-1] in ("data: [DONE]", "")  # the stream was ended, not torn
