@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import torch
 
+from roseinfer.engine.structured_output import allowed_tokens
 from roseinfer.loader.model_loader import resolve_model_folder
 
 SCHEMA = {
@@ -101,11 +102,6 @@ def xgrammar_library(folder: str, vocab: int) -> dict[str, Callable]:
             "alloc": xgrammar.allocate_token_bitmask}
 
 
-def allowed(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
-    return bits.flatten(1)[:, :vocab].bool()
-
-
 def walk(lib: dict[str, Callable], grammar: Any, batch: int, steps: int, vocab: int) -> tuple[float, float]:
     """Mean ms per step of the batched mask fill and of the token advance."""
     ms, gen = lib["matchers"](grammar, batch), torch.Generator().manual_seed(0)
@@ -115,7 +111,7 @@ def walk(lib: dict[str, Callable], grammar: Any, batch: int, steps: int, vocab: 
         start = time.perf_counter()
         lib["fill"](ms, bitmask)
         fills.append(time.perf_counter() - start)
-        scores = torch.rand(batch, vocab, generator=gen).masked_fill(~allowed(bitmask, vocab), -1.0)
+        scores = torch.rand(batch, vocab, generator=gen).masked_fill(~allowed_tokens(bitmask, vocab), -1.0)
         tokens = scores.argmax(dim=1).tolist()
         start = time.perf_counter()
         lib["advance"](ms, tokens)

@@ -23,7 +23,6 @@ logger = logging.getLogger(__name__)
 # "key": value spacing models are trained on. A schema's own "x-guidance" options override it.
 JSON_WHITESPACE = r"(?: |\n[ \t]{0,20})?"
 MAX_CACHED_GRAMMARS = 256
-_SHIFTS = torch.arange(32, dtype=torch.int32)
 
 
 class GrammarCompiler:
@@ -125,7 +124,7 @@ class GrammarMasks:
         if logits.device.type == "cuda":
             bitmask = bitmask.pin_memory()
         bitmask = bitmask.to(logits.device, non_blocking=True)
-        allowed = ((bitmask.unsqueeze(-1) >> _SHIFTS.to(logits.device)) & 1).flatten(1)[:, :vocab].bool()
+        allowed = allowed_tokens(bitmask, vocab)
         out = logits.clone()
         if len(rows) == logits.shape[0]:
             return out.masked_fill_(~allowed, float("-inf"))
@@ -133,3 +132,8 @@ class GrammarMasks:
         out[index] = logits[index].masked_fill(~allowed, float("-inf"))
         return out
 
+
+def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """llguidance's [R, ceil(V / 32)] int32 words as [R, V] bools, True where a token may come next."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    return ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()
