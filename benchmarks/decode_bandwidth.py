@@ -65,7 +65,7 @@ def main() -> None:
           f"{step * 1e3:.2f} ms ({args.batch_size / step:.0f} tok/s)")
     print(f"bytes read per step: weights {weights / 1e9:.3f} GB + KV {(needed - weights) / 1e9:.3f} GB = "
           f"{needed / 1e9:.3f} GB")
-    print(f"copy bandwidth (read + write) {bandwidth / 1e9:.1f} GB/s -> floor {floor * 1e3:.2f} ms -> "
+    print(f"copy bandwidth (read + write) {bandwidth / 1e9:.1f} GB/s -> floor {floor * 1e3:.3g} ms -> "
           f"floor/step {floor / step:.2f}")
     engine.pop_finished_ids()
 
