@@ -106,20 +106,8 @@ class LLMEngine:
         return request_id
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        params.check_vocab(vocab)
-        total = len(prompt_ids) + params.max_tokens
-        if len(prompt_ids) >= self.max_model_len or total > self.max_model_len:
-            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                             f"exceeds the model's context length ({self.max_model_len})")
-        needed = self.block_manager.blocks_needed(total)
-        if needed > self.num_kv_blocks:
-            raise ValueError(f"prompt + max_tokens needs {needed} KV blocks but the pool has only "
-                             f"{self.num_kv_blocks}; lower max_tokens or raise num_kv_blocks")
+        validate_request(prompt_ids, params, self.model_config.vocab_size, self.max_model_len, self.num_kv_blocks,
+                         self.config.block_size)
 
     def _grammar(self, params: SamplingParams) -> GrammarMatcher | None:
         if params.structured_outputs is None:
@@ -182,3 +170,22 @@ class LLMEngine:
     def kv_cache_stats(self) -> dict[str, int]:
         """The block manager's counters, and preemptions since the engine started."""
         return {**self.block_manager.stats_dict(), "num_preemptions": self.scheduler.num_preemptions}
+
+
+def validate_request(prompt_ids: list[int], params: SamplingParams, vocab: int, max_model_len: int,
+                     num_kv_blocks: int, block_size: int) -> None:
+    """The engine's checks on one request, from configuration alone: a process that routes requests
+    to engines elsewhere (server/replicas.py) runs them before anything is sent."""
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
+    if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
+        raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+    params.check_vocab(vocab)
+    total = len(prompt_ids) + params.max_tokens
+    if len(prompt_ids) >= max_model_len or total > max_model_len:
+        raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                         f"exceeds the model's context length ({max_model_len})")
+    needed = -(-total // block_size)
+    if needed > num_kv_blocks:
+        raise ValueError(f"prompt + max_tokens needs {needed} KV blocks but the pool has only "
+                         f"{num_kv_blocks}; lower max_tokens or raise num_kv_blocks")

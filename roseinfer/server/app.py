@@ -8,7 +8,7 @@ import signal
 import socket
 import time
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 
 import uvicorn
 from fastapi import Depends, FastAPI, Request
@@ -20,17 +20,21 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
+from roseinfer.config import EngineConfig
 from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.loader.default_model import DEFAULT_MODEL_NAME
 from roseinfer.server.args import ServerOptions, served_name, server_options
 from roseinfer.server.body_limit import BodyLimit
 from roseinfer.server.engine_loop import SchedulerManager
-from roseinfer.server.metrics import ServerMetrics
+from roseinfer.server.metrics import RouterMetrics, ServerMetrics
 from roseinfer.server.openapi import GENERATION_ERRORS, GENERATION_OK, TOKENIZER_ERRORS, error_responses, install_openapi
 from roseinfer.server.protocol import (UNSUPPORTED_FIELDS, APIError, ChatCompletionRequest, CompletionRequest,
                                        DetokenizeRequest, TokenizeRequest, error_body)
 from roseinfer.server.serving import OpenAIServing
 from roseinfer.server.tool_calls import shown_tools
+
+if TYPE_CHECKING:  # Ray is imported only when replicas are asked for
+    from roseinfer.server.replicas import ReplicaSet
 
 logger = logging.getLogger(__name__)
 # uvicorn waits this much longer than --shutdown-timeout, so the error chunks that end cut streams go out
@@ -65,9 +69,24 @@ def build_app(engine: LLMEngine, served_model_name: str, options: ServerOptions 
     """The app owns a SchedulerManager over `engine`, started and shut down by its lifespan."""
     options = options or ServerOptions()
     metrics = ServerMetrics()
-    started = int(time.time())  # /v1/models reports when this server started serving the model
     manager = SchedulerManager(engine, options.stream_interval, options.max_inflight_requests,
                                on_finished=metrics.observe_finished)
+
+    async def render_metrics() -> bytes:
+        return metrics.render(manager.stats())
+
+    return _app(manager, served_model_name, options, metrics, render_metrics)
+
+
+def build_replicated_app(replicas: ReplicaSet, served_model_name: str, options: ServerOptions) -> FastAPI:
+    """The same app in front of engine replicas (server/replicas.py), which stand in for the manager."""
+    return _app(replicas, served_model_name, options, replicas.metrics, replicas.render_metrics)
+
+
+def _app(manager: SchedulerManager | ReplicaSet, served_model_name: str, options: ServerOptions,
+         metrics: ServerMetrics | RouterMetrics, render_metrics: Callable[[], Awaitable[bytes]]) -> FastAPI:
+    engine = manager.engine
+    started = int(time.time())  # /v1/models reports when this server started serving the model
     serving = OpenAIServing(manager, served_model_name, options.max_sequences_per_request, options.tool_call_parser)
 
     @asynccontextmanager
@@ -116,7 +135,7 @@ def build_app(engine: LLMEngine, served_model_name: str, options: ServerOptions 
 
     @app.get("/metrics", response_class=PlainTextResponse, responses={200: {"description": "Prometheus text format"}})
     async def prometheus() -> Response:
-        return Response(metrics.render(manager.stats()), media_type=CONTENT_TYPE_LATEST)
+        return Response(await render_metrics(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/tokenize", dependencies=guarded, responses=error_responses(*TOKENIZER_ERRORS))
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
@@ -160,7 +179,7 @@ REJECTION_REASONS = {400: "invalid", 401: "unauthorized", 404: "model_not_found"
                      429: "overloaded", 503: "unavailable"}
 
 
-def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
+def _add_error_handlers(app: FastAPI, metrics: ServerMetrics | RouterMetrics) -> None:
     """Every error leaves in OpenAI's shape; validation errors are 400s (OpenAI's), not 422s."""
 
     def reply(status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> JSONResponse:
@@ -204,7 +223,7 @@ class DrainingServer(uvicorn.Server):
     takes no new requests and ends what still runs after --shutdown-timeout with an error event, so
     uvicorn, which waits SHUTDOWN_MARGIN_S longer, never has to cut a response off."""
 
-    def __init__(self, config: uvicorn.Config, manager: SchedulerManager, timeout: float) -> None:
+    def __init__(self, config: uvicorn.Config, manager: SchedulerManager | ReplicaSet, timeout: float) -> None:
         super().__init__(config)
         self.manager, self.timeout = manager, timeout
 
@@ -220,11 +239,19 @@ def run_server(args: argparse.Namespace) -> int:
     level = "DEBUG" if args.log_level == "trace" else args.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sock = listening_socket(args.host, args.port)  # a port in use fails now, not after the model loads
-    engine = LLMEngine(engine_config_from_args(args))
     name = served_name(args)
-    logger.info("loaded %s in %.1fs (%d KV blocks); serving it as %r on http://%s:%d", engine.model_folder,
-                engine.load_seconds, engine.num_kv_blocks, name, args.host, args.port)
-    app = build_app(engine, name, options)
+    replicas = None
+    if options.data_parallel_size > 1:
+        replicas = start_replicas(engine_config_from_args(args), options)
+        app = build_replicated_app(replicas, name, options)
+        logger.info("%d engine replicas of %s on Ray (router: %s); serving it as %r on http://%s:%d",
+                    options.data_parallel_size, replicas.engine.model_folder, options.router, name, args.host,
+                    args.port)
+    else:
+        engine = LLMEngine(engine_config_from_args(args))
+        logger.info("loaded %s in %.1fs (%d KV blocks); serving it as %r on http://%s:%d", engine.model_folder,
+                    engine.load_seconds, engine.num_kv_blocks, name, args.host, args.port)
+        app = build_app(engine, name, options)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=options.shutdown_timeout + SHUTDOWN_MARGIN_S)
     server = DrainingServer(config, app.state.manager, options.shutdown_timeout)
@@ -234,7 +261,22 @@ def run_server(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: None)
     server.run(sockets=[sock])
     app.state.manager.shutdown()  # no-op after the lifespan did it; needed after a forced exit
+    if replicas is not None:
+        replicas.close()
     return 0 if server.started else 1
+
+
+def start_replicas(config: EngineConfig, options: ServerOptions) -> ReplicaSet:
+    """Deploy the engine replicas on Ray; a clear error when Ray is not installed."""
+    try:
+        from roseinfer.server.replicas import ReplicaSet
+    except ImportError as exc:
+        if exc.name is None or exc.name.split(".")[0] != "ray":
+            raise
+        raise ValueError(f"--data-parallel-size {options.data_parallel_size} runs the engine replicas on Ray, "
+                         "which is not installed: pip install 'roseinfer[ray]'") from None
+    return ReplicaSet(config, options.data_parallel_size, options.router, options.stream_interval,
+                      options.max_inflight_requests, options.ray_address)
 
 
 def listening_socket(host: str, port: int) -> socket.socket:

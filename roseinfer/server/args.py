@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from roseinfer.server.router import ROUTER_POLICIES
 from roseinfer.server.tool_parsers import PARSERS
 
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
@@ -25,6 +26,9 @@ class ServerOptions:
     allowed_origins: list[str] = field(default_factory=list)  # CORS; empty = no CORS headers
     shutdown_timeout: float = 5.0  # seconds running requests get to finish on SIGINT/SIGTERM
     tool_call_parser: str = "auto"  # the format tool calls are read in; auto: from the chat template
+    data_parallel_size: int = 1  # engine replicas; more than one runs them on Ray (docs/distributed.md)
+    ray_address: str | None = None  # join this Ray cluster; None starts a local Ray instance
+    router: str = "prefix-affinity"  # which replica gets a request (server/router.py)
 
     def __post_init__(self) -> None:
         for name in ("stream_interval", "max_sequences_per_request"):
@@ -34,6 +38,10 @@ class ServerOptions:
             raise ValueError("--max-inflight-requests must be >= 1")
         if not self.max_request_body_mb > 0 or self.shutdown_timeout < 0:
             raise ValueError("--max-request-body-mb must be > 0 and --shutdown-timeout >= 0")
+        if self.data_parallel_size < 1:
+            raise ValueError("--data-parallel-size must be >= 1")
+        if self.router not in ROUTER_POLICIES:
+            raise ValueError(f"--router must be one of {', '.join(ROUTER_POLICIES)}")
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}")
 
@@ -70,6 +78,16 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                        help="the format tool calls are read in: hermes (<tool_call>{...}</tool_call>), llama3_json "
                             "({\"name\": ..., \"parameters\": ...}); auto picks it from the chat template, hermes "
                             "when the template shows no tools (default: auto)")
+    group.add_argument("--data-parallel-size", type=int, default=defaults.data_parallel_size,
+                       help="engine replicas, each a Ray Serve deployment behind this server's one HTTP endpoint "
+                            "(needs the roseinfer[ray] extra when > 1; see docs/distributed.md) (default: 1)")
+    group.add_argument("--ray-address", default=None,
+                       help="with --data-parallel-size > 1, join this Ray cluster (e.g. auto, or HOST:6379 of "
+                            "`ray start --head`) (default: start a local Ray instance)")
+    group.add_argument("--router", default=defaults.router, choices=ROUTER_POLICIES,
+                       help="which replica gets a request: the one that got its prompt prefix before, else the "
+                            "less loaded of two (prefix-affinity); the less loaded of two (least-loaded); or in "
+                            "turn (round-robin) (default: %(default)s)")
     group.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="(default: info)")
 
 
@@ -78,7 +96,8 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
                          max_sequences_per_request=args.max_sequences_per_request,
                          max_request_body_mb=args.max_request_body_mb, api_key=args.api_key or None,
                          allowed_origins=list(args.allowed_origins), shutdown_timeout=args.shutdown_timeout,
-                         tool_call_parser=args.tool_call_parser)
+                         tool_call_parser=args.tool_call_parser, data_parallel_size=args.data_parallel_size,
+                         ray_address=args.ray_address, router=args.router)
 
 
 def served_name(args: argparse.Namespace) -> str:

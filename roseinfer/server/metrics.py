@@ -1,5 +1,8 @@
 """Prometheus metrics, `roseinfer_` prefix, one CollectorRegistry per app (tests build several).
 
+With --data-parallel-size, each replica keeps its own ServerMetrics and the ingress a RouterMetrics,
+which serves the router's counters and every replica's metrics, each sample labelled `replica`.
+
 Per-request numbers are recorded once, when a request finishes (the SchedulerManager's
 on_finished hook, in the worker: a handful of counter/histogram updates, microseconds). Gauges and
 the prefix-cache counters are engine state, read from SchedulerManager.stats() at scrape time.
@@ -7,6 +10,8 @@ the prefix-cache counters are engine state, read from SchedulerManager.stats() a
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 from roseinfer.engine.request import Request
 from roseinfer.server.engine_loop import RequestStream, StreamDelta
@@ -34,8 +39,7 @@ class ServerMetrics:
         self.prefix_hits = Counter("roseinfer_prefix_cache_hits", "Prompt tokens served by the prefix cache",
                                    registry=r)
         self.requests = Counter("roseinfer_requests", "Finished requests", ["finish_reason"], registry=r)
-        self.rejected = Counter("roseinfer_requests_rejected", "Requests refused before they ran, by reason",
-                                ["reason"], registry=r)
+        self.rejected = rejected_counter(r)
         self.kv_used = Gauge("roseinfer_kv_cache_used_blocks", "KV blocks held by requests", registry=r)
         self.kv_free = Gauge("roseinfer_kv_cache_free_blocks", "KV blocks free or only prefix-cached (evictable)",
                              registry=r)
@@ -95,3 +99,56 @@ class ServerMetrics:
             counter.inc(max(0, stats[key] - self._seen[key]))
             self._seen[key] = stats[key]
         return generate_latest(self.registry)
+
+
+def rejected_counter(registry: CollectorRegistry) -> Counter:
+    """Counted where HTTP requests arrive: the server's app, or the ingress in front of replicas."""
+    return Counter("roseinfer_requests_rejected", "Requests refused before they ran, by reason", ["reason"],
+                   registry=registry)
+
+
+class RouterMetrics:
+    """The ingress's metrics in front of engine replicas: rejections, routing, and the replicas' own."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.rejected = rejected_counter(r)
+        self.routed = Counter("roseinfer_router_requests", "Requests sent to each replica (a retry counts again)",
+                              ["replica"], registry=r)
+        self.prefix_hits = Counter("roseinfer_router_prefix_affinity_hits", "Requests sent to the replica that got "
+                                   "their prompt prefix before", ["replica"], registry=r)
+        self.retries = Counter("roseinfer_router_retries", "Requests sent to another replica after theirs failed "
+                               "before streaming anything", registry=r)
+        self.replica_failures = Counter("roseinfer_router_replica_failures", "Calls that failed in a replica (it "
+                                        "died or could not be reached)", ["replica"], registry=r)
+        self.inflight = Gauge("roseinfer_router_requests_inflight", "Requests in flight per replica", ["replica"],
+                              registry=r)
+        self.up = Gauge("roseinfer_router_replica_up", "1 when the replica answered this scrape", ["replica"],
+                        registry=r)
+
+    def render(self, inflight: list[int], replica_texts: dict[int, bytes | None]) -> bytes:
+        """The router's exposition, then the replicas' merged into one family per name."""
+        for i, count in enumerate(inflight):
+            self.inflight.labels(str(i)).set(count)
+        merged: dict[str, Metric] = {}
+        for replica, text in replica_texts.items():
+            self.up.labels(str(replica)).set(text is not None)
+            for family in text_string_to_metric_families((text or b"").decode()):
+                if family.name == "roseinfer_requests_rejected":  # counted here, at the ingress
+                    continue
+                out = merged.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+                out.samples += [s._replace(labels={**s.labels, "replica": str(replica)}) for s in family.samples]
+        replicas = CollectorRegistry()
+        replicas.register(_Families(list(merged.values())))
+        return generate_latest(self.registry) + generate_latest(replicas)
+
+
+class _Families:
+    """A collector of already-built metric families."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> list[Metric]:
+        return self.families

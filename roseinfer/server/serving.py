@@ -14,7 +14,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import Any, AsyncIterator, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -33,6 +33,9 @@ from roseinfer.server.structured import requested_constraint
 from roseinfer.server.tool_calls import chat_inputs, pick_parser, plan_tools
 from roseinfer.server.tool_parsers import NamedCallParser, ToolParser
 
+if TYPE_CHECKING:  # Ray is imported only when replicas are asked for
+    from roseinfer.server.replicas import ReplicaSet
+
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_MAX_SEQUENCES_PER_REQUEST = 256  # prompts x n in one request
 CLIENT_CLOSED = 499  # nginx's "client closed request": logged, never seen by anyone
@@ -42,7 +45,7 @@ T = TypeVar("T")
 
 
 class OpenAIServing:
-    def __init__(self, manager: SchedulerManager, model_name: str,
+    def __init__(self, manager: SchedulerManager | ReplicaSet, model_name: str,
                  max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST,
                  tool_call_parser: str = "auto") -> None:
         engine = manager.engine

@@ -1,0 +1,62 @@
+"""One engine replica as a Ray Serve deployment: an LLMEngine and its SchedulerManager in a Ray actor.
+
+Imported only by server/replicas.py, and so only with --data-parallel-size > 1: this module imports
+Ray. The ingress (today's FastAPI app, in the `roseinfer serve` process) tokenizes and validates, then
+streams token ids in and StreamDeltas out through `generate`; everything engine-side is the
+single-engine server's own code. Serve calls `check_health` every few seconds and replaces a replica
+whose actor died or whose engine worker stopped.
+"""
+from __future__ import annotations
+
+import os
+from typing import AsyncIterator
+
+from ray import serve
+
+from roseinfer.config import EngineConfig
+from roseinfer.engine.llm_engine import LLMEngine
+from roseinfer.sampling_params import SamplingParams
+from roseinfer.server.engine_loop import SchedulerManager, StreamDelta
+from roseinfer.server.metrics import ServerMetrics
+
+
+@serve.deployment
+class EngineReplica:
+    def __init__(self, config: EngineConfig, stream_interval: int) -> None:
+        self.engine = LLMEngine(config)
+        self.metrics = ServerMetrics()
+        self.manager = SchedulerManager(self.engine, stream_interval, on_finished=self.metrics.observe_finished)
+        self.manager.start()
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                       stop: list[str] | None) -> AsyncIterator[StreamDelta]:
+        """The request's deltas, the last one `finished`. Serve cancels this generator when the
+        ingress cancels the call (the client went away): the request is then aborted here, which
+        frees its KV blocks at the worker's next turn."""
+        stream = self.manager.submit(prompt_ids, params, request_id, stop)
+        try:
+            async for delta in stream:
+                yield delta
+        finally:
+            if not stream.finished:
+                self.manager.abort(request_id)
+
+    def info(self) -> dict:
+        """What the ingress needs to check requests as this engine would, and to find this process."""
+        engine = self.engine
+        return {"max_model_len": engine.max_model_len, "num_kv_blocks": engine.num_kv_blocks,
+                "model_folder": str(engine.model_folder), "pid": os.getpid()}
+
+    def stats(self) -> dict:
+        return self.manager.stats()
+
+    def metrics_text(self) -> bytes:
+        """This engine's Prometheus exposition (the single-engine server's /metrics body)."""
+        return self.metrics.render(self.manager.stats())
+
+    def check_health(self) -> None:
+        if not self.manager.is_alive:
+            raise RuntimeError("the engine worker is not running")
+
+    def __del__(self) -> None:
+        self.manager.shutdown()
