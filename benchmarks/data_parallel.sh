@@ -10,7 +10,7 @@ ROSEINFER=${ROSEINFER:-roseinfer}
 PORT=${PORT:-18650}
 URL=http://127.0.0.1:$PORT
 RANDOM_ARGS="--dataset random --num-prompts 64 --request-rate 4 --input-len 32 --output-len 64 --ignore-eos"
-SHARED_ARGS="--dataset shared-prefix --num-prompts 64 --input-len 200 --output-len 16 --ignore-eos"
+SHARED_ARGS="--dataset shared-prefix --num-prefixes 8 --num-prompts 64 --input-len 200 --output-len 16 --ignore-eos"
 
 run() {  # run LABEL "BENCH ARGS" SERVE FLAGS...
     local label=$1 bench=$2

@@ -223,6 +223,11 @@ def test_shared_prefix_and_jsonl(tmp_path) -> None:
     system = reqs[0].prompt.split("Question 0:")[0]
     assert len(system.split()) > 64 and all(r.prompt.startswith(system) for r in reqs)
     assert len({r.prompt for r in reqs}) == 4
+    grouped = shared_prefix_requests(6, prefix_len=64, output_len=16, seed=0, num_prefixes=3)
+    systems = [r.prompt.split("Question ")[0] for r in grouped]
+    assert systems[:3] == systems[3:] and len(set(systems)) == 3 and systems[0] == system
+    with pytest.raises(ValueError, match="num_prefixes"):
+        shared_prefix_requests(2, prefix_len=8, output_len=4, num_prefixes=0)
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "hello there", "output_len": 5}\n\n{"prompt": "bye"}\n')
     got = jsonl_requests(path, 3, default_output_len=9)

@@ -132,19 +132,23 @@ def shared_prefix_requests(
     question_len: int = 32,
     seed: int = 0,
     tokenizer: Tokenizer | None = None,
+    num_prefixes: int = 1,
 ) -> list[BenchRequest]:
-    """One ~prefix_len-token system prompt shared by all, then a distinct question."""
-    if prefix_len < 1 or output_len < 1 or question_len < 1:
-        raise ValueError("prefix_len, question_len and output_len must be >= 1")
+    """~prefix_len-token system prompts (num_prefixes of them, request i takes number i mod
+    num_prefixes), each followed by a distinct question. Several prefixes tell a router that keeps
+    a prefix on one replica from one that scatters it."""
+    if prefix_len < 1 or output_len < 1 or question_len < 1 or num_prefixes < 1:
+        raise ValueError("prefix_len, question_len, output_len and num_prefixes must be >= 1")
     rng = np.random.default_rng(seed)
-    prefix_words = _random_words(rng, prefix_len + max(4, prefix_len // 4))
-    body, _ = _fit(prefix_words, prefix_len, tokenizer)
-    system = f"You are a helpful assistant. Reference notes: {body}\n\n"
+    systems = []
+    for _ in range(num_prefixes):
+        body, _ = _fit(_random_words(rng, prefix_len + max(4, prefix_len // 4)), prefix_len, tokenizer)
+        systems.append(f"You are a helpful assistant. Reference notes: {body}\n\n")
     out: list[BenchRequest] = []
     for i in range(num):
         # The index makes every question distinct even if two draws of words collide.
         question = f"Question {i}: " + " ".join(_random_words(rng, question_len)) + "?"
-        prompt = system + question
+        prompt = systems[i % num_prefixes] + question
         out.append(BenchRequest(prompt=prompt, output_len=output_len, prompt_len=_count(prompt, tokenizer)))
     return out
 
@@ -189,6 +193,7 @@ def load_requests(
     seed: int = 0,
     dataset_path: str | Path | None = None,
     tokenizer: Tokenizer | None = None,
+    num_prefixes: int = 1,
 ) -> list[BenchRequest]:
     """Dispatch on the CLI's --dataset / --dataset-path (a path wins over the name)."""
     if dataset_path is not None:
@@ -196,7 +201,8 @@ def load_requests(
     if dataset == "random":
         return random_requests(num_prompts, input_len, output_len, range_ratio, seed, tokenizer)
     if dataset == "shared-prefix":
-        return shared_prefix_requests(num_prompts, input_len, output_len, seed=seed, tokenizer=tokenizer)
+        return shared_prefix_requests(num_prompts, input_len, output_len, seed=seed, tokenizer=tokenizer,
+                                      num_prefixes=num_prefixes)
     raise ValueError(f"unknown dataset {dataset!r}; expected one of {', '.join(DATASETS)}")
 
 

@@ -63,6 +63,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help='JSONL file, one {"prompt": ..., "output_len": optional} per line')
     p.add_argument("--input-len", type=int, default=256,
                    help="prompt tokens (random) or shared-prefix tokens (shared-prefix)")
+    p.add_argument("--num-prefixes", type=int, default=1, help="distinct shared prefixes (shared-prefix)")
     p.add_argument("--output-len", type=int, default=128, help="max_tokens per request")
     p.add_argument("--range-ratio", type=float, default=0.0,
                    help="draw lengths uniformly from [len*(1-r), len*(1+r)]")
@@ -369,7 +370,7 @@ def run_serve_bench(args: argparse.Namespace, tokenizer: Tokenizer | None = None
     ``tokenizer`` (anything with ``encode``) sizes the generated prompts exactly."""
     slo = parse_goodput(args.goodput)
     requests = load_requests(args.dataset, args.num_prompts, args.input_len, args.output_len,
-                             args.range_ratio, args.seed, args.dataset_path, tokenizer)
+                             args.range_ratio, args.seed, args.dataset_path, tokenizer, args.num_prefixes)
     model, results, t0, duration = asyncio.run(_run(args, requests))
     summary = compute_summary(args, model, results, t0, duration, slo)
     print(format_table(summary), flush=True)

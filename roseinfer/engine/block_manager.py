@@ -30,6 +30,10 @@ class PrefixCacheStats:
     block_hits: int = 0
 
 
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
 @dataclass
 class BlockManager:
     num_blocks: int
@@ -68,7 +72,7 @@ class BlockManager:
         }
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return blocks_for(num_tokens, self.block_size)
 
     # ---- admission: reuse the longest cached prefix ---------------------------------------
     def allocate_cached_prefix(self, req: Request) -> int:

@@ -13,7 +13,7 @@ import torch
 
 from roseinfer.config import EngineConfig, resolve_device
 from roseinfer.backends import select_backend
-from roseinfer.engine.block_manager import BlockManager
+from roseinfer.engine.block_manager import BlockManager, blocks_for
 from roseinfer.engine.draft_model import DraftModelProposer
 from roseinfer.engine.model_runner import ModelRunner
 from roseinfer.engine.request import Request, RequestOutput
@@ -185,7 +185,7 @@ def validate_request(prompt_ids: list[int], params: SamplingParams, vocab: int, 
     if len(prompt_ids) >= max_model_len or total > max_model_len:
         raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
                          f"exceeds the model's context length ({max_model_len})")
-    needed = -(-total // block_size)
+    needed = blocks_for(total, block_size)
     if needed > num_kv_blocks:
         raise ValueError(f"prompt + max_tokens needs {needed} KV blocks but the pool has only "
                          f"{num_kv_blocks}; lower max_tokens or raise num_kv_blocks")
