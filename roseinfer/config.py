@@ -55,6 +55,8 @@ class EngineConfig:
     seed: int = 0
     max_model_len: int | None = None  # None = the model's context length
     num_threads: int | None = None  # CPU intra-op threads; None = torch's default
+    # ranks the model is split over, one process each (distributed/); a CPU's threads are shared by them
+    tensor_parallel_size: int = 1
     attention_backend: str = "auto"  # the hardware backend, attention and the layers it swaps in (backends/)
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
     # sampling defaults for requests that leave a field unset (loader/generation_config.py)
@@ -81,7 +83,8 @@ class EngineConfig:
     speculative_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "pack_lookahead", "pack_fifo_every")
+        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "pack_lookahead", "pack_fifo_every",
+                    "tensor_parallel_size")
         optional_positive = ("num_kv_blocks", "prefill_max_batch_size", "prefill_max_tokens",
                              "max_active_requests", "max_model_len", "num_threads")
         for name in positive:

@@ -13,7 +13,10 @@ HELP = {
     "device": "auto (default: CUDA when torch sees one, else the CPU), cpu or cuda",
     "seed": "seed of the engine's sampling generator (requests may also carry their own)",
     "max_model_len": "context length cap (default: the model's)",
-    "num_threads": "torch CPU threads (default: torch's choice)",
+    "num_threads": "torch CPU threads (default: torch's choice); with --tensor-parallel-size N each rank takes "
+                   "1/N of them",
+    "tensor_parallel_size": "split the model over N ranks, one process each (torch.distributed: gloo on CPU, "
+                            "NCCL on CUDA, one GPU per rank); N must divide the attention heads",
     "attention_backend": "the hardware backend: its attention and the layers it swaps in. cpu: C kernels that "
                          "read the paged cache in place, oneDNN-prepacked linears, a decode step's layers in one "
                          "C call (fp32); triton: Triton kernels (CUDA); torch: torch ops only, any device (the "

@@ -100,6 +100,11 @@ class LLM:
     def kv_cache_stats(self) -> dict[str, int]:
         return self.engine.kv_cache_stats()
 
+    def shutdown(self) -> None:
+        """Stop the engine's tensor-parallel worker processes now (else when the LLM is garbage
+        collected, or at exit); a no-op without tensor parallelism."""
+        self.engine.shutdown()
+
     def speculative_stats(self) -> dict[str, float]:
         return self.engine.speculative_stats()
 

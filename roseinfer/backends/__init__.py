@@ -32,8 +32,11 @@ def backend_class(name: str) -> type[Backend]:
     raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
 
 
-def select_backend(name: str, device: torch.device, dtype: torch.dtype, model_config: ModelConfig) -> Backend:
-    """The backend `name` for this device and dtype; `auto` picks the fastest that runs here."""
+def select_backend(name: str, device: torch.device, dtype: torch.dtype, model_config: ModelConfig,
+                   world_size: int = 1) -> Backend:
+    """The backend `name` for this device and dtype; `auto` picks the fastest that runs here.
+    model_config is what one rank computes (distributed/parallel.py shard_config) and world_size the
+    number of tensor-parallel ranks, each with a backend of its own."""
     if name == "auto":
         candidates = ("triton", "torch") if device.type == "cuda" else ("cpu", "torch")
         name = next(c for c in candidates if backend_class(c).supports(device, dtype))
@@ -41,4 +44,4 @@ def select_backend(name: str, device: torch.device, dtype: torch.dtype, model_co
     cls = backend_class(name)
     if not cls.supports(device, dtype):
         raise ValueError(f"the {name} backend cannot run {dtype} on {device.type} here")
-    return cls(device, dtype, model_config)
+    return cls(device, dtype, model_config, world_size)

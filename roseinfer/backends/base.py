@@ -51,10 +51,12 @@ class Backend(ABC):
 
     name: ClassVar[str]
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, model_config: ModelConfig) -> None:
+    def __init__(self, device: torch.device, dtype: torch.dtype, model_config: ModelConfig,
+                 world_size: int = 1) -> None:
         self.device = device
         self.dtype = dtype
-        self.model_config = model_config
+        self.model_config = model_config  # one rank's share of the model under tensor parallelism
+        self.world_size = world_size  # tensor-parallel ranks: layers that reach across them are off limits
 
     @staticmethod
     def supports(device: torch.device, dtype: torch.dtype) -> bool:
@@ -89,7 +91,8 @@ class Backend(ABC):
         """What the KV pool may take. On CUDA: what --gpu-memory-utilization leaves of the GPU once the
         weights are in and `profile` has run the largest step (its activations' peak); on a CPU:
         --kv-cache-memory-gb, else 1 GiB or 10 % of RAM, whichever is less (the pool is written
-        whole at startup, and a laptop runs other things too)."""
+        whole at startup, and a laptop runs other things too). With tensor parallelism that CPU budget
+        is the engine's, shared by its ranks' pools (each holding its KV heads); a GPU's is per GPU."""
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             profile()
@@ -97,9 +100,9 @@ class Backend(ABC):
             total = torch.cuda.mem_get_info(self.device)[1]
             return int(total * config.gpu_memory_utilization - torch.cuda.max_memory_allocated(self.device))
         if config.kv_cache_memory_gb is not None:
-            return int(config.kv_cache_memory_gb * 2**30)
+            return int(config.kv_cache_memory_gb * 2**30) // self.world_size
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return int(min(2**30, 0.1 * ram))
+        return int(min(2**30, 0.1 * ram)) // self.world_size
 
     def allocate_kv_pool(self, shape: tuple[int, ...]) -> torch.Tensor:
         """The KV pool, allocated once and zeroed: padded and masked key slots still enter the

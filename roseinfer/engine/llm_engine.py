@@ -13,9 +13,11 @@ import torch
 
 from roseinfer.config import EngineConfig, resolve_device
 from roseinfer.backends import select_backend
+from roseinfer.distributed.parallel import SINGLE, check_tensor_parallel, shard_config
+from roseinfer.distributed.workers import Workers, WorkerSpec
 from roseinfer.engine.block_manager import BlockManager, blocks_for
 from roseinfer.engine.draft_model import DraftModelProposer
-from roseinfer.engine.model_runner import ModelRunner
+from roseinfer.engine.model_runner import ModelRunner, auto_num_blocks
 from roseinfer.engine.request import Request, RequestOutput
 from roseinfer.engine.sampler import Sampler
 from roseinfer.engine.scheduler import Scheduler
@@ -23,6 +25,7 @@ from roseinfer.engine.speculative import SpecStats
 from roseinfer.engine.structured_output import GrammarCompiler, GrammarMatcher
 from roseinfer.loader.generation_config import sampling_defaults
 from roseinfer.loader.model_loader import load_model, load_model_config, resolve_model_folder
+from roseinfer.models.config import ModelConfig
 from roseinfer.sampling_params import SamplingParams
 from roseinfer.tokenizer import Tokenizer
 
@@ -34,15 +37,22 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         start = time.perf_counter()
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        size = config.tensor_parallel_size
+        # --num-threads (else torch's default) is the engine's: each tensor-parallel rank takes its share
+        threads = config.num_threads or (torch.get_num_threads() if size > 1 else None)
+        if threads:
+            torch.set_num_threads(max(1, threads // size))
         self.device = torch.device(resolve_device(config.device))
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' was asked for but torch sees no CUDA device")
+        if self.device.type == "cuda" and size > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size {size} needs a GPU per rank; "
+                             f"torch sees {torch.cuda.device_count()}")
         self.dtype = DTYPES["bfloat16" if config.dtype == "auto" and self.device.type == "cuda" else
                             "float32" if config.dtype == "auto" else config.dtype]
         self.model_folder = resolve_model_folder(config.model)
         self.model_config = load_model_config(self.model_folder)
+        check_tensor_parallel(self.model_config, size)
         self.tokenizer = Tokenizer(self.model_folder)
         self.sampling_defaults = sampling_defaults(self.model_folder, config.generation_config,
                                                    config.override_generation_config)
@@ -50,39 +60,54 @@ class LLMEngine:
             self.default_sampling_params()
         except ValueError as exc:
             raise ValueError(f"the generation config's sampling defaults: {exc}") from None
-        self.backend = select_backend(config.attention_backend, self.device, self.dtype, self.model_config)
-        model = load_model(self.model_folder, self.model_config, self.dtype, self.device, self.backend)
+        local_config = shard_config(self.model_config, size)  # what each rank computes
+        self.backend = select_backend(config.attention_backend, self.device, self.dtype, local_config, size)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
-        spec = config.speculative
-        # before the pool is sized, so on CUDA the draft's weights and pool count against the budget
-        proposer = (DraftModelProposer(spec, config, self.model_config, self.max_model_len, self.device, self.dtype)
-                    if spec is not None and spec.method == "draft_model" else None)
-        self.num_kv_blocks = config.num_kv_blocks or self._auto_num_blocks(model)
-        self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
-        eos = self.tokenizer.eos_token_ids
-        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, eos, proposer)
-        self.runner = ModelRunner(model, self.model_config, self.num_kv_blocks, config.block_size, self.backend,
-                                  Sampler(eos, self.device, config.seed, self.backend.argmax))
-        if not config.enforce_eager:
-            self.runner.capture(config.max_num_seqs, self.max_model_len)
+        self.workers = None if size == 1 else Workers(WorkerSpec(
+            config, self.model_folder, self.backend.name, self.device.type, self.dtype, self.max_model_len,
+            torch.get_num_threads()), size, self.device)
+        try:
+            self._start(config, local_config)
+        except BaseException:
+            self.shutdown()
+            raise
         self.requests: dict[str, Request] = {}
         self.grammar_compiler: GrammarCompiler | None = None  # built on the first constrained request
         self._ids = itertools.count()
         self.load_seconds = time.perf_counter() - start
 
-    def _auto_num_blocks(self, model: torch.nn.Module) -> int:
-        config = self.config
-        per_block = ModelRunner.kv_bytes_per_block(self.model_config, config.block_size, self.dtype)
-        step_tokens = min(config.max_num_batched_tokens, self.max_model_len)
-        budget = self.backend.kv_pool_bytes(config, lambda: ModelRunner.profile(
-            model, self.model_config, self.backend, config.block_size, step_tokens, config.max_num_seqs))
-        # never more than every sequence at full length could use
-        ceiling = config.max_num_seqs * -(-self.max_model_len // config.block_size)
-        blocks = min(int(budget // per_block), ceiling)
-        if blocks < 1:
+    def _start(self, config: EngineConfig, local_config: ModelConfig) -> None:
+        """The model, the pool, the scheduler and the runner (rank 0's; the workers build their own
+        share alongside, distributed/workers.py)."""
+        tp = SINGLE if self.workers is None else self.workers.tp
+        model = load_model(self.model_folder, self.model_config, self.dtype, self.device, self.backend, tp)
+        if self.workers is not None:
+            self.workers.wait_ready()
+        spec = config.speculative
+        # before the pool is sized, so on CUDA the draft's weights and pool count against the budget
+        # (under tensor parallelism the draft runs on rank 0 alone, whole)
+        proposer = (DraftModelProposer(spec, config, self.model_config, self.max_model_len, self.device, self.dtype)
+                    if spec is not None and spec.method == "draft_model" else None)
+        if self.workers is not None:
+            self.workers.call("size_pool")  # they size theirs now; every rank takes the smallest
+        self.num_kv_blocks = tp.min(config.num_kv_blocks or auto_num_blocks(
+            model, local_config, self.backend, config, self.max_model_len))
+        if self.num_kv_blocks < 1:
             raise ValueError("the KV cache budget is too small for even one block")
-        return blocks
+        self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        eos = self.tokenizer.eos_token_ids
+        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, eos, proposer)
+        self.runner = ModelRunner(model, local_config, self.num_kv_blocks, config.block_size, self.backend,
+                                  Sampler(eos, self.device, config.seed, self.backend.argmax), self.workers)
+        if not config.enforce_eager:
+            self.runner.capture(config.max_num_seqs, self.max_model_len)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (also done when the engine is garbage-collected and at
+        exit); a no-op without them. The engine runs no steps afterwards."""
+        if self.workers is not None:
+            self.workers.close()
 
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams() with the model's generation-config defaults applied (vLLM's behaviour)."""
@@ -121,7 +146,16 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
-        return self.scheduler.update(out, *self.runner.execute(out))
+        try:
+            results = self.runner.execute(out)
+        except BaseException as exc:
+            if self.workers is None:
+                raise
+            error = self.workers.failed(exc)  # which rank died and how; the ranks are stopped
+            if not isinstance(exc, Exception):
+                raise  # Ctrl-C stays a KeyboardInterrupt (the engine is stopped all the same)
+            raise error from exc
+        return self.scheduler.update(out, *results)
 
     def abort_request(self, request_id: str) -> bool:
         """Abort a waiting or running request and free its blocks at once; False if unknown or done."""

@@ -1,25 +1,36 @@
 """Owns the model and the KV pool; turns a scheduled step into a flat batch, one forward, and tokens.
 What depends on the hardware (attention metadata, the pool's memory, faster layers) is the backend's
-(backends/); nothing here asks which one runs."""
+(backends/); nothing here asks which one runs. Under tensor parallelism every rank has a runner over
+its share of the model and its own pool; rank 0's builds each step, hands it to the others
+(`workers`) and samples, theirs only `follow`."""
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from roseinfer.backends.base import LOGITS_CHUNK_ROWS, Backend, BatchLayout
+from roseinfer.config import EngineConfig
 from roseinfer.engine.request import TokenLogprobs
-from roseinfer.engine.sampler import Sampler, token_logprobs
 from roseinfer.engine.scheduler import ScheduledRequest, SchedulerOutput
 from roseinfer.engine.speculative import accept_draft
 from roseinfer.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from roseinfer.distributed.workers import Workers
+    from roseinfer.engine.sampler import Sampler
 
 PromptLogprobs = list[list[TokenLogprobs]]  # per scheduled request, the prompt logprobs this step took
 
 
 class ModelRunner:
     def __init__(self, model: nn.Module, model_config: ModelConfig, num_kv_blocks: int, block_size: int,
-                 backend: Backend, sampler: Sampler) -> None:
+                 backend: Backend, sampler: Sampler | None, workers: Workers | None = None) -> None:
+        """model_config: what this rank computes (its heads: the pool's shape); sampler: None on a
+        rank that only follows; workers: rank 0's handle on the other ranks, None without them."""
         self.model = model
+        self.workers = workers
         self.backend = backend
         self.block_size = block_size
         self.device = backend.device
@@ -46,18 +57,22 @@ class ModelRunner:
         single token, and the prompt logprobs of the prompt positions this step computed."""
         items = out.scheduled
         layout, sample_rows = self._prepare(items)
-        hidden = self.backend.forward(self.model, layout, self.kv_caches)
         # a draft's request samples every one of its 1 + K rows
         owners = [i for i, item in enumerate(items) if item.samples for _ in range(1 + len(item.draft))]
+        chunk = self.backend.logits_chunk_rows or max(len(owners), 1)
+        sample_chunks = [sample_rows[start:start + chunk] for start in range(0, len(owners), chunk)]
+        prompt_pieces = self._prompt_pieces(items)
+        if self.workers is not None:  # the other tensor-parallel ranks: the same forward and LM head calls
+            self.workers.step(layout, sample_chunks + [rows for _, rows, _ in prompt_pieces])
+        hidden = self.backend.forward(self.model, layout, self.kv_caches)
         # a seeded sampled request's generator before its rows' draws: see Sampler.rewind
         states = {i: item.request.generator.get_state() for i, item in enumerate(items) if item.draft
                   and item.request.generator is not None and not item.request.sampling_params.greedy}
         row_tokens: list[list[int]] = [[] for _ in items]
         logprobs: list[TokenLogprobs | None] = [None] * len(items)
-        chunk = self.backend.logits_chunk_rows or max(len(owners), 1)
-        for start in range(0, len(owners), chunk):
+        for start, rows in zip(range(0, len(owners), chunk), sample_chunks):
             part = owners[start:start + chunk]
-            logits = self.model.compute_logits(hidden[sample_rows[start:start + chunk]])
+            logits = self.model.compute_logits(self._rows(hidden, rows))
             tokens, lps = self.sampler(logits, [items[i].request for i in part])
             for i, token, lp in zip(part, tokens, lps):
                 row_tokens[i].append(token)
@@ -66,14 +81,27 @@ class ModelRunner:
                    for i, item in enumerate(items)]
         for i, state in states.items():
             self.sampler.rewind(items[i].request.generator, state, len(sampled[i]), self.vocab_size)
-        return sampled, logprobs, self._prompt_logprobs(items, hidden)
+        return sampled, logprobs, self._prompt_logprobs(items, hidden, prompt_pieces)
 
-    def _prompt_logprobs(self, items: list[ScheduledRequest], hidden: torch.Tensor) -> PromptLogprobs:
+    @torch.inference_mode()
+    def follow(self, layout: BatchLayout, logit_rows: list[list[int] | slice]) -> None:
+        """Another tensor-parallel rank's part in a step that rank 0 runs (`execute`): the same
+        forward over its share of the model, then the LM head on the same rows in the same order,
+        its slice of their logits going to rank 0 (distributed/workers.py sends both)."""
+        hidden = self.backend.forward(self.model, layout, self.kv_caches)
+        for rows in logit_rows:
+            self.model.compute_logits(self._rows(hidden, rows))
+
+    def _rows(self, hidden: torch.Tensor, rows: list[int] | slice) -> torch.Tensor:
+        return hidden[rows] if isinstance(rows, slice) else hidden[self.backend.tensor(rows)]
+
+    def _prompt_pieces(self, items: list[ScheduledRequest]) -> list[tuple[int, slice, list[int]]]:
         """For requests with prompt_logprobs, the logits at every prompt position this step computes
         (but the last, which samples) give the next prompt token's logprob; a chunk's last row gives
-        the next chunk's first. LOGITS_CHUNK_ROWS rows at a time on every device: a long prompt's
-        whole logits block would be the step's largest allocation, and only the entries are kept."""
-        result: PromptLogprobs = [[] for _ in items]
+        the next chunk's first. Returns (the request's index, rows of the flat batch, the tokens they
+        predict), LOGITS_CHUNK_ROWS rows a piece on every device: a long prompt's whole logits block
+        would be the step's largest allocation, and only the entries are kept."""
+        pieces = []
         offset = 0  # the request's first row in the flat batch
         for i, item in enumerate(items):
             req = item.request
@@ -81,14 +109,25 @@ class ModelRunner:
             first_row = offset + positions.start - req.num_computed_tokens
             for start in range(0, len(positions), LOGITS_CHUNK_ROWS):
                 rows = min(LOGITS_CHUNK_ROWS, len(positions) - start)
-                logits = self.model.compute_logits(hidden[first_row + start:first_row + start + rows])
                 targets = req.token_ids[positions.start + start + 1:positions.start + start + rows + 1]
-                result[i] += token_logprobs(torch.log_softmax(logits, dim=-1), targets,
-                                            req.sampling_params.prompt_logprobs)
+                pieces.append((i, slice(first_row + start, first_row + start + rows), targets))
             offset += item.num_tokens
+        return pieces
+
+    def _prompt_logprobs(self, items: list[ScheduledRequest], hidden: torch.Tensor,
+                         pieces: list[tuple[int, slice, list[int]]]) -> PromptLogprobs:
+        # imported here: a tensor-parallel worker never samples, and sampler.py imports llguidance's
+        # torch helpers, which import torch's compiler stack (seconds of a worker's start)
+        from roseinfer.engine.sampler import token_logprobs
+
+        result: PromptLogprobs = [[] for _ in items]
+        for i, rows, targets in pieces:
+            logits = self.model.compute_logits(hidden[rows])
+            result[i] += token_logprobs(torch.log_softmax(logits, dim=-1), targets,
+                                        items[i].request.sampling_params.prompt_logprobs)
         return result
 
-    def _prepare(self, items: list[ScheduledRequest]) -> tuple[BatchLayout, torch.Tensor]:
+    def _prepare(self, items: list[ScheduledRequest]) -> tuple[BatchLayout, list[int]]:
         """The step's flat batch for the backend, and the rows whose logits are sampled."""
         bs = self.block_size
         layout = BatchLayout(bs, [], [], [], [], [], [], [])
@@ -107,7 +146,7 @@ class ModelRunner:
             layout.slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             if item.samples:
                 sample_rows.extend(range(len(layout.input_ids) - 1 - len(item.draft), len(layout.input_ids)))
-        return layout, self.backend.tensor(sample_rows)
+        return layout, sample_rows
 
     @staticmethod
     @torch.inference_mode()
@@ -124,3 +163,16 @@ class ModelRunner:
                              [list(range(blocks))])
         hidden = backend.forward(model, layout, caches)
         model.compute_logits(hidden[-min(num_logits, num_tokens):])
+
+
+def auto_num_blocks(model: nn.Module, model_config: ModelConfig, backend: Backend, config: EngineConfig,
+                    max_model_len: int) -> int:
+    """The KV blocks this rank's budget holds (Backend.kv_pool_bytes: on CUDA what is left after a
+    profiling forward of the largest step), never more than every sequence at full length could
+    use; 0 when not even one fits (the engine says so)."""
+    per_block = ModelRunner.kv_bytes_per_block(model_config, config.block_size, backend.dtype)
+    step_tokens = min(config.max_num_batched_tokens, max_model_len)
+    budget = backend.kv_pool_bytes(config, lambda: ModelRunner.profile(
+        model, model_config, backend, config.block_size, step_tokens, config.max_num_seqs))
+    ceiling = config.max_num_seqs * -(-max_model_len // config.block_size)
+    return max(0, min(int(budget // per_block), ceiling))

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from roseinfer.backends.base import Backend
+from roseinfer.distributed.parallel import SINGLE, TensorParallel
 from roseinfer.loader.default_model import default_model_path
 from roseinfer.loader.gguf import convert_gguf
 from roseinfer.models.config import ModelConfig
@@ -81,10 +82,11 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(folder: Path, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
-               backend: Backend) -> nn.Module:
-    """The model with the checkpoint's weights, prepared by `backend` (which may swap its own layers in)."""
+               backend: Backend, tp: TensorParallel = SINGLE) -> nn.Module:
+    """The model with the checkpoint's weights (this rank's share of them under tensor parallelism),
+    prepared by `backend` (which may swap its own layers in)."""
     with torch.device(device):
-        model = build_model(model_config)
+        model = build_model(model_config, tp)
     model.to(dtype)
     model.load_weights(iter_safetensors(folder))
     backend.prepare_model(model)

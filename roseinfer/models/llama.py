@@ -2,7 +2,9 @@
 
 A decoder layer reads norm -> attention -> norm -> MLP. q/k/v and gate/up are fused into one matmul
 each; `load_weights` slices the checkpoint's separate tensors into them, and reorders q/k rows for
-the adjacent-pair rotary (layers/rotary.py).
+the adjacent-pair rotary (layers/rotary.py). Under tensor parallelism (`tp`, distributed/parallel.py)
+a rank builds its share: its heads and MLP slice, its rows of the vocabulary; the all-reduces after
+o and down, the embedding's and the logits' gather are the only places the ranks meet.
 
 Inside a forward, submodules are called through `.forward`: nn.Module.__call__'s hook bookkeeping
 runs ~300 times a decode step here, and skipping it made batch-1 and batch-16 steps 1-2 % faster
@@ -15,6 +17,8 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from roseinfer.distributed.parallel import (SINGLE, TensorParallel, column_parallel, row_parallel,
+                                            vocab_parallel_embedding)
 from roseinfer.layers.activation import ActivationAndMul
 from roseinfer.layers.attention import AttentionMetadata, KVCache, PagedAttention
 from roseinfer.layers.linear import Linear, in_row_chunks
@@ -25,21 +29,22 @@ from roseinfer.models.weights import WeightLoader
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.tp = tp
+        q, kv = tp.even(cfg.num_heads * cfg.head_dim), tp.kv_heads(cfg.num_kv_heads, cfg.head_dim)
+        self.num_heads, self.num_kv_heads, self.head_dim = q.rows // cfg.head_dim, kv.rows // cfg.head_dim, cfg.head_dim
+        self.q_size, self.kv_size = q.rows, kv.rows
+        self.qkv_proj = column_parallel(cfg.hidden_size, [q, kv, kv], bias=cfg.attention_bias)
         # Qwen2 has bias on q/k/v only; Llama's attention_bias covers o_proj too.
         o_bias = cfg.attention_bias and cfg.model_type in ("llama", "mistral")
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=o_bias)
+        self.o_proj = row_parallel(q.size, cfg.hidden_size, tp, bias=o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        return self.o_proj.forward(self.attend(self.qkv_proj.forward(x), rope, kv_cache, meta))
+        return self.tp.all_reduce(self.o_proj.forward(self.attend(self.qkv_proj.forward(x), rope, kv_cache, meta)))
 
     def attend(self, qkv: torch.Tensor, rope: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         """Attention from the q/k/v projection's output [T, q + 2 kv]; returns [T, q_size]."""
@@ -55,24 +60,27 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.tp = tp
+        width = tp.even(cfg.intermediate_size)
+        self.gate_up_proj = column_parallel(cfg.hidden_size, [width, width], bias=False)
+        self.down_proj = row_parallel(cfg.intermediate_size, cfg.hidden_size, tp, bias=False)
         self.act_and_mul = ActivationAndMul(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return in_row_chunks(self._rows, x, meta.mlp_chunk_rows)
+        return self.tp.all_reduce(in_row_chunks(self._rows, x, meta.mlp_chunk_rows))
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj.forward(self.act_and_mul.forward(self.gate_up_proj.forward(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg)
-        self.mlp = LlamaMLP(cfg)
+        self.tp = tp
+        self.self_attn = LlamaAttention(cfg, tp)
+        self.mlp = LlamaMLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
 
@@ -87,11 +95,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = vocab_parallel_embedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.raw_config)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
 
 
@@ -101,34 +109,30 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.cfg = cfg
-        self.model = LlamaModel(cfg)
+        self.cfg, self.tp = cfg, tp
+        self.model = LlamaModel(cfg, tp)
+        vocab = tp.vocab(cfg.vocab_size)
         if cfg.tie_word_embeddings:  # the head reads the embedding's weight: no weight of its own
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device="meta")
+            self.lm_head = Linear(cfg.hidden_size, vocab.rows, bias=False, device="meta")
             self.lm_head.weight = self.model.embed_tokens.weight
         else:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = column_parallel(cfg.hidden_size, [vocab], bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
-        x = self.model.embed_tokens.forward(input_ids)
+        x = self.tp.embed(self.model.embed_tokens, input_ids)
         rope = self.model.rotary.lookup(positions)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x, residual = layer.forward(x, residual, rope, kv_cache, meta)
         return self.model.norm.forward(x, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.forward(hidden).float()
-
-    def shard_sizes(self, packed_name: str) -> list[int]:
-        cfg = self.cfg
-        if packed_name == "qkv_proj":
-            kv = cfg.num_kv_heads * cfg.head_dim
-            return [cfg.num_heads * cfg.head_dim, kv, kv]
-        return [cfg.intermediate_size, cfg.intermediate_size]
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[rows, V] float logits; under tensor parallelism on rank 0 only (None elsewhere)."""
+        logits = self.tp.gather_logits(self.lm_head.forward(hidden), self.cfg.vocab_size)
+        return None if logits is None else logits.float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         loader = WeightLoader(self, self.packed_modules)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from roseinfer.distributed.parallel import SINGLE, TensorParallel
 from roseinfer.models.config import SUPPORTED_MODEL_TYPES, ModelConfig
 from roseinfer.models.gpt2 import GPT2LMHeadModel
 from roseinfer.models.llama import LlamaForCausalLM
@@ -11,7 +12,8 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {"gpt2": GPT2LMHeadModel}
 MODEL_CLASSES.update({name: LlamaForCausalLM for name in SUPPORTED_MODEL_TYPES if name != "gpt2"})
 
 
-def build_model(cfg: ModelConfig) -> nn.Module:
+def build_model(cfg: ModelConfig, tp: TensorParallel = SINGLE) -> nn.Module:
+    """The model for cfg, as rank tp.rank of tp.size holds it (whole at size 1)."""
     if cfg.model_type not in MODEL_CLASSES:
         raise ValueError(f"unsupported model_type {cfg.model_type!r}; supported: {', '.join(MODEL_CLASSES)}")
-    return MODEL_CLASSES[cfg.model_type](cfg)
+    return MODEL_CLASSES[cfg.model_type](cfg, tp)

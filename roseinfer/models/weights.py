@@ -13,12 +13,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from roseinfer.distributed.parallel import Part
+
 
 class WeightLoader:
+    """Under tensor parallelism (distributed/parallel.py) each rank takes its share of a checkpoint
+    tensor: a column-parallel layer (`tp_parts`) its rows of each sub-projection, a row-parallel one
+    (`tp_input`) its columns, rank 0 alone its bias. At size 1 the parts are whole."""
+
     def __init__(self, model: nn.Module, packed_modules: dict[str, tuple[str, int]]) -> None:
         self.model = model
         self.packed_modules = packed_modules
         self.params = dict(model.named_parameters())
+        self.modules = dict(model.named_modules())
         self.loaded: set[str] = set()
         self.loaded_shards: dict[str, int] = {}
         self.mappable = {f"{name}.weight" for name, module in model.named_modules() if isinstance(module, nn.Embedding)}
@@ -28,14 +35,27 @@ class WeightLoader:
             if f".{source}." in name:
                 target = name.replace(f".{source}.", f".{packed}.")
                 param = self._param(target, name)
-                sizes = self.model.shard_sizes(packed)
-                start = sum(sizes[:shard])
-                param.data.narrow(0, start, sizes[shard]).copy_(tensor)
+                parts = self._owner(target).tp_parts
+                self._copy_parts(param, parts, [shard], tensor, name)
                 self.loaded_shards[target] = self.loaded_shards.get(target, 0) + 1
-                if self.loaded_shards[target] == len(sizes):
+                if self.loaded_shards[target] == len(parts):
                     self.loaded.add(target)
                 return
+        owner = self._owner(name)
+        row_split = getattr(owner, "tp_input", None)
+        if row_split is not None and name.endswith(".bias") and owner.bias is None:
+            return  # a row-parallel bias: rank 0 adds it
         param = self._param(name, name)
+        parts = getattr(owner, "tp_parts", None)
+        if parts is not None and not self._whole(parts):
+            if name in self.mappable and _fits(parts[0]) and _can_map(param, tensor):
+                tensor = tensor.narrow(0, parts[0].start, parts[0].rows)  # its rows of the table, still mapped
+            else:  # a fused tensor whose parts this rank slices (GPT-2's c_attn), or a padded last slice
+                self._copy_parts(param, parts, range(len(parts)), tensor, name)
+                self.loaded.add(name)
+                return
+        if row_split is not None and name.endswith(".weight"):
+            tensor = tensor.narrow(1, row_split.start, row_split.rows)
         if param.shape != tensor.shape:
             raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
                              f"the model expects {tuple(param.shape)}")
@@ -46,6 +66,30 @@ class WeightLoader:
             param.data.copy_(tensor)
         self.loaded.add(name)
 
+    def _copy_parts(self, param: torch.Tensor, parts: list[Part], shards: range | list[int], tensor: torch.Tensor,
+                    name: str) -> None:
+        """`tensor` is the checkpoint's sub-projections `shards` one after another (one of a fused
+        layer's, or all of them); each goes to its place in param, this rank's rows of it only."""
+        expected = sum(parts[s].size for s in shards)
+        if tensor.shape[0] != expected or tensor.shape[1:] != param.shape[1:]:
+            raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
+                             f"the model expects {(expected, *param.shape[1:])}")
+        source = 0  # the sub-projection's first row in tensor
+        for s in shards:
+            part = parts[s]
+            local = sum(p.rows for p in parts[:s])  # its first row in param
+            rows = max(0, min(part.rows, part.size - part.start))  # a vocabulary's last slice may run past it
+            param.data.narrow(0, local, rows).copy_(tensor.narrow(0, source + part.start, rows))
+            param.data.narrow(0, local + rows, part.rows - rows).zero_()
+            source += part.size
+
+    @staticmethod
+    def _whole(parts: list[Part]) -> bool:
+        return len(parts) == 1 and parts[0].start == 0 and parts[0].rows == parts[0].size
+
+    def _owner(self, param_name: str) -> nn.Module:
+        return self.modules.get(param_name.rpartition(".")[0], self.model)
+
     def _param(self, target: str, source: str) -> nn.Parameter:
         if target not in self.params:
             raise ValueError(f"checkpoint tensor {source} matches no model parameter")
@@ -55,6 +99,11 @@ class WeightLoader:
         missing = sorted(set(self.params) - self.loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:3]}")
+
+
+def _fits(part: Part) -> bool:
+    """The part's rows all lie inside the checkpoint tensor (no padding)."""
+    return part.start + part.rows <= part.size
 
 
 def _can_map(param: torch.Tensor, tensor: torch.Tensor) -> bool:

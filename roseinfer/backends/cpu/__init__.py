@@ -21,8 +21,9 @@ from roseinfer.models.config import ModelConfig
 class CPUBackend(Backend):
     name = "cpu"
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, model_config: ModelConfig) -> None:
-        super().__init__(device, dtype, model_config)
+    def __init__(self, device: torch.device, dtype: torch.dtype, model_config: ModelConfig,
+                 world_size: int = 1) -> None:
+        super().__init__(device, dtype, model_config, world_size)
         self.group = model_config.num_heads // model_config.num_kv_heads
         # the C prefill kernel takes head dims of whole 16-float chunks up to 128; others use SDPA
         self.native_prefill = ops.prefill_attention_supported(model_config.head_dim, self.group)
@@ -33,7 +34,8 @@ class CPUBackend(Backend):
 
     def prepare_model(self, model: nn.Module) -> None:
         layers.install(model)
-        llama.install(model)
+        # the one-call decoder stack computes whole layers in C: no place for a tensor-parallel all-reduce
+        llama.install(model, whole_stack=self.world_size == 1)
         super().prepare_model(model)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:

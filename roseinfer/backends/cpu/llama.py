@@ -1,6 +1,7 @@
 """The Llama family on the CPU backend, swapped in at load (`install`): the norm before q/k/v and
 gate/up, and SiLU * up before down, computed inside the matmul calls after them (PackedLinear), and
-a decode step's decoder layers all run in one C call (csrc/decode_layers.c).
+a decode step's decoder layers all run in one C call (csrc/decode_layers.c), except under tensor
+parallelism, whose all-reduces sit between the layers' matmuls.
 
 Python between matmuls runs cache-cold (the weights of each matmul evict it), so every crossing
 into C that a decode step saves counts; the one-call stack calls the same C functions in the same
@@ -28,12 +29,12 @@ class CPULlamaDecoderLayer(LlamaDecoderLayer):
                 meta: CPUMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         attn, mlp = self.self_attn, self.mlp
         qkv, residual = attn.qkv_proj.forward_normed(x, self.input_layernorm, residual)
-        h = attn.o_proj.forward(attn.attend(qkv, rope, kv_cache, meta))
+        h = self.tp.all_reduce(attn.o_proj.forward(attn.attend(qkv, rope, kv_cache, meta)))
         if mlp.gate_up_proj.takes_native_rows(h.shape[0]):
             gate_up, residual = mlp.gate_up_proj.forward_normed(h, self.post_attention_layernorm, residual)
-            return mlp.down_proj.forward_activated(gate_up, mlp.act_and_mul), residual
+            return self.tp.all_reduce(mlp.down_proj.forward_activated(gate_up, mlp.act_and_mul)), residual
         h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
-        return in_row_chunks(self._mlp_rows, h, meta.mlp_chunk_rows), residual
+        return self.tp.all_reduce(in_row_chunks(self._mlp_rows, h, meta.mlp_chunk_rows)), residual
 
     def _mlp_rows(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp.down_proj.forward_activated(self.mlp.gate_up_proj.forward(x), self.mlp.act_and_mul)
@@ -89,12 +90,14 @@ class CPULlamaForCausalLM(LlamaForCausalLM):
         return self._decode_table[1]
 
 
-def install(model: nn.Module) -> None:
-    """The CPU Llama classes, where the linears are packed (else the generic ones stay)."""
+def install(model: nn.Module, whole_stack: bool = True) -> None:
+    """The CPU Llama classes, where the linears are packed (else the generic ones stay); without
+    whole_stack (tensor parallelism), the layers but not the one-call decoder stack."""
     if not isinstance(model, LlamaForCausalLM):
         return
     layers = model.model.layers
     if all(isinstance(layer.self_attn.qkv_proj, PackedLinear) for layer in layers):
         for layer in layers:
             layer.__class__ = CPULlamaDecoderLayer
-        model.__class__ = CPULlamaForCausalLM
+        if whole_stack:
+            model.__class__ = CPULlamaForCausalLM

@@ -5,6 +5,7 @@ runs on CPU tensors under TRITON_INTERPRET=1, which is how the tests check it wi
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from dataclasses import dataclass
 
@@ -14,6 +15,8 @@ from torch import nn
 from roseinfer.backends.base import Backend, BatchLayout
 from roseinfer.backends.torch_sdpa import padded_block_tables, split_decode_prefill
 from roseinfer.layers.attention import AttentionMetadata, KVCache, PagedAttention
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -88,6 +91,9 @@ class TritonBackend(Backend):
 
     def capture(self, model: nn.Module, kv_caches: list[KVCache], max_num_seqs: int, max_blocks: int,
                 block_size: int) -> None:
+        if self.world_size > 1:  # a graph would have to capture the ranks' NCCL all-reduces: not done here
+            logger.info("tensor parallelism: decode steps run eagerly (no CUDA graphs)")
+            return
         if self.device.type == "cuda":  # the interpreter on CPU tensors has nothing to capture
             from roseinfer.backends.triton.cuda_graphs import DecodeGraphs
 

@@ -1,0 +1,308 @@
+"""Tensor-parallel ranks 1..N-1 as worker processes, and rank 0's handle on them (`Workers`).
+
+Rank 0 is the engine's own process: it alone schedules, manages the KV blocks and samples. Each step
+it pickles the step once (the BatchLayout and the rows whose logits it will take) and writes it to
+every worker's pipe; each worker runs the same forward over its share of the model (its all-reduces
+meet rank 0's) and the LM head on those rows, whose logits slices are gathered to rank 0. A pipe per
+worker was as cheap as nano-vllm's shared memory + event and ~3x cheaper than a gloo broadcast
+(benchmarks/tp_broadcast.py, docs/distributed.md), needs no size limit, and tells a waiting worker
+at once (EOF) that rank 0 is gone.
+
+Lifetime: the workers are spawned (torch.multiprocessing, daemon) when the engine starts and stopped
+with it (`close`, also on garbage collection and at interpreter exit). A worker exits when rank 0's
+process does, however it ends (SIGKILL included): its pipe reads EOF, a collective loses its peer, and
+a thread watching its parent pid catches the rest. It ignores SIGINT, so Ctrl-C at a terminal stops
+the engine's process, which stops its workers (a server drains first). A worker that dies (or fails
+and reports its traceback) makes rank 0's next collective fail at once (gloo sees the closed
+socket); rank 0 then stops the other workers and raises WorkerError naming the rank and why, and
+every later step raises it too. A hung worker is bounded by the collectives' timeout.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import threading
+import time
+import traceback
+import weakref
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from roseinfer.config import EngineConfig
+from roseinfer.distributed.parallel import TensorParallel, shard_config
+
+logger = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 600  # a worker's start: importing torch, loading its share of the checkpoint
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # the most a rank waits for the others at one collective (a hang)
+STOP_TIMEOUT_S = 1  # a stopped worker's grace (it exits in ~0.3 s) before SIGTERM, then SIGKILL
+
+
+class WorkerError(RuntimeError):
+    """A tensor-parallel worker died or failed; the engine cannot run further steps."""
+
+
+@dataclass
+class WorkerSpec:
+    """What a worker needs to build its share of the engine's model (pickled to it at spawn)."""
+
+    config: EngineConfig
+    model_folder: Path
+    backend: str  # rank 0's choice, by name: every rank runs the same backend
+    device: str  # "cpu" or "cuda" (rank r uses GPU r)
+    dtype: torch.dtype
+    max_model_len: int
+    num_threads: int  # each rank's torch threads
+
+
+class Workers:
+    """Rank 0's handle on ranks 1..size-1: start, one message per step, failure, stop."""
+
+    def __init__(self, spec: WorkerSpec, size: int, device: torch.device) -> None:
+        ctx = mp.get_context("spawn")
+        store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=START_TIMEOUT_S))
+        self.procs: list[mp.Process] = []
+        self.conns: list[multiprocessing.connection.Connection] = []
+        self.error: WorkerError | None = None
+        self._stopping = threading.Event()  # set once the workers are being stopped: their exits are expected
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, self._stopping)
+        try:
+            for rank in range(1, size):
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=_worker_main, args=(spec, rank, size, store.port, child, os.getpid()),
+                                   name=f"roseinfer-tp-rank{rank}", daemon=True)
+                proc.start()
+                child.close()
+                self.procs.append(proc)
+                self.conns.append(parent)
+            group = self._while_watching(lambda: _process_group(store, 0, size, device), "joining the group")
+        except BaseException:
+            self.close()
+            raise
+        self.tp = TensorParallel(0, size, group, device)
+        self.store = store  # the workers' rendezvous: kept while the group lives
+        threading.Thread(target=_watch, args=(group, [proc.sentinel for proc in self.procs], self._stopping),
+                         name="roseinfer-tp-watch", daemon=True).start()
+
+    # ---- rank 0's side of the protocol ---------------------------------------------------
+    def wait_ready(self) -> None:
+        """Until every worker has loaded its share (each reports, or dies trying)."""
+        for rank, conn in enumerate(self.conns, start=1):
+            message = self._while_watching(conn.recv, "loading the model", rank)
+            if message[0] != "ready":
+                raise self._fail(f"rank {rank} failed while loading the model:\n{message[1]}")
+
+    def call(self, method: str, *args: Any) -> None:
+        """Every worker runs `method(*args)` (its side of what rank 0 does next)."""
+        if self.error is not None:
+            raise self.error
+        payload = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            for conn in self.conns:
+                conn.send_bytes(payload)
+        except OSError as exc:  # a broken pipe: that worker is gone
+            raise self.failed(exc) from exc
+
+    def step(self, layout: Any, logit_rows: list) -> None:
+        """The workers' part in this step: the forward, then the LM head on logit_rows (ModelRunner.follow)."""
+        self.call("step", layout, logit_rows)
+
+    def failed(self, exc: BaseException, doing: str = "running a step") -> WorkerError:
+        """The error to raise after `exc` interrupted a step or a call: which worker died and how.
+        A step cut short (a KeyboardInterrupt too) leaves the ranks out of step, with workers waiting
+        in a collective rank 0 left: the engine stops them all either way."""
+        if self.error is not None:
+            return self.error
+        deadline = time.monotonic() + (3 if isinstance(exc, Exception) else 0)  # a crashed rank is reaped soon
+        while time.monotonic() < deadline and all(proc.is_alive() for proc in self.procs):
+            time.sleep(0.05)
+        for rank, proc in enumerate(self.procs, start=1):
+            if not proc.is_alive():
+                return self._died(rank, doing)
+        return self._fail(f"a step failed on rank 0 ({type(exc).__name__}: {exc})")
+
+    def close(self) -> None:
+        """Stop every worker (a no-op once done)."""
+        self._finalizer()
+
+    @property
+    def pids(self) -> list[int]:
+        return [proc.pid for proc in self.procs]
+
+    # ---- watching ------------------------------------------------------------------------
+    def _fail(self, what: str) -> WorkerError:
+        self.error = WorkerError(f"tensor parallelism: {what}; the engine stopped its workers and "
+                                 "cannot run further steps")
+        self.close()
+        return self.error
+
+    def _while_watching(self, fn: Any, doing: str, rank: int | None = None) -> Any:
+        """fn() in a thread while rank 0 watches the workers: a worker that dies (or runs past
+        START_TIMEOUT_S) turns into a WorkerError instead of a wait that never ends."""
+        result: list = []
+
+        def run() -> None:
+            try:
+                result.append((True, fn()))
+            except BaseException as exc:  # noqa: BLE001 -- handed to the caller's thread
+                result.append((False, exc))
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        ranks = range(1, len(self.procs) + 1) if rank is None else [rank]
+        while True:
+            thread.join(0.05)
+            if not thread.is_alive():
+                break
+            dead = [r for r in ranks if not self.procs[r - 1].is_alive()]
+            if dead:
+                thread.join(0.5)  # a worker's last message may be on its way
+                if not thread.is_alive():
+                    break
+                raise self._died(dead[0], doing)
+            if time.monotonic() > deadline:
+                raise self._fail(f"the workers took over {START_TIMEOUT_S} s {doing}")
+        ok, value = result[0]
+        if not ok:
+            raise self._died(rank, doing) if isinstance(value, EOFError) and rank is not None else value
+        return value
+
+    def _died(self, rank: int, doing: str) -> WorkerError:
+        proc = self.procs[rank - 1]
+        return self._fail(f"rank {rank} (pid {proc.pid}) {_how(proc, self.conns[rank - 1])} while {doing}")
+
+
+def _watch(group: Any, sentinels: list[int], stopping: threading.Event) -> None:
+    """A worker that dies while rank 0 waits in a collective: gloo notices the closed socket by
+    itself; NCCL would wait out its timeout unless the group is aborted, which this does. (It holds
+    the group, not the Workers, which the garbage collector may then stop.)"""
+    multiprocessing.connection.wait(sentinels)
+    if not stopping.is_set():
+        try:
+            group.abort()
+        except Exception:  # noqa: BLE001 -- not every backend can abort; gloo needs not
+            pass
+
+
+def _how(proc: mp.Process, conn: multiprocessing.connection.Connection) -> str:
+    """How a worker ended: its traceback when it reported one, else its exit code or signal."""
+    try:
+        if conn.poll(0):
+            kind, detail = conn.recv()
+            if kind == "error":
+                return f"failed:\n{detail}"
+    except (EOFError, OSError):
+        pass
+    proc.join(0.1)
+    code = proc.exitcode
+    if code is not None and code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return "exited" if code is None else f"exited with code {code}"
+
+
+def _stop(procs: list[mp.Process], conns: list[multiprocessing.connection.Connection],
+          stopping: threading.Event) -> None:
+    """Ask every worker to stop, then end those still there after STOP_TIMEOUT_S."""
+    stopping.set()
+    message = pickle.dumps(("stop", ()))
+    for conn in conns:
+        try:
+            conn.send_bytes(message)
+        except OSError:
+            pass
+    # a worker left inside a collective by an interrupted step cannot read the message: it is ended
+    for end in (None, mp.Process.terminate, mp.Process.kill):
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for proc in procs:
+            if end is not None and proc.is_alive():
+                end(proc)
+            proc.join(max(0.0, deadline - time.monotonic()))
+    for conn in conns:
+        conn.close()
+
+
+def _process_group(store: dist.Store, rank: int, size: int, device: torch.device) -> Any:
+    """This rank's member of the group: gloo on CPU, NCCL on CUDA (one GPU per rank). Built
+    directly on the store, not as torch.distributed's default group, so that one process can hold
+    several engines (the tests do)."""
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = COLLECTIVE_TIMEOUT
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+    return dist.ProcessGroupGloo(store, rank, size, COLLECTIVE_TIMEOUT)
+
+
+# ---- the worker process ------------------------------------------------------------------------
+def _worker_main(spec: WorkerSpec, rank: int, size: int, port: int, conn: multiprocessing.connection.Connection,
+                 parent_pid: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it stops us
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    try:
+        worker = _Worker(spec, rank, size, port)
+        conn.send(("ready", None))
+        while True:
+            method, args = pickle.loads(conn.recv_bytes())
+            if method == "stop":
+                break
+            getattr(worker, method)(*args)
+    except EOFError:  # rank 0 is gone
+        pass
+    except BaseException:  # noqa: BLE001 -- reported to rank 0, whose next collective then fails
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except OSError:
+            pass
+        os._exit(1)
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """Exit as soon as rank 0's process is gone (we are re-parented), whatever killed it; a thread
+    rather than PR_SET_PDEATHSIG, which fires when the *thread* that spawned us exits."""
+    while os.getppid() == parent_pid:
+        time.sleep(0.5)
+    os._exit(1)
+
+
+class _Worker:
+    """One rank's share of the engine: the model's share, its backend, its KV pool."""
+
+    def __init__(self, spec: WorkerSpec, rank: int, size: int, port: int) -> None:
+        from roseinfer.backends import select_backend
+        from roseinfer.loader.model_loader import load_model, load_model_config
+
+        torch.set_num_threads(spec.num_threads)
+        if spec.device == "cuda":
+            torch.cuda.set_device(rank)
+        self.device = torch.device(spec.device, rank) if spec.device == "cuda" else torch.device("cpu")
+        self.spec = spec
+        store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=timedelta(seconds=START_TIMEOUT_S))
+        self.tp = TensorParallel(rank, size, _process_group(store, rank, size, self.device), self.device)
+        self.model_config = load_model_config(spec.model_folder)
+        self.local_config = shard_config(self.model_config, size)
+        self.backend = select_backend(spec.backend, self.device, spec.dtype, self.local_config, size)
+        self.model = load_model(spec.model_folder, self.model_config, spec.dtype, self.device, self.backend, self.tp)
+        self.runner = None
+
+    def size_pool(self) -> None:
+        """Rank 0's LLMEngine sizes its pool at the same time; all ranks take the smallest."""
+        from roseinfer.engine.model_runner import ModelRunner, auto_num_blocks
+
+        config = self.spec.config
+        blocks = self.tp.min(config.num_kv_blocks or auto_num_blocks(
+            self.model, self.local_config, self.backend, config, self.spec.max_model_len))
+        if blocks >= 1:  # else rank 0 raises the error
+            self.runner = ModelRunner(self.model, self.local_config, blocks, config.block_size, self.backend, None)
+
+    def step(self, layout: Any, logit_rows: list) -> None:
+        self.runner.follow(layout, logit_rows)
