@@ -81,7 +81,8 @@ def test_blog_command_line_each_schedule(blog_flags: list[str], schedule: str, t
     assert all(len(v) == 3 for v in p50.values())
     for i in range(3):
         assert p50["TTFT"][i] <= p50["Latency"][i]
-        assert 0 < p50["TPOT"][i] <= p50["Latency"][i]
+        # 0 is possible: a client thread starved by a loaded machine stamps a request's queued deltas together
+        assert 0 <= p50["TPOT"][i] <= p50["Latency"][i]
     completion = [float(x) for x in re.findall(r"^Throughput \(completion,total\): ([0-9.]+) tokens/s$", text,
                                                flags=re.M)]
     total = [float(x) for x in re.findall(r"^Throughput \(total,total\): ([0-9.]+) tokens/s$", text, flags=re.M)]
