@@ -101,7 +101,7 @@ def gguf_tensor_names(hf_model: torch.nn.Module) -> dict[str, str]:
     return names
 
 
-def _encode(data: np.ndarray, qtype: QT, rng: np.random.Generator) -> tuple[np.ndarray, QT]:
+def encode_weights(data: np.ndarray, qtype: QT, rng: np.random.Generator) -> tuple[np.ndarray, QT]:
     """Data to store for one tensor. 1-D tensors and rows that do not fit the block size stay
     F32, as llama.cpp does. gguf-py cannot quantize K-quants, so for those this writes random
     blocks with sane fp16 scales: they exercise dequantization and reshaping, not accuracy."""
@@ -171,7 +171,7 @@ def write_tiny_gguf(
             data = llama_permute(data, cfg.num_attention_heads, cfg.num_key_value_heads)
         elif arch == "gpt2" and gguf_name.split(".")[-2] in ("attn_qkv", "attn_output", "ffn_up", "ffn_down"):
             data = data.T if gguf_name.endswith(".weight") else data  # Conv1D (in, out) -> (out, in)
-        stored, stored_type = _encode(np.ascontiguousarray(data), qtype, rng)
+        stored, stored_type = encode_weights(np.ascontiguousarray(data), qtype, rng)
         if stored_type in (QT.F32, QT.F16):
             w.add_tensor(gguf_name, stored)
         else:

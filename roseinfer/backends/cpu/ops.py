@@ -247,3 +247,30 @@ def packed_matmul_steps(weights: list[tuple[int, torch.Tensor | None, int, int]]
         packed=pointers(*(w[0] for w in weights)), bias=pointers(*(_address(w[1]) for w in weights)),
         n=sizes(*(w[2] for w in weights)), k=sizes(*(w[3] for w in weights)), count=count, x=x.data_ptr(),
         x_stride=x.stride(0), out=out.data_ptr(), m=x.shape[0], steps=steps, num_threads=torch.get_num_threads())
+
+
+def quant_matmul(x: torch.Tensor, weight: torch.Tensor, qtype: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [m, k] @ W.T (+ bias), W [n, k] kept as GGUF blocks: weight is uint8 [n, bytes per row]
+    (csrc/quants.h), qtype its GGML type id. Returns [m, n] (fp32 sums)."""
+    x = _rows(x)
+    m, k = x.shape
+    out = torch.empty(m, weight.shape[0], dtype=x.dtype)
+    failed = native_library().quant_matmul_f32(
+        x=x.data_ptr(), x_stride=x.stride(0), weight=weight.data_ptr(), type=qtype, bias=_address(bias),
+        out=out.data_ptr(), m=m, n=weight.shape[0], k=k, num_threads=torch.get_num_threads())
+    if failed:
+        raise ValueError(f"quant_matmul: GGML type {qtype} with rows of {k} weights is not supported")
+    return out
+
+
+def dequantize_rows(weight: torch.Tensor, qtype: int, ids: torch.Tensor, k: int) -> torch.Tensor:
+    """Rows `ids` (int64) of the quantized table weight (uint8 [rows, bytes per row], GGML type
+    qtype, k weights a row), dequantized: [len(ids), k] fp32."""
+    ids = ids.contiguous()
+    out = torch.empty(ids.numel(), k, dtype=torch.float32)
+    failed = native_library().dequantize_rows_f32(
+        weight=weight.data_ptr(), type=qtype, ids=ids.data_ptr(), count=ids.numel(), k=k, out=out.data_ptr(),
+        num_threads=torch.get_num_threads())
+    if failed:
+        raise ValueError(f"dequantize_rows: GGML type {qtype} with rows of {k} weights is not supported")
+    return out

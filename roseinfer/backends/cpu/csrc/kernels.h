@@ -49,5 +49,9 @@ int decode_layers_f32(const decode_layer_t *layers, int64_t num_layers, float *x
                       const int64_t *new_slots, const int64_t *block_tables, const int64_t *kv_lens, int64_t n,
                       int64_t hidden, int64_t intermediate, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                       int64_t block_size, int64_t max_blocks, float eps, float scale, int num_threads);
+int quant_matmul_f32(const float *x, int64_t x_stride, const uint8_t *weight, int64_t type, const float *bias,
+                     float *out, int64_t m, int64_t n, int64_t k, int num_threads);
+int dequantize_rows_f32(const uint8_t *weight, int64_t type, const int64_t *ids, int64_t count, int64_t k, float *out,
+                        int num_threads);
 
 #endif
