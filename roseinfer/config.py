@@ -8,6 +8,7 @@ from typing import Any
 ADMISSION_POLICIES = ("fifo", "pack")
 BACKEND_NAMES = ("auto", "torch", "cpu", "triton")  # backends/__init__.py
 SPECULATIVE_METHODS = ("ngram", "draft_model")
+QUANTIZATION_METHODS = ("auto", "gguf", "none")  # loader/quantized.py
 
 
 @dataclass
@@ -56,6 +57,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the model's context length
     num_threads: int | None = None  # CPU intra-op threads; None = torch's default
     attention_backend: str = "auto"  # the hardware backend, attention and the layers it swaps in (backends/)
+    # GGUF matrices kept in their blocks, dequantized inside the matmul: gguf (an error where the backend
+    # cannot), auto (gguf where it can, else fp32), none (fp32 at load)
+    quantization: str = "auto"
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
     # sampling defaults for requests that leave a field unset (loader/generation_config.py)
     generation_config: str = "auto"  # auto: the model's generation_config.json; vllm: none; else a folder
@@ -97,6 +101,8 @@ class EngineConfig:
         if self.attention_backend not in BACKEND_NAMES:
             raise ValueError(f"attention_backend must be one of {', '.join(BACKEND_NAMES)}, "
                              f"got {self.attention_backend!r}")
+        if self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {self.quantization!r}")
         if self.dtype not in ("float32", "float16", "bfloat16", "auto"):
             raise ValueError(f"dtype must be float32, float16, bfloat16 or auto, got {self.dtype!r}")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -4,15 +4,20 @@ running the dequantized weights."""
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
 import torch
+import transformers
 from gguf import GGMLQuantizationType as QT
 
-from gguf_writer import encode_weights
+from gguf_writer import encode_weights, make_tiny_tokenizer, write_tiny_gguf
+from roseinfer import LLM, SamplingParams
 from roseinfer.backends.cpu import ops
+from roseinfer.loader.gguf import convert_gguf
+from tiny_models import hf_greedy
 
 QTYPES = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q4_K, QT.Q6_K]
 needs_kernels = pytest.mark.skipif(not any(shutil.which(c) for c in ("cc", "gcc", "clang")),
@@ -62,3 +67,92 @@ def test_quant_matmul_refuses_types_and_widths_it_does_not_handle() -> None:
         ops.quant_matmul(torch.randn(2, 32), blocks[:, :18], int(QT.Q4_K), None)  # 32 is not whole 256-blocks
     with pytest.raises(ValueError, match="not supported"):
         ops.quant_matmul(torch.randn(2, 32), blocks[:, :18], int(QT.Q5_0), None)
+
+
+def _tiny_hf(model_type: str, hidden: int, vocab: int, **overrides) -> torch.nn.Module:
+    """A random HF model whose 2-D weights are scaled up, so greedy logits are far from ties."""
+    cls = dict(llama=transformers.LlamaConfig, qwen3=transformers.Qwen3Config)[model_type]
+    torch.manual_seed(0)
+    cfg = cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5,
+              bos_token_id=1, eos_token_id=2, **overrides)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+            if p.dim() == 2:
+                p.mul_(4.0)
+    return model
+
+
+def _quantized_modules(llm: LLM) -> set[str]:
+    return {type(m).__name__ for m in llm.engine.runner.model.modules() if hasattr(getattr(m, "weight", None),
+                                                                                   "ggml_type")}
+
+
+# llama: q/k rows unpermuted and reordered for rotary as rows of blocks, an untied head; qwen3: a
+# tied head reading the embedding's blocks, q/k norms
+CASES = [("llama", q.name) for q in QTYPES] + [("qwen3", "Q8_0")]
+
+
+@needs_kernels
+@pytest.mark.parametrize("model_type,qtype", CASES, ids=[f"{m}-{q}" for m, q in CASES])
+def test_engine_with_blocks_matches_hf_on_the_dequantized_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   model_type: str, qtype: str) -> None:
+    """roseinfer with quantization gguf (weights in blocks, dequantized in the matmul) generates what HF
+    generates from the dequantized weights (the fp32 conversion of the same file), token for token."""
+    monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(tmp_path / "cache"))
+    tok = make_tiny_tokenizer(300)
+    hidden = 256 if qtype in ("Q4_K", "Q6_K") else 64  # K-quant rows are whole 256-blocks
+    extra = dict(head_dim=32, tie_word_embeddings=True) if model_type == "qwen3" else dict(tie_word_embeddings=False)
+    src = write_tiny_gguf(tmp_path / "tiny.gguf", _tiny_hf(model_type, hidden, len(tok), **extra), tok, qtype)
+    llm = LLM(model=str(src), quantization="gguf", num_kv_blocks=32)
+    assert _quantized_modules(llm) == {"QuantizedLinear", "QuantizedEmbedding"}
+    prompts = [[5, 17, 42, 9], list(range(3, 40))]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    folder = convert_gguf(src)  # dequantized to fp32
+    refs = [hf_greedy(folder, p, 12) for p in prompts]
+    assert any(len(set(r)) > 2 for r in refs), "degenerate reference"
+    assert [o.token_ids for o in outs] == refs
+
+
+def test_a_fused_weight_whose_parts_differ_in_type_stays_fp32(caplog: pytest.LogCaptureFixture) -> None:
+    from roseinfer.loader.quantized import BlockTensor, keep_blocks
+    from roseinfer.models.config import ModelConfig
+    from roseinfer.models.registry import build_model
+
+    cfg = _tiny_hf("llama", 64, 300, tie_word_embeddings=False).config
+    model = build_model(ModelConfig.from_dict(cfg.to_dict()))
+    attn, mlp = "model.layers.0.self_attn", "model.layers.0.mlp"
+    stored = {f"{attn}.q_proj.weight": BlockTensor("Q4_1", (64, 64)), f"{attn}.k_proj.weight": BlockTensor("Q8_0", (32, 64)),
+              f"{attn}.v_proj.weight": BlockTensor("Q4_1", (32, 64)), f"{mlp}.gate_proj.weight": BlockTensor("Q4_1", (64, 64)),
+              f"{mlp}.up_proj.weight": BlockTensor("Q4_1", (64, 64))}
+    with caplog.at_level("INFO"):
+        kept = keep_blocks(model, stored, frozenset({"Q4_1", "Q8_0"}))
+    assert kept == {f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"}
+    assert "qkv_proj.weight stays fp32" in caplog.text and "Q4_1 and Q8_0" in caplog.text
+    layer = model.model.layers[0]
+    assert layer.self_attn.qkv_proj.weight.dtype == torch.float32
+    assert layer.mlp.gate_up_proj.weight.dtype == torch.uint8 and layer.mlp.gate_up_proj.weight.shape == (128, 40)
+
+
+def test_quantization_gguf_needs_a_backend_and_a_model_that_have_blocks(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """--quantization gguf with the torch backend is an error naming the way out; auto there falls back
+    to fp32 weights (and still matches HF); gguf on a model without blocks is an error; a bad value too."""
+    from roseinfer.config import EngineConfig
+
+    monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(tmp_path / "cache"))
+    tok = make_tiny_tokenizer(300)
+    src = write_tiny_gguf(tmp_path / "tiny.gguf", _tiny_hf("llama", 64, len(tok), tie_word_embeddings=False), tok, "Q4_0")
+    with pytest.raises(ValueError, match="torch backend computes with fp32 weights only"):
+        LLM(model=str(src), quantization="gguf", attention_backend="torch", num_kv_blocks=8)
+    llm = LLM(model=str(src), attention_backend="torch", num_kv_blocks=8)  # auto
+    assert not _quantized_modules(llm)
+    prompt = [5, 17, 42, 9]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
+    assert out.token_ids == hf_greedy(convert_gguf(src), prompt, 8)
+    with pytest.raises(ValueError, match="needs a GGUF model with quantized matrices"):
+        LLM(model=str(convert_gguf(src)), quantization="gguf", num_kv_blocks=8)
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        EngineConfig(quantization="int8")

@@ -41,7 +41,7 @@ class LLMEngine:
             raise ValueError("device 'cuda' was asked for but torch sees no CUDA device")
         self.dtype = DTYPES["bfloat16" if config.dtype == "auto" and self.device.type == "cuda" else
                             "float32" if config.dtype == "auto" else config.dtype]
-        self.model_folder = resolve_model_folder(config.model)
+        self.model_folder = resolve_model_folder(config.model, config.quantization)
         self.model_config = load_model_config(self.model_folder)
         self.tokenizer = Tokenizer(self.model_folder)
         self.sampling_defaults = sampling_defaults(self.model_folder, config.generation_config,
@@ -51,7 +51,8 @@ class LLMEngine:
         except ValueError as exc:
             raise ValueError(f"the generation config's sampling defaults: {exc}") from None
         self.backend = select_backend(config.attention_backend, self.device, self.dtype, self.model_config)
-        model = load_model(self.model_folder, self.model_config, self.dtype, self.device, self.backend)
+        model = load_model(self.model_folder, self.model_config, self.dtype, self.device, self.backend,
+                           config.quantization)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         spec = config.speculative

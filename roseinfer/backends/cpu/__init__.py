@@ -13,6 +13,7 @@ from roseinfer.backends.cpu import layers, llama, ops
 from roseinfer.backends.cpu.attention import CPUMetadata, NativeDecodeGroup, NativePrefillGroup
 from roseinfer.backends.cpu.kernels import kernels_available
 from roseinfer.backends.cpu.layers import PackedLinear
+from roseinfer.backends.cpu.quantized import QUANTIZED_TYPES
 from roseinfer.backends.torch_sdpa import AttentionGroup, padded_block_tables, sdpa_group, split_decode_prefill
 from roseinfer.layers.linear import Linear
 from roseinfer.models.config import ModelConfig
@@ -20,6 +21,7 @@ from roseinfer.models.config import ModelConfig
 
 class CPUBackend(Backend):
     name = "cpu"
+    quantized_types = QUANTIZED_TYPES
 
     def __init__(self, device: torch.device, dtype: torch.dtype, model_config: ModelConfig) -> None:
         super().__init__(device, dtype, model_config)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from roseinfer.backends.cpu import onednn, ops
+from roseinfer.backends.cpu import onednn, ops, quantized
 from roseinfer.layers.activation import ActivationAndMul
 from roseinfer.layers.linear import Linear, linear_layers
 from roseinfer.layers.norm import RMSNorm
@@ -126,10 +126,12 @@ def to_packed(layer: Linear) -> PackedLinear:
 def install(model: nn.Module) -> None:
     """Swap the CPU layers in: each keeps its parameters and changes only how it computes (the
     subclasses add no state the generic layer lacks but what `pack` sets)."""
-    tied = [(head, emb) for head in linear_layers(model) for emb in model.modules()
-            if isinstance(emb, nn.Embedding) and emb.weight is head.weight]
+    quantized.install(model)  # weights kept as GGUF blocks: their own layers, not packed
+    dense = [layer for layer in linear_layers(model) if not isinstance(layer, quantized.QuantizedLinear)]
+    tied = [(head, emb) for head in dense for emb in model.modules()
+            if type(emb) is nn.Embedding and emb.weight is head.weight]
     if onednn.available():
-        for layer in linear_layers(model):
+        for layer in dense:
             to_packed(layer)
         for head, embedding in tied:
             view = None if head.packed_block is None else \
