@@ -140,7 +140,7 @@ def test_attention_kernels_stay_inside_their_buffers_under_address_sanitizer(tmp
     # a whole decode step in one call: the norm and SiLU matmul calls and decode attention together
     run = build_and_run("decode_layers_asan", pathlib.Path(__file__).with_name("decode_layers_asan.c"),
                         kernels.CSRC / "decode_layers.c", kernels.CSRC / "packed_matmul.c",
-                        kernels.CSRC / "paged_attention.c")
+                        kernels.CSRC / "quant_matmul.c", kernels.CSRC / "paged_attention.c")
     assert run is not None, "the decode-step harness did not build although an empty ASan program did"
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr
     # the GGUF-block matmul and row lookup: every type, partial row groups and tiles
@@ -388,4 +388,4 @@ def test_every_entry_point_of_the_real_header_is_bound() -> None:
     assert len(names) == 14 and all(isinstance(getattr(library, name), kernels.Kernel) for name in names)
     fields = [name for name, _ in library.structs["decode_layer_t"]._fields_]
     assert fields == ["input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up", "down", "k_cache",
-                      "v_cache"]
+                      "v_cache", "qkv_type", "o_type", "gate_up_type", "down_type"]

@@ -114,6 +114,9 @@ def test_engine_with_blocks_matches_hf_on_the_dequantized_weights(tmp_path: Path
     refs = [hf_greedy(folder, p, 12) for p in prompts]
     assert any(len(set(r)) > 2 for r in refs), "degenerate reference"
     assert [o.token_ids for o in outs] == refs
+    if model_type == "llama":  # its decode steps ran all layers in one C call (csrc/decode_layers.c)
+        table = llm.engine.runner.model._decode_table
+        assert table is not None and table[1] is not None
 
 
 def test_a_fused_weight_whose_parts_differ_in_type_stays_fp32(caplog: pytest.LogCaptureFixture) -> None:
@@ -156,3 +159,19 @@ def test_quantization_gguf_needs_a_backend_and_a_model_that_have_blocks(tmp_path
         LLM(model=str(convert_gguf(src)), quantization="gguf", num_kv_blocks=8)
     with pytest.raises(ValueError, match="quantization must be one of"):
         EngineConfig(quantization="int8")
+
+
+@needs_kernels
+def test_quantized_linear_from_32_rows_multiplies_dequantized_slices(monkeypatch: pytest.MonkeyPatch) -> None:
+    from roseinfer.backends.cpu import quantized
+
+    blocks, dense = random_blocks(QT.Q4_1, 45, 64)
+    linear = quantized.Linear(64, 45, bias=True)
+    linear.weight = torch.nn.Parameter(blocks, requires_grad=False)
+    linear.weight.ggml_type = int(QT.Q4_1)
+    quantized.install(linear)
+    assert isinstance(linear, quantized.QuantizedLinear)
+    monkeypatch.setattr(quantized, "SLICE_BYTES", 10 * 64 * 4)  # slices of 10 rows of W: 5, the last partial
+    for rows in (31, 32, 70):  # the block kernel, then the sliced fp32 matmul
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(linear(x), x @ dense.T + linear.bias, rtol=1e-5, atol=1e-4)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from roseinfer.backends.base import Backend, BatchLayout
-from roseinfer.backends.cpu import layers, llama, ops
+from roseinfer.backends.cpu import layers, llama, ops, quantized
 from roseinfer.backends.cpu.attention import CPUMetadata, NativeDecodeGroup, NativePrefillGroup
 from roseinfer.backends.cpu.kernels import kernels_available
 from roseinfer.backends.cpu.layers import PackedLinear
@@ -34,6 +34,7 @@ class CPUBackend(Backend):
         return device.type == "cpu" and dtype == torch.float32 and kernels_available()
 
     def prepare_model(self, model: nn.Module) -> None:
+        quantized.install(model)  # weights kept as GGUF blocks: their own layers, which layers.install leaves
         layers.install(model)
         llama.install(model)
         super().prepare_model(model)

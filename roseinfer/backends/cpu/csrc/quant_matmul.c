@@ -84,18 +84,8 @@ static inline __attribute__((always_inline)) void matmul_tasks(int type, const f
     }
 }
 
-/* Whether `type` is handled and k is a whole number of its blocks. */
-static int shape_ok(int64_t type, int64_t k) {
-    return quant_block_bytes(type) != 0 && k > 0 && k % quant_block_weights(type) == 0;
-}
-
-/* out [m, n] = x [m, k] (rows x_stride floats apart) W^T (+ bias [n] or NULL); weight: W's blocks,
- * rows back to back. Returns nonzero (nothing written) for a type not handled or a k that is not a
- * whole number of blocks. */
-int quant_matmul_f32(const float *x, int64_t x_stride, const uint8_t *weight, int64_t type, const float *bias,
-                     float *out, int64_t m, int64_t n, int64_t k, int num_threads) {
-    if (!shape_ok(type, k)) return 1;
-#pragma omp parallel num_threads(num_threads)
+void quant_matmul_tasks(const float *x, int64_t x_stride, const uint8_t *weight, int64_t type, const float *bias,
+                        float *out, int64_t m, int64_t n, int64_t k) {
     switch (type) {
     case Q4_0: matmul_tasks(Q4_0, x, x_stride, weight, bias, out, m, n, k); break;
     case Q4_1: matmul_tasks(Q4_1, x, x_stride, weight, bias, out, m, n, k); break;
@@ -103,6 +93,16 @@ int quant_matmul_f32(const float *x, int64_t x_stride, const uint8_t *weight, in
     case Q4_K: matmul_tasks(Q4_K, x, x_stride, weight, bias, out, m, n, k); break;
     default: matmul_tasks(Q6_K, x, x_stride, weight, bias, out, m, n, k); break;
     }
+}
+
+/* out [m, n] = x [m, k] (rows x_stride floats apart) W^T (+ bias [n] or NULL); weight: W's blocks,
+ * rows back to back. Returns nonzero (nothing written) for a type not handled or a k that is not a
+ * whole number of blocks. */
+int quant_matmul_f32(const float *x, int64_t x_stride, const uint8_t *weight, int64_t type, const float *bias,
+                     float *out, int64_t m, int64_t n, int64_t k, int num_threads) {
+    if (!quant_shape_ok(type, k)) return 1;
+#pragma omp parallel num_threads(num_threads)
+    quant_matmul_tasks(x, x_stride, weight, type, bias, out, m, n, k);
     return 0;
 }
 
@@ -110,7 +110,7 @@ int quant_matmul_f32(const float *x, int64_t x_stride, const uint8_t *weight, in
  * (nothing written) as quant_matmul_f32 does. */
 int dequantize_rows_f32(const uint8_t *weight, int64_t type, const int64_t *ids, int64_t count, int64_t k, float *out,
                         int num_threads) {
-    if (!shape_ok(type, k)) return 1;
+    if (!quant_shape_ok(type, k)) return 1;
     const int64_t row_bytes = k / quant_block_weights(type) * quant_block_bytes(type);
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t i = 0; i < count; i++) {

@@ -42,6 +42,16 @@ static inline int64_t quant_block_bytes(int64_t type) {
 
 static inline int64_t quant_block_weights(int64_t type) { return type == Q4_K || type == Q6_K ? 256 : 32; }
 
+/* Whether `type` is handled and k is a whole number of its blocks. */
+static inline int quant_shape_ok(int64_t type, int64_t k) {
+    return quant_block_bytes(type) != 0 && k > 0 && k % quant_block_weights(type) == 0;
+}
+
+/* quant_matmul_f32's tasks, shared over the threads of an enclosing parallel region (the callers
+ * check quant_shape_ok first); csrc/packed_matmul.c runs them after its row prologues */
+void quant_matmul_tasks(const float *x, int64_t x_stride, const uint8_t *weight, int64_t type, const float *bias,
+                        float *out, int64_t m, int64_t n, int64_t k);
+
 static inline float fp16_to_f32(const uint8_t *p) {
 #if defined(__F16C__)
     return _cvtsh_ss((unsigned short)(p[0] | p[1] << 8));
