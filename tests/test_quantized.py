@@ -71,11 +71,15 @@ def test_quant_matmul_refuses_types_and_widths_it_does_not_handle() -> None:
 
 def _tiny_hf(model_type: str, hidden: int, vocab: int, **overrides) -> torch.nn.Module:
     """A random HF model whose 2-D weights are scaled up, so greedy logits are far from ties."""
-    cls = dict(llama=transformers.LlamaConfig, qwen3=transformers.Qwen3Config)[model_type]
     torch.manual_seed(0)
-    cfg = cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5,
-              bos_token_id=1, eos_token_id=2, **overrides)
+    if model_type == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=vocab, n_embd=hidden, n_layer=2, n_head=4, n_positions=128,
+                                      n_inner=2 * hidden, bos_token_id=1, eos_token_id=2)
+    else:
+        cls = dict(llama=transformers.LlamaConfig, qwen3=transformers.Qwen3Config)[model_type]
+        cfg = cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5,
+                  bos_token_id=1, eos_token_id=2, **overrides)
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -91,8 +95,9 @@ def _quantized_modules(llm: LLM) -> set[str]:
 
 
 # llama: q/k rows unpermuted and reordered for rotary as rows of blocks, an untied head; qwen3: a
-# tied head reading the embedding's blocks, q/k norms
-CASES = [("llama", q.name) for q in QTYPES] + [("qwen3", "Q8_0")]
+# tied head reading the embedding's blocks, q/k norms; gpt2: its Conv1D weights are transposed and
+# its names renamed, so everything is dequantized at load (and still exact)
+CASES = [("llama", q.name) for q in QTYPES] + [("qwen3", "Q8_0"), ("gpt2", "Q8_0")]
 
 
 @needs_kernels
@@ -104,10 +109,11 @@ def test_engine_with_blocks_matches_hf_on_the_dequantized_weights(tmp_path: Path
     monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(tmp_path / "cache"))
     tok = make_tiny_tokenizer(300)
     hidden = 256 if qtype in ("Q4_K", "Q6_K") else 64  # K-quant rows are whole 256-blocks
-    extra = dict(head_dim=32, tie_word_embeddings=True) if model_type == "qwen3" else dict(tie_word_embeddings=False)
-    src = write_tiny_gguf(tmp_path / "tiny.gguf", _tiny_hf(model_type, hidden, len(tok), **extra), tok, qtype)
+    extra = dict(llama=dict(tie_word_embeddings=False), qwen3=dict(head_dim=32, tie_word_embeddings=True), gpt2={})
+    src = write_tiny_gguf(tmp_path / "tiny.gguf", _tiny_hf(model_type, hidden, len(tok), **extra[model_type]), tok,
+                          qtype)
     llm = LLM(model=str(src), quantization="gguf", num_kv_blocks=32)
-    assert _quantized_modules(llm) == {"QuantizedLinear", "QuantizedEmbedding"}
+    assert _quantized_modules(llm) == (set() if model_type == "gpt2" else {"QuantizedLinear", "QuantizedEmbedding"})
     prompts = [[5, 17, 42, 9], list(range(3, 40))]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     folder = convert_gguf(src)  # dequantized to fp32

@@ -59,9 +59,11 @@ def keep_blocks(model: nn.Module, stored: dict[str, BlockTensor], types: frozens
         for source, (fused, _) in packed.items():
             target = target.replace(f".{source}.", f".{fused}.")
         sources.setdefault(target, []).append(name)
-    modules = dict(model.named_modules())
+    modules, params = dict(model.named_modules()), dict(model.named_parameters())
     kept: set[str] = set()
     for target, names in sources.items():
+        if target not in params:  # a name the model renames or skips (GPT-2's, a tied head): fp32
+            continue
         module = modules.get(target.rpartition(".")[0])
         qtypes = {stored[name].qtype for name in names}
         fused = len(names) > 1 or target not in names
