@@ -3,6 +3,7 @@
 running the dequantized weights."""
 from __future__ import annotations
 
+import platform
 import shutil
 from pathlib import Path
 
@@ -181,3 +182,26 @@ def test_quantized_linear_from_32_rows_multiplies_dequantized_slices(monkeypatch
     for rows in (31, 32, 70):  # the block kernel, then the sliced fp32 matmul
         x = torch.randn(rows, 64)
         torch.testing.assert_close(linear(x), x @ dense.T + linear.bias, rtol=1e-5, atol=1e-4)
+
+
+@needs_kernels
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the -mno-* flags are x86's")
+def test_the_portable_c_path_gives_the_same_values(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Built without AVX, AVX2, F16C or FMA (the GCC-vector and scalar-fp16 code that any compiler
+    builds), the row lookup is still bit for bit gguf-py's and the matmul its dequantize's."""
+    from roseinfer.backends.cpu import kernels
+
+    flags = tuple(f for f in kernels.CFLAGS if f != "-march=native") + ("-mno-avx", "-mno-f16c", "-mno-fma")
+    monkeypatch.setattr(kernels, "CFLAGS", flags)
+    monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(tmp_path))
+    kernels.native_library.cache_clear()
+    try:
+        for qtype in QTYPES:
+            blocks, dense = random_blocks(qtype, 19, gguf.GGML_QUANT_SIZES[qtype][0] * 2, seed=2)
+            ids = torch.tensor([18, 0, 7])
+            assert torch.equal(ops.dequantize_rows(blocks, int(qtype), ids, dense.shape[1]), dense[ids])
+            x = torch.randn(5, dense.shape[1])
+            torch.testing.assert_close(ops.quant_matmul(x, blocks, int(qtype), None), x @ dense.T, rtol=1e-5,
+                                       atol=1e-4 * dense.abs().max().item())
+    finally:
+        kernels.native_library.cache_clear()  # later tests load the real build again
