@@ -8,6 +8,7 @@ from typing import Any
 ADMISSION_POLICIES = ("fifo", "pack")
 BACKEND_NAMES = ("auto", "torch", "cpu", "triton")  # backends/__init__.py
 SPECULATIVE_METHODS = ("ngram", "draft_model")
+QUANTIZATION_METHODS = ("auto", "gguf", "none")  # loader/quantized.py
 
 
 @dataclass
@@ -58,6 +59,9 @@ class EngineConfig:
     # ranks the model is split over, one process each (distributed/); a CPU's threads are shared by them
     tensor_parallel_size: int = 1
     attention_backend: str = "auto"  # the hardware backend, attention and the layers it swaps in (backends/)
+    # GGUF matrices kept in their blocks, dequantized inside the matmul: gguf (an error where the backend
+    # cannot), auto (gguf where it can, else fp32), none (fp32 at load)
+    quantization: str = "auto"
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
     # sampling defaults for requests that leave a field unset (loader/generation_config.py)
     generation_config: str = "auto"  # auto: the model's generation_config.json; vllm: none; else a folder
@@ -100,6 +104,11 @@ class EngineConfig:
         if self.attention_backend not in BACKEND_NAMES:
             raise ValueError(f"attention_backend must be one of {', '.join(BACKEND_NAMES)}, "
                              f"got {self.attention_backend!r}")
+        if self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {self.quantization!r}")
+        if self.quantization == "gguf" and self.tensor_parallel_size > 1:
+            raise ValueError("quantization gguf keeps GGUF blocks whole, and tensor parallelism splits weights "
+                             "through them: use quantization auto (or none), which dequantizes at load")
         if self.dtype not in ("float32", "float16", "bfloat16", "auto"):
             raise ValueError(f"dtype must be float32, float16, bfloat16 or auto, got {self.dtype!r}")
         if not 0 < self.gpu_memory_utilization <= 1:

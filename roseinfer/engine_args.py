@@ -5,7 +5,7 @@ import argparse
 import json
 from dataclasses import fields
 
-from roseinfer.config import ADMISSION_POLICIES, BACKEND_NAMES, EngineConfig
+from roseinfer.config import ADMISSION_POLICIES, BACKEND_NAMES, QUANTIZATION_METHODS, EngineConfig
 
 HELP = {
     "model": "HF folder, .gguf file or hub id (default: the embedded SmolLM2-135M-Instruct)",
@@ -22,6 +22,9 @@ HELP = {
                          "C call (fp32); triton: Triton kernels (CUDA); torch: torch ops only, any device (the "
                          "reference, and the switch to run without any kernel of ours); auto (default): cpu on "
                          "a CPU where the kernels build, triton on CUDA, else torch",
+    "quantization": "GGUF models: gguf keeps Q8_0/Q4_0/Q4_1/Q4_K/Q6_K matrices in their blocks and dequantizes "
+                    "them inside the matmul (cpu backend; an error on one that cannot); none dequantizes every "
+                    "tensor to fp32 at load; auto (default): gguf where the backend can, else fp32",
     "enforce_eager": "CUDA: run decode steps eagerly instead of replaying CUDA graphs captured at start-up",
     "generation_config": "sampling defaults for request fields left unset: auto (the model's "
                          "generation_config.json, where it has one), vllm (none: the API's defaults), or a folder "
@@ -68,7 +71,8 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = (),
             continue
         kind = {"int": int, "int | None": int, "float": float, "float | None": float,
                 "dict[str, Any] | None": _json_object}.get(str(f.type), str)
-        choices = {"prefill_admission_policy": ADMISSION_POLICIES, "attention_backend": BACKEND_NAMES}.get(f.name)
+        choices = {"prefill_admission_policy": ADMISSION_POLICIES, "attention_backend": BACKEND_NAMES,
+                   "quantization": QUANTIZATION_METHODS}.get(f.name)
         # a help text that explains its own default (None rarely says what happens) keeps it
         shown = "" if "(default" in HELP[f.name] else f" (default: {default})"
         group.add_argument(*flags, dest=f.name, type=kind, default=default, choices=choices,

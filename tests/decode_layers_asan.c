@@ -14,18 +14,27 @@ static float *randoms(int64_t count) {
     return p;
 }
 
-/* a weight [rows, k] as the packed layout holds it: whole 64-row blocks */
-static float *packed(int64_t rows, int64_t k) { return randoms((rows + 63) / 64 * 64 * k); }
+/* a weight [rows, k] as the packed layout holds it (whole 64-row blocks), or for quantized as Q8_0
+ * blocks (type 8: 34 bytes per 32 weights) */
+static void *weight(int64_t rows, int64_t k, int quantized) {
+    if (!quantized) return randoms((rows + 63) / 64 * 64 * k);
+    uint8_t *blocks = malloc((size_t)(rows * k / 32 * 34));
+    for (int64_t i = 0; i < rows * k / 32 * 34; i++) blocks[i] = (uint8_t)rand();
+    return blocks;
+}
 
-static void run(int64_t n, int64_t hidden, int64_t intermediate, int64_t H, int64_t Hkv, int64_t D, int with_bias) {
+static void run(int64_t n, int64_t hidden, int64_t intermediate, int64_t H, int64_t Hkv, int64_t D, int with_bias,
+                int quantized) {
     const int64_t layers_count = 2, bs = 4, max_blocks = 5, slots = n * max_blocks * bs;
     const int64_t q_size = H * D, qkv_size = q_size + 2 * Hkv * D;
     decode_layer_t layers[2];
     for (int64_t l = 0; l < layers_count; l++) {
-        layers[l] = (decode_layer_t){randoms(hidden), randoms(hidden), packed(qkv_size, hidden),
-                                     with_bias ? randoms(qkv_size) : NULL, packed(hidden, q_size),
-                                     with_bias ? randoms(hidden) : NULL, packed(2 * intermediate, hidden),
-                                     packed(hidden, intermediate), randoms(slots * Hkv * D), randoms(slots * Hkv * D)};
+        const int64_t type = quantized ? 8 : 0;
+        layers[l] = (decode_layer_t){randoms(hidden), randoms(hidden), weight(qkv_size, hidden, quantized),
+                                     with_bias ? randoms(qkv_size) : NULL, weight(hidden, q_size, quantized),
+                                     with_bias ? randoms(hidden) : NULL, weight(2 * intermediate, hidden, quantized),
+                                     weight(hidden, intermediate, quantized), randoms(slots * Hkv * D),
+                                     randoms(slots * Hkv * D), type, type, type, type};
     }
     float *x = randoms(n * hidden), *out = randoms(n * hidden), *rope = randoms(n * D);
     int64_t *tables = malloc(sizeof(int64_t) * (size_t)(n * max_blocks)), *lens = malloc(sizeof(int64_t) * (size_t)n);
@@ -51,10 +60,12 @@ static void run(int64_t n, int64_t hidden, int64_t intermediate, int64_t H, int6
 }
 
 int main(void) {
-    run(1, 80, 100, 4, 2, 16, 0);   /* one row; 80 and 100 end in partial blocks and partial vectors */
-    run(7, 80, 100, 4, 2, 16, 1);   /* a partial row group of 1 after one of 6, with biases */
-    run(13, 96, 200, 6, 1, 16, 0);  /* multi-query attention */
-    run(3, 64, 96, 2, 2, 32, 1);
+    run(1, 80, 100, 4, 2, 16, 0, 0);   /* one row; 80 and 100 end in partial blocks and partial vectors */
+    run(7, 80, 100, 4, 2, 16, 1, 0);   /* a partial row group of 1 after one of 6, with biases */
+    run(13, 96, 200, 6, 1, 16, 0, 0);  /* multi-query attention */
+    run(3, 64, 96, 2, 2, 32, 1, 0);
+    run(1, 64, 96, 2, 2, 32, 1, 1);    /* GGUF blocks: one row, and a partial group of 3 after one of 8 */
+    run(11, 64, 96, 2, 2, 32, 0, 1);
     printf("ok\n");
     return 0;
 }

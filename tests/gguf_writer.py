@@ -101,15 +101,18 @@ def gguf_tensor_names(hf_model: torch.nn.Module) -> dict[str, str]:
     return names
 
 
-def _encode(data: np.ndarray, qtype: QT, rng: np.random.Generator) -> tuple[np.ndarray, QT]:
+def encode_weights(data: np.ndarray, qtype: QT, rng: np.random.Generator) -> tuple[np.ndarray, QT]:
     """Data to store for one tensor. 1-D tensors and rows that do not fit the block size stay
-    F32, as llama.cpp does. gguf-py cannot quantize K-quants, so for those this writes random
-    blocks with sane fp16 scales: they exercise dequantization and reshaping, not accuracy."""
+    F32, as llama.cpp does. gguf-py cannot quantize K-quants: Q4_K and Q6_K are quantized here
+    (simply, not llama.cpp's search, but close to the data); the other K-quants get random blocks
+    with sane fp16 scales, which exercise dequantization and reshaping, not accuracy."""
     block, type_size = gguf.GGML_QUANT_SIZES[qtype]
     if qtype == QT.F32 or data.ndim == 1 or data.shape[-1] % block:
         return data.astype(np.float32), QT.F32
     if qtype == QT.F16:
         return data.astype(np.float16), QT.F16
+    if qtype in _K_QUANTIZERS:
+        return _K_QUANTIZERS[qtype](data.reshape(-1, 256)).reshape(*data.shape[:-1], -1), qtype
     if qtype not in _K_FP16_FIELDS:
         return gguf.quants.quantize(data, qtype), qtype
     n_blocks = data.size // block
@@ -117,6 +120,45 @@ def _encode(data: np.ndarray, qtype: QT, rng: np.random.Generator) -> tuple[np.n
     for offset in _K_FP16_FIELDS[qtype]:  # overwrite the fp16 scales so no block is inf/nan
         raw[:, offset : offset + 2 or None] = np.full((n_blocks, 1), 0.01, dtype=np.float16).view(np.uint8)
     return raw.reshape(*data.shape[:-1], -1), qtype
+
+
+def _fp16_bytes(values: np.ndarray) -> np.ndarray:
+    return values.astype(np.float16).reshape(-1, 1).view(np.uint8)
+
+
+def _quantize_q4_k(x: np.ndarray) -> np.ndarray:
+    """[blocks, 256] -> Q4_K blocks: 8 sub-blocks of 32, w = (d * sc) * q - dmin * mn, 6-bit sc, mn."""
+    sub = x.reshape(-1, 8, 32)
+    low = np.minimum(sub.min(-1), 0.0)  # each sub-block's offset, stored as -dmin * mn with mn >= 0
+    step = (sub.max(-1) - low) / 15
+    d = (np.maximum(step.max(-1), 1e-8) / 63).astype(np.float16).astype(np.float32)
+    dmin = (np.maximum(-low.min(-1), 1e-8) / 63).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.round(step / d[:, None]), 1, 63).astype(np.uint8)
+    mn = np.clip(np.round(-low / dmin[:, None]), 0, 63).astype(np.uint8)
+    q = np.clip(np.round((sub + (dmin[:, None] * mn)[..., None]) / (d[:, None] * sc)[..., None]), 0, 15)
+    q = q.astype(np.uint8).reshape(-1, 4, 2, 32)
+    qs = (q[:, :, 0] | q[:, :, 1] << 4).reshape(-1, 128)
+    scales = np.zeros((x.shape[0], 12), dtype=np.uint8)
+    scales[:, 0:4] = sc[:, :4] | (sc[:, 4:] >> 4) << 6
+    scales[:, 4:8] = mn[:, :4] | (mn[:, 4:] >> 4) << 6
+    scales[:, 8:12] = (sc[:, 4:] & 15) | (mn[:, 4:] & 15) << 4
+    return np.concatenate([_fp16_bytes(d), _fp16_bytes(dmin), scales, qs], axis=1)
+
+
+def _quantize_q6_k(x: np.ndarray) -> np.ndarray:
+    """[blocks, 256] -> Q6_K blocks: 16 groups of 16, w = (d * scale) * (q - 32), int8 scales."""
+    group = x.reshape(-1, 16, 16)
+    step = np.abs(group).max(-1) / 31
+    d = np.maximum(step.max(-1) / 127, 1e-10).astype(np.float16).astype(np.float32)
+    scale = np.clip(np.round(step / d[:, None]), 1, 127).astype(np.int8)
+    q = np.clip(np.round(group / (d[:, None] * scale)[..., None]) + 32, 0, 63).astype(np.uint8)
+    q = q.reshape(-1, 2, 4, 32)  # half, quarter t, lane l
+    ql = np.concatenate([q[:, :, 0] & 15 | (q[:, :, 2] & 15) << 4, q[:, :, 1] & 15 | (q[:, :, 3] & 15) << 4], axis=2)
+    qh = q[:, :, 0] >> 4 | (q[:, :, 1] >> 4) << 2 | (q[:, :, 2] >> 4) << 4 | (q[:, :, 3] >> 4) << 6
+    return np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), scale.view(np.uint8), _fp16_bytes(d)], axis=1)
+
+
+_K_QUANTIZERS = {QT.Q4_K: _quantize_q4_k, QT.Q6_K: _quantize_q6_k}
 
 
 def write_tiny_gguf(
@@ -171,7 +213,7 @@ def write_tiny_gguf(
             data = llama_permute(data, cfg.num_attention_heads, cfg.num_key_value_heads)
         elif arch == "gpt2" and gguf_name.split(".")[-2] in ("attn_qkv", "attn_output", "ffn_up", "ffn_down"):
             data = data.T if gguf_name.endswith(".weight") else data  # Conv1D (in, out) -> (out, in)
-        stored, stored_type = _encode(np.ascontiguousarray(data), qtype, rng)
+        stored, stored_type = encode_weights(np.ascontiguousarray(data), qtype, rng)
         if stored_type in (QT.F32, QT.F16):
             w.add_tensor(gguf_name, stored)
         else:

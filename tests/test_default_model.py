@@ -45,3 +45,19 @@ def test_default_model_calls_the_weather_tool_when_required():
     for each in arguments:
         jsonschema.validate(each, params)
     assert any("Paris" in each["city"] for each in arguments), arguments
+
+
+@pytest.mark.slow
+def test_default_model_with_gguf_blocks_generates_what_the_fp32_weights_do():
+    """--quantization gguf keeps the 210 Q4_1 matrices and the Q8_0 embedding / tied head in their
+    blocks (dequantized in the matmul, fp32 sums); greedy, it emits the dequantized fp32 model's tokens."""
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    quantized = LLM(num_kv_blocks=16, quantization="gguf")
+    model = quantized.engine.runner.model
+    kinds = [type(m).__name__ for m in model.modules() if hasattr(getattr(m, "weight", None), "ggml_type")]
+    assert kinds.count("QuantizedLinear") == 30 * 4 + 1 and kinds.count("QuantizedEmbedding") == 1  # fused q/k/v, gate/up
+    got = [o.token_ids for o in quantized.generate(prompts, params)]
+    del quantized, model
+    dense = LLM(num_kv_blocks=16, quantization="none")
+    assert got == [o.token_ids for o in dense.generate(prompts, params)]

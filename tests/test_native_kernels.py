@@ -111,7 +111,8 @@ def test_paged_prefill_attention_matches_sdpa_under_a_causal_mask(heads: int, kv
 def test_attention_kernels_stay_inside_their_buffers_under_address_sanitizer(tmp_path) -> None:
     """Prefill's lane blocks that run past a tile's last lane once read past the scores scratch (head
     dim 128, 64 lanes) while results stayed right, so only a sanitizer saw it; decode (rotary and K/V
-    write fused in) runs there too, and so does a whole decode step through csrc/decode_layers.c."""
+    write fused in) runs there too, and so do a whole decode step through csrc/decode_layers.c and
+    the GGUF-block matmul of csrc/quant_matmul.c."""
     compiler = shutil.which("gcc") or shutil.which("clang")
     if compiler is None:
         pytest.skip("no gcc or clang to build the AddressSanitizer harness")
@@ -139,8 +140,13 @@ def test_attention_kernels_stay_inside_their_buffers_under_address_sanitizer(tmp
     # a whole decode step in one call: the norm and SiLU matmul calls and decode attention together
     run = build_and_run("decode_layers_asan", pathlib.Path(__file__).with_name("decode_layers_asan.c"),
                         kernels.CSRC / "decode_layers.c", kernels.CSRC / "packed_matmul.c",
-                        kernels.CSRC / "paged_attention.c")
+                        kernels.CSRC / "quant_matmul.c", kernels.CSRC / "paged_attention.c")
     assert run is not None, "the decode-step harness did not build although an empty ASan program did"
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr
+    # the GGUF-block matmul and row lookup: every type, partial row groups and tiles
+    run = build_and_run("quant_matmul_asan", pathlib.Path(__file__).with_name("quant_matmul_asan.c"),
+                        kernels.CSRC / "quant_matmul.c")
+    assert run is not None, "the quantized-matmul harness did not build although an empty ASan program did"
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr
 
 
@@ -379,7 +385,7 @@ def test_bindings_follow_the_header_by_name_so_a_moved_parameter_cannot_pass_a_w
 def test_every_entry_point_of_the_real_header_is_bound() -> None:
     library = kernels.native_library()
     names = re.findall(r"^\s*(?:void|int)\s+(\w+)\(", kernels.HEADER.read_text(), flags=re.M)
-    assert len(names) == 12 and all(isinstance(getattr(library, name), kernels.Kernel) for name in names)
+    assert len(names) == 14 and all(isinstance(getattr(library, name), kernels.Kernel) for name in names)
     fields = [name for name, _ in library.structs["decode_layer_t"]._fields_]
     assert fields == ["input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up", "down", "k_cache",
-                      "v_cache"]
+                      "v_cache", "qkv_type", "o_type", "gate_up_type", "down_type"]

@@ -50,6 +50,8 @@ class Backend(ABC):
     """Hardware-specific behaviour of one engine: attention metadata, layer swaps, the KV pool."""
 
     name: ClassVar[str]
+    # GGUF block types its layers compute with in place (loader/quantized.py); others get fp32 weights
+    quantized_types: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, device: torch.device, dtype: torch.dtype, model_config: ModelConfig,
                  world_size: int = 1) -> None:

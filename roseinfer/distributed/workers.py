@@ -291,7 +291,8 @@ class _Worker:
         self.model_config = load_model_config(spec.model_folder)
         self.local_config = shard_config(self.model_config, size)
         self.backend = select_backend(spec.backend, self.device, spec.dtype, self.local_config, size)
-        self.model = load_model(spec.model_folder, self.model_config, spec.dtype, self.device, self.backend, self.tp)
+        self.model = load_model(spec.model_folder, self.model_config, spec.dtype, self.device, self.backend, self.tp,
+                                spec.config.quantization)
         self.runner = None
 
     def size_pool(self) -> None:

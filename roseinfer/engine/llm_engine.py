@@ -50,7 +50,7 @@ class LLMEngine:
                              f"torch sees {torch.cuda.device_count()}")
         self.dtype = DTYPES["bfloat16" if config.dtype == "auto" and self.device.type == "cuda" else
                             "float32" if config.dtype == "auto" else config.dtype]
-        self.model_folder = resolve_model_folder(config.model)
+        self.model_folder = resolve_model_folder(config.model, config.quantization)
         self.model_config = load_model_config(self.model_folder)
         check_tensor_parallel(self.model_config, size)
         self.tokenizer = Tokenizer(self.model_folder)
@@ -81,7 +81,8 @@ class LLMEngine:
         """The model, the pool, the scheduler and the runner (rank 0's; the workers build their own
         share alongside, distributed/workers.py)."""
         tp = SINGLE if self.workers is None else self.workers.tp
-        model = load_model(self.model_folder, self.model_config, self.dtype, self.device, self.backend, tp)
+        model = load_model(self.model_folder, self.model_config, self.dtype, self.device, self.backend, tp,
+                           config.quantization)
         if self.workers is not None:
             self.workers.wait_ready()
         spec = config.speculative

@@ -6,10 +6,16 @@ about GGUF, a GGUF file is converted once into such a folder: every tensor is
 dequantized to float32, renamed to the HF parameter name and, for the llama
 family, un-permuted (see `_unpermute_rotary`). The folder is cached, keyed by
 the file's identity, so only the first load pays for the conversion.
+
+With `keep_blocks` (--quantization gguf / auto), matrices of the types in KEPT_TYPES are stored as
+their raw blocks instead: uint8 [rows, bytes per row], each row a whole number of blocks along the
+input dim, so the row reorderings act on them unchanged; QUANTIZATION_FILE names each such tensor's
+type and shape (loader/quantized.py reads it). That folder has its own cache key.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -31,6 +37,8 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3"
 
 # Bump whenever the output of the conversion changes, so stale caches are ignored.
 _CONVERTER_VERSION = 1
+KEPT_TYPES: tuple[str, ...] = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")  # kept as blocks with keep_blocks
+QUANTIZATION_FILE = "roseinfer_quantization.json"
 _GGUF_MAGIC = b"GGUF"
 _SHARD_BYTES = 2 * 2**30  # big models are written in shards of this size
 
@@ -72,6 +80,16 @@ class _TensorPlan:
     hf_name: str
     shape: tuple[int, ...]  # torch order (GGUF stores dimensions reversed)
     transform: Callable[[np.ndarray], np.ndarray] | None = None
+    transposed: bool = False  # the transform is a transpose (it cannot act on rows of blocks)
+    blocks: tuple[str, int] | None = None  # (GGML type, bytes per row) where stored as raw blocks
+
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        return self.shape if self.blocks is None else (self.shape[0], self.blocks[1])
+
+    @property
+    def stored_bytes(self) -> int:
+        return int(np.prod(self.stored_shape, dtype=np.int64)) * (1 if self.blocks else 4)
 
 
 def default_cache_root() -> Path:
@@ -83,15 +101,16 @@ def default_cache_root() -> Path:
     return Path.home() / ".cache" / "roseinfer"
 
 
-def convert_gguf(gguf_path: str | os.PathLike[str], cache_dir: str | None = None) -> Path:
-    """Convert a GGUF file into a cached HF folder and return the folder's path.
+def convert_gguf(gguf_path: str | os.PathLike[str], cache_dir: str | None = None, keep_blocks: bool = False) -> Path:
+    """Convert a GGUF file into a cached HF folder and return the folder's path; with keep_blocks,
+    matrices of KEPT_TYPES stay in their blocks (see the module's docstring).
 
     The cache key hashes the absolute path, size and mtime, so an edited or replaced
     file is converted again while an unchanged one returns at once.
     """
     src = Path(gguf_path).expanduser().resolve()
     st = src.stat()  # FileNotFoundError for a missing file is the clearest message.
-    key_src = f"{src}\0{st.st_size}\0{st.st_mtime_ns}\0v{_CONVERTER_VERSION}"
+    key_src = f"{src}\0{st.st_size}\0{st.st_mtime_ns}\0v{_CONVERTER_VERSION}" + ("\0blocks" if keep_blocks else "")
     key = hashlib.sha256(key_src.encode()).hexdigest()[:32]
     parent = (Path(cache_dir).expanduser() if cache_dir else default_cache_root()) / "gguf"
     final = parent / key
@@ -105,7 +124,7 @@ def convert_gguf(gguf_path: str | os.PathLike[str], cache_dir: str | None = None
     tmp = Path(tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=parent))
     try:
         logger.info("converting %s into %s", src, final)
-        _convert_into(src, tmp)
+        _convert_into(src, tmp, keep_blocks)
         try:
             os.rename(tmp, final)
         except OSError:
@@ -154,7 +173,7 @@ def _parse_gguf(path: Path) -> tuple[dict[str, Any], dict[str, _RawTensor]]:
     return meta, tensors
 
 
-def _convert_into(src: Path, out: Path) -> None:
+def _convert_into(src: Path, out: Path, keep_blocks: bool) -> None:
     meta, tensors = _parse_gguf(src)
     arch = str(meta.get("general.architecture", "<missing>"))
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -164,6 +183,8 @@ def _convert_into(src: Path, out: Path) -> None:
     shapes = {name: t.shape for name, t in tensors.items()}
     config = _build_config(arch, meta, shapes)
     plans = _plan_tensors(arch, config, shapes)
+    if keep_blocks:
+        plans = [_kept_as_blocks(plan, tensors[plan.gguf_name]) for plan in plans]
 
     # The tokenizer rebuild is the slowest step and mostly Python; it runs in a thread
     # while this one dequantizes and writes (numpy and file I/O release the GIL).
@@ -171,7 +192,7 @@ def _convert_into(src: Path, out: Path) -> None:
     # temp dir that the caller is already removing.
     with ThreadPoolExecutor(max_workers=1) as pool:
         tok_job = pool.submit(_save_tokenizer, src, out) if "tokenizer.ggml.model" in meta else None
-        _write_safetensors(out, plans, lambda p: _dequantize(tensors[p.gguf_name], p))
+        _write_safetensors(out, plans, lambda p: _stored(tensors[p.gguf_name], p))
     if tok_job is not None:
         tok_job.result()  # re-raises a tokenizer failure
     else:
@@ -179,6 +200,9 @@ def _convert_into(src: Path, out: Path) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     gen = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    if keep_blocks:
+        kept = {p.hf_name: {"type": p.blocks[0], "shape": list(p.shape)} for p in plans if p.blocks is not None}
+        (out / QUANTIZATION_FILE).write_text(json.dumps({"quant_method": "gguf", "tensors": kept}, indent=1) + "\n")
     source = {"source": str(src), "converter_version": _CONVERTER_VERSION}
     (out / "roseinfer_gguf_source.json").write_text(json.dumps(source, indent=2) + "\n")
 
@@ -286,6 +310,7 @@ def _plan_tensors(arch: str, config: dict[str, Any], shapes: dict[str, tuple[int
         if name in _SKIPPED_TENSORS:
             continue
         transform: Callable[[np.ndarray], np.ndarray] | None = None
+        transposed = False
         if m := _BLOCK_RE.match(name):
             layer, kind, suffix = m.groups()
             if kind not in block_names:
@@ -296,13 +321,28 @@ def _plan_tensors(arch: str, config: dict[str, Any], shapes: dict[str, tuple[int
             elif permuted and kind == "attn_k":
                 transform = _unpermute_rotary(config["num_key_value_heads"])
             elif is_gpt2 and kind in _GPT2_CONV1D and suffix == "weight":
-                transform, shape = np.transpose, shape[::-1]
+                transform, shape, transposed = np.transpose, shape[::-1], True
         elif (m := _GLOBAL_RE.match(name)) and m.group(1) in global_names:
             hf = f"{global_names[m.group(1)]}.{m.group(2)}"
         else:
             raise ValueError(f"unexpected tensor {name!r} for architecture {arch!r}")
-        plans.append(_TensorPlan(name, hf, shape, transform))
+        plans.append(_TensorPlan(name, hf, shape, transform, transposed))
     return plans
+
+
+def _kept_as_blocks(plan: _TensorPlan, tensor: _RawTensor) -> _TensorPlan:
+    """The plan storing the tensor's raw blocks where it is a matrix of a kept type whose transform,
+    if any, reorders whole rows."""
+    if tensor.qtype.name not in KEPT_TYPES or len(plan.shape) != 2 or plan.transposed:
+        return plan
+    return dataclasses.replace(plan, blocks=(tensor.qtype.name, int(tensor.data.shape[-1])))
+
+
+def _stored(tensor: _RawTensor, plan: _TensorPlan) -> np.ndarray:
+    if plan.blocks is None:
+        return _dequantize(tensor, plan)
+    data = tensor.data.reshape(plan.stored_shape)  # uint8, one row of blocks per output row
+    return np.ascontiguousarray(data if plan.transform is None else plan.transform(data))
 
 
 def _dequantize(tensor: _RawTensor, plan: _TensorPlan) -> np.ndarray:
@@ -326,7 +366,7 @@ def _write_safetensors(out: Path, plans: list[_TensorPlan], produce: Callable[[_
     shards: list[list[_TensorPlan]] = [[]]
     size = 0
     for plan in plans:
-        nbytes = 4 * int(np.prod(plan.shape, dtype=np.int64))
+        nbytes = plan.stored_bytes
         if shards[-1] and size + nbytes > _SHARD_BYTES:
             shards.append([])
             size = 0
@@ -340,13 +380,13 @@ def _write_safetensors(out: Path, plans: list[_TensorPlan], produce: Callable[[_
         tensors = {}
         for plan in shard:
             arr = produce(plan)
-            if arr.shape != plan.shape:
-                raise AssertionError(f"{plan.gguf_name}: got shape {arr.shape}, planned {plan.shape}")
+            if arr.shape != plan.stored_shape:
+                raise AssertionError(f"{plan.gguf_name}: got shape {arr.shape}, planned {plan.stored_shape}")
             tensors[plan.hf_name] = arr
         save_file(tensors, str(out / name), metadata={"format": "pt"})
         weight_map.update({plan.hf_name: name for plan in shard})
     if count > 1:
-        index = {"metadata": {"total_size": sum(4 * int(np.prod(p.shape)) for p in plans)}, "weight_map": weight_map}
+        index = {"metadata": {"total_size": sum(p.stored_bytes for p in plans)}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 

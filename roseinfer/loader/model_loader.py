@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Iterator
 
@@ -12,27 +13,33 @@ from roseinfer.backends.base import Backend
 from roseinfer.distributed.parallel import SINGLE, TensorParallel
 from roseinfer.loader.default_model import default_model_path
 from roseinfer.loader.gguf import convert_gguf
+from roseinfer.loader.quantized import block_tensors, dequantized, keep_blocks
 from roseinfer.models.config import ModelConfig
 from roseinfer.models.registry import build_model
+
+logger = logging.getLogger(__name__)
 
 
 class ModelLoadError(ValueError):
     """A model that cannot be found or read; the message is one line a user can act on."""
 
 
-def resolve_model_folder(model: str | None) -> Path:
+def resolve_model_folder(model: str | None, quantization: str = "none") -> Path:
+    """The HF folder of `model`. A GGUF file is converted (once, cached); with quantization auto or
+    gguf its quantized matrices stay in their blocks (loader/quantized.py decides which are used)."""
+    keep = quantization != "none"
     if model is None:
-        return convert_gguf(default_model_path())
+        return convert_gguf(default_model_path(), keep_blocks=keep)
     path = Path(model).expanduser()
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(f"{model}: a model file must be a .gguf file (or pass a Hugging Face folder)")
-        return convert_gguf(path)
+        return convert_gguf(path, keep_blocks=keep)
     if path.is_dir():
         if not (path / "config.json").exists():
             ggufs = sorted(path.glob("*.gguf"))
             if ggufs:
-                return convert_gguf(ggufs[0])
+                return convert_gguf(ggufs[0], keep_blocks=keep)
             raise ModelLoadError(f"{model}: folder has no config.json (not a Hugging Face model folder)")
         return path
     looks_like_hub_id = model.count("/") <= 1 and not model.startswith((".", "/", "~")) and not model.endswith(".gguf")
@@ -82,12 +89,26 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(folder: Path, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
-               backend: Backend, tp: TensorParallel = SINGLE) -> nn.Module:
+               backend: Backend, tp: TensorParallel = SINGLE, quantization: str = "auto") -> nn.Module:
     """The model with the checkpoint's weights (this rank's share of them under tensor parallelism),
-    prepared by `backend` (which may swap its own layers in)."""
+    prepared by `backend` (which may swap its own layers in). Weights stored as GGUF blocks keep them
+    where the backend computes with them (loader/quantized.py), unless quantization is none or the
+    model is split over ranks (a rank's share of a row would cut through blocks); the others are
+    dequantized to fp32 as they are read."""
     with torch.device(device):
         model = build_model(model_config, tp)
     model.to(dtype)
-    model.load_weights(iter_safetensors(folder))
+    stored = block_tensors(folder)
+    if quantization == "gguf" and not stored:
+        raise ValueError(f"quantization gguf needs a GGUF model with quantized matrices; {folder} has none")
+    if quantization == "gguf" and not backend.quantized_types:
+        raise ValueError(f"quantization gguf: the {backend.name} backend computes with fp32 weights only; "
+                         "use --attention-backend cpu, or --quantization none (or auto) to dequantize at load")
+    types = backend.quantized_types if quantization != "none" and tp.size == 1 else frozenset()
+    kept = keep_blocks(model, stored, types)
+    if len(kept) < len(stored):
+        logger.info("dequantizing %d of %d GGUF block tensors to fp32 at load (%s backend, quantization %s)",
+                    len(stored) - len(kept), len(stored), backend.name, quantization)
+    model.load_weights(dequantized(iter_safetensors(folder), stored, kept))
     backend.prepare_model(model)
     return model.eval()

@@ -54,8 +54,8 @@ class WeightLoader:
                 self._copy_parts(param, parts, range(len(parts)), tensor, name)
                 self.loaded.add(name)
                 return
-        if row_split is not None and name.endswith(".weight"):
-            tensor = tensor.narrow(1, row_split.start, row_split.rows)
+        if row_split is not None and name.endswith(".weight") and not self._whole([row_split]):
+            tensor = tensor.narrow(1, row_split.start, row_split.rows)  # (a whole one may hold GGUF blocks)
         if param.shape != tensor.shape:
             raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
                              f"the model expects {tuple(param.shape)}")

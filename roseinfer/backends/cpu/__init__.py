@@ -9,10 +9,11 @@ import torch
 from torch import nn
 
 from roseinfer.backends.base import Backend, BatchLayout
-from roseinfer.backends.cpu import layers, llama, ops
+from roseinfer.backends.cpu import layers, llama, ops, quantized
 from roseinfer.backends.cpu.attention import CPUMetadata, NativeDecodeGroup, NativePrefillGroup
 from roseinfer.backends.cpu.kernels import kernels_available
 from roseinfer.backends.cpu.layers import PackedLinear
+from roseinfer.backends.cpu.quantized import QUANTIZED_TYPES
 from roseinfer.backends.torch_sdpa import AttentionGroup, padded_block_tables, sdpa_group, split_decode_prefill
 from roseinfer.layers.linear import Linear
 from roseinfer.models.config import ModelConfig
@@ -20,6 +21,7 @@ from roseinfer.models.config import ModelConfig
 
 class CPUBackend(Backend):
     name = "cpu"
+    quantized_types = QUANTIZED_TYPES
 
     def __init__(self, device: torch.device, dtype: torch.dtype, model_config: ModelConfig,
                  world_size: int = 1) -> None:
@@ -33,6 +35,7 @@ class CPUBackend(Backend):
         return device.type == "cpu" and dtype == torch.float32 and kernels_available()
 
     def prepare_model(self, model: nn.Module) -> None:
+        quantized.install(model)  # weights kept as GGUF blocks: their own layers, which layers.install leaves
         layers.install(model)
         # the one-call decoder stack computes whole layers in C: no place for a tensor-parallel all-reduce
         llama.install(model, whole_stack=self.world_size == 1)

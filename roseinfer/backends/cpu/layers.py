@@ -40,12 +40,45 @@ class NativeSiluAndMul(ActivationAndMul):
         return ops.silu_mul(gate_up) if gate_up.dim() == 2 else super().forward(gate_up)
 
 
-class PackedLinear(Linear):
+class NativeRowsLinear(Linear):
+    """A Linear whose few-row matmuls run in C and can take the previous op (RMSNorm, SiLU * up) into
+    the same call: PackedLinear (packed fp32) and QuantizedLinear (GGUF blocks, backends/cpu/quantized.py)."""
+
+    native_weights: int | None = None  # the weight's address where few rows go to the C kernels
+    native_type: int = 0  # its layout there: 0 packed fp32, else the GGML type of its blocks
+
+    def forward_normed(self, x: torch.Tensor, norm: NativeRMSNorm, residual: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer on norm(x), x first added into the residual stream where there is one (the
+        stream starts at x where there is none); returns (output, stream). Where the rows go to the
+        C matmul, the norm is its prologue: one call, the same results."""
+        if self.takes_native_rows(x.shape[0]):
+            out = ops.rms_norm_packed_matmul(x, norm.weight, norm.eps, residual, self.native_weights,
+                                             self.native_type, self.out_features, self.bias)
+            return out, x if residual is None else residual
+        h, stream = norm.add_and_norm(x, residual)
+        return self.forward(h), stream
+
+    def forward_activated(self, gate_up: torch.Tensor, act: ActivationAndMul) -> torch.Tensor:
+        """This layer on act(gate) * up; one C call where SiLU's rows go to the C matmul."""
+        if isinstance(act, NativeSiluAndMul) and self.takes_native_rows(gate_up.shape[0]):
+            return ops.silu_mul_packed_matmul(gate_up, self.native_weights, self.native_type, self.out_features,
+                                              self.bias)
+        return self.forward(act.forward(gate_up))
+
+    def takes_native_rows(self, rows: int) -> bool:
+        """Whether a matmul of `rows` rows runs in the C kernels."""
+        return self.native_weights is not None and 0 < rows <= self.native_max_rows()
+
+    def native_max_rows(self) -> int:
+        return ops.PACKED_MATMUL_MAX_ROWS
+
+
+class PackedLinear(NativeRowsLinear):
     """A Linear whose weight oneDNN packed once (`pack`); the dense weight is let go."""
 
     packed: torch.Tensor
     packed_block: int | None  # B where `packed` is the weight's rows in blocks of B (onednn.packed_rows_view)
-    native_weights: int | None = None  # the packed buffer's address where few rows go to the C kernel
 
     def pack(self) -> None:
         weight = self.weight.detach()
@@ -65,28 +98,6 @@ class PackedLinear(Linear):
         if padded == rows:
             return onednn.linear(x, self.packed, self.bias)
         return onednn.linear(F.pad(x, (0, 0, 0, padded - rows)), self.packed, self.bias)[:rows]
-
-    def forward_normed(self, x: torch.Tensor, norm: NativeRMSNorm, residual: torch.Tensor | None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """This layer on norm(x), x first added into the residual stream where there is one (the
-        stream starts at x where there is none); returns (output, stream). Where the rows go to the
-        C matmul, the norm is its prologue: one call, the same results."""
-        if self.takes_native_rows(x.shape[0]):
-            out = ops.rms_norm_packed_matmul(x, norm.weight, norm.eps, residual, self.native_weights,
-                                             self.out_features, self.bias)
-            return out, x if residual is None else residual
-        h, stream = norm.add_and_norm(x, residual)
-        return self.forward(h), stream
-
-    def forward_activated(self, gate_up: torch.Tensor, act: ActivationAndMul) -> torch.Tensor:
-        """This layer on act(gate) * up; one C call where SiLU's rows go to the C matmul."""
-        if isinstance(act, NativeSiluAndMul) and self.takes_native_rows(gate_up.shape[0]):
-            return ops.silu_mul_packed_matmul(gate_up, self.native_weights, self.out_features, self.bias)
-        return self.forward(act.forward(gate_up))
-
-    def takes_native_rows(self, rows: int) -> bool:
-        """Whether a matmul of `rows` rows runs in csrc/packed_matmul.c."""
-        return self.native_weights is not None and 0 < rows <= ops.PACKED_MATMUL_MAX_ROWS
 
     def weight_bytes(self) -> int:
         return self.packed.numel() * self.packed.element_size()
@@ -126,10 +137,11 @@ def to_packed(layer: Linear) -> PackedLinear:
 def install(model: nn.Module) -> None:
     """Swap the CPU layers in: each keeps its parameters and changes only how it computes (the
     subclasses add no state the generic layer lacks but what `pack` sets)."""
-    tied = [(head, emb) for head in linear_layers(model) for emb in model.modules()
-            if isinstance(emb, nn.Embedding) and emb.weight is head.weight]
+    dense = [layer for layer in linear_layers(model) if type(layer) is Linear]  # not GGUF blocks (quantized.py)
+    tied = [(head, emb) for head in dense for emb in model.modules()
+            if type(emb) is nn.Embedding and emb.weight is head.weight]
     if onednn.available():
-        for layer in linear_layers(model):
+        for layer in dense:
             to_packed(layer)
         for head, embedding in tied:
             view = None if head.packed_block is None else \

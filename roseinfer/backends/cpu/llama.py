@@ -1,7 +1,8 @@
 """The Llama family on the CPU backend, swapped in at load (`install`): the norm before q/k/v and
-gate/up, and SiLU * up before down, computed inside the matmul calls after them (PackedLinear), and
-a decode step's decoder layers all run in one C call (csrc/decode_layers.c), except under tensor
-parallelism, whose all-reduces sit between the layers' matmuls.
+gate/up, and SiLU * up before down, computed inside the matmul calls after them (NativeRowsLinear:
+packed fp32 or GGUF blocks), and a decode step's decoder layers all run in one C call
+(csrc/decode_layers.c), except under tensor parallelism, whose all-reduces sit between the layers'
+matmuls.
 
 Python between matmuls runs cache-cold (the weights of each matmul evict it), so every crossing
 into C that a decode step saves counts; the one-call stack calls the same C functions in the same
@@ -15,7 +16,7 @@ from torch import nn
 
 from roseinfer.backends.cpu import ops
 from roseinfer.backends.cpu.attention import CPUMetadata
-from roseinfer.backends.cpu.layers import NativeSiluAndMul, PackedLinear
+from roseinfer.backends.cpu.layers import NativeRowsLinear, NativeSiluAndMul
 from roseinfer.layers.attention import KVCache
 from roseinfer.layers.linear import in_row_chunks
 from roseinfer.models.llama import LlamaDecoderLayer, LlamaForCausalLM
@@ -23,7 +24,7 @@ from roseinfer.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 class CPULlamaDecoderLayer(LlamaDecoderLayer):
     """norm -> attention -> norm -> MLP, each norm inside the matmul call after it where its rows go
-    to the C matmul (`PackedLinear.forward_normed`): the same numbers, fewer calls."""
+    to the C matmul (`NativeRowsLinear.forward_normed`): the same numbers, fewer calls."""
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: torch.Tensor, kv_cache: KVCache,
                 meta: CPUMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,14 +49,16 @@ class CPULlamaDecoderLayer(LlamaDecoderLayer):
                 or not isinstance(mlp.act_and_mul, NativeSiluAndMul)):
             return None
 
-        def bias(layer: PackedLinear) -> int | None:
+        def bias(layer: NativeRowsLinear) -> int | None:
             return None if layer.bias is None else layer.bias.data_ptr()
 
         return ops.decode_layer_struct()(
             input_norm=self.input_layernorm.weight.data_ptr(), post_norm=self.post_attention_layernorm.weight.data_ptr(),
             qkv=attn.qkv_proj.native_weights, qkv_bias=bias(attn.qkv_proj), o=attn.o_proj.native_weights,
             o_bias=bias(attn.o_proj), gate_up=mlp.gate_up_proj.native_weights, down=mlp.down_proj.native_weights,
-            k_cache=kv_cache[0].data_ptr(), v_cache=kv_cache[1].data_ptr())
+            k_cache=kv_cache[0].data_ptr(), v_cache=kv_cache[1].data_ptr(), qkv_type=attn.qkv_proj.native_type,
+            o_type=attn.o_proj.native_type, gate_up_type=mlp.gate_up_proj.native_type,
+            down_type=mlp.down_proj.native_type)
 
 
 class CPULlamaForCausalLM(LlamaForCausalLM):
@@ -96,7 +99,7 @@ def install(model: nn.Module, whole_stack: bool = True) -> None:
     if not isinstance(model, LlamaForCausalLM):
         return
     layers = model.model.layers
-    if all(isinstance(layer.self_attn.qkv_proj, PackedLinear) for layer in layers):
+    if all(isinstance(layer.self_attn.qkv_proj, NativeRowsLinear) for layer in layers):
         for layer in layers:
             layer.__class__ = CPULlamaDecoderLayer
         if whole_stack:

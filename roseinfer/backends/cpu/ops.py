@@ -173,9 +173,11 @@ def packed_matmul(x: torch.Tensor, packed_ptr: int, out_features: int, bias: tor
 
 
 def rms_norm_packed_matmul(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
-                           packed_ptr: int, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+                           packed_ptr: int, weight_type: int, out_features: int, bias: torch.Tensor | None
+                           ) -> torch.Tensor:
     """packed_matmul(rms_norm(x, norm_weight, eps, residual), ...) in one call, with the same results
-    (residual, when given, updated in place the same way)."""
+    (residual, when given, updated in place the same way). weight_type 0: the weight at packed_ptr is
+    packed fp32; else it is GGUF blocks of that GGML type (quant_matmul's results)."""
     if residual is not None and not residual.is_contiguous():
         raise ValueError("rms_norm_packed_matmul's residual is updated in place and must be contiguous")
     x = _rows(x)
@@ -183,24 +185,27 @@ def rms_norm_packed_matmul(x: torch.Tensor, norm_weight: torch.Tensor, eps: floa
     out = torch.empty(m, out_features, dtype=x.dtype)
     failed = native_library().rms_norm_packed_matmul_f32(
         x=x.data_ptr(), x_stride=x.stride(0), residual=_address(residual), norm_weight=norm_weight.data_ptr(), eps=eps,
-        packed=packed_ptr, bias=_address(bias), out=out.data_ptr(), m=m, n=out_features, k=k,
+        packed=packed_ptr, weight_type=weight_type, bias=_address(bias), out=out.data_ptr(), m=m, n=out_features, k=k,
         num_threads=torch.get_num_threads())
     if failed:
-        raise MemoryError("rms_norm_packed_matmul could not allocate the normalised rows")
+        raise MemoryError("rms_norm_packed_matmul could not allocate the normalised rows (or the weight type "
+                          "does not fit the width)")
     return out
 
 
-def silu_mul_packed_matmul(gate_up: torch.Tensor, packed_ptr: int, out_features: int,
+def silu_mul_packed_matmul(gate_up: torch.Tensor, packed_ptr: int, weight_type: int, out_features: int,
                            bias: torch.Tensor | None) -> torch.Tensor:
-    """packed_matmul(silu_mul(gate_up), ...) in one call, with the same results."""
+    """packed_matmul(silu_mul(gate_up), ...) in one call, with the same results (weight_type as
+    rms_norm_packed_matmul takes it)."""
     m, k = gate_up.shape[0], gate_up.shape[1] // 2
     gate_up = gate_up.contiguous()  # kept in a name: a temporary would be freed before the call reads it
     out = torch.empty(m, out_features, dtype=gate_up.dtype)
     failed = native_library().silu_mul_packed_matmul_f32(
-        gate_up=gate_up.data_ptr(), packed=packed_ptr, bias=_address(bias), out=out.data_ptr(), m=m, n=out_features,
-        k=k, num_threads=torch.get_num_threads())
+        gate_up=gate_up.data_ptr(), packed=packed_ptr, weight_type=weight_type, bias=_address(bias),
+        out=out.data_ptr(), m=m, n=out_features, k=k, num_threads=torch.get_num_threads())
     if failed:
-        raise MemoryError("silu_mul_packed_matmul could not allocate the activation")
+        raise MemoryError("silu_mul_packed_matmul could not allocate the activation (or the weight type does not "
+                          "fit the width)")
     return out
 
 
@@ -247,3 +252,30 @@ def packed_matmul_steps(weights: list[tuple[int, torch.Tensor | None, int, int]]
         packed=pointers(*(w[0] for w in weights)), bias=pointers(*(_address(w[1]) for w in weights)),
         n=sizes(*(w[2] for w in weights)), k=sizes(*(w[3] for w in weights)), count=count, x=x.data_ptr(),
         x_stride=x.stride(0), out=out.data_ptr(), m=x.shape[0], steps=steps, num_threads=torch.get_num_threads())
+
+
+def quant_matmul(x: torch.Tensor, weight: torch.Tensor, qtype: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [m, k] @ W.T (+ bias), W [n, k] kept as GGUF blocks: weight is uint8 [n, bytes per row]
+    (csrc/quants.h), qtype its GGML type id. Returns [m, n] (fp32 sums)."""
+    x = _rows(x)
+    m, k = x.shape
+    out = torch.empty(m, weight.shape[0], dtype=x.dtype)
+    failed = native_library().quant_matmul_f32(
+        x=x.data_ptr(), x_stride=x.stride(0), weight=weight.data_ptr(), type=qtype, bias=_address(bias),
+        out=out.data_ptr(), m=m, n=weight.shape[0], k=k, num_threads=torch.get_num_threads())
+    if failed:
+        raise ValueError(f"quant_matmul: GGML type {qtype} with rows of {k} weights is not supported")
+    return out
+
+
+def dequantize_rows(weight: torch.Tensor, qtype: int, ids: torch.Tensor, k: int) -> torch.Tensor:
+    """Rows `ids` (int64) of the quantized table weight (uint8 [rows, bytes per row], GGML type
+    qtype, k weights a row), dequantized: [len(ids), k] fp32."""
+    ids = ids.contiguous()
+    out = torch.empty(ids.numel(), k, dtype=torch.float32)
+    failed = native_library().dequantize_rows_f32(
+        weight=weight.data_ptr(), type=qtype, ids=ids.data_ptr(), count=ids.numel(), k=k, out=out.data_ptr(),
+        num_threads=torch.get_num_threads())
+    if failed:
+        raise ValueError(f"dequantize_rows: GGML type {qtype} with rows of {k} weights is not supported")
+    return out

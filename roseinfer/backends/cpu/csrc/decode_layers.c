@@ -11,7 +11,10 @@
  * out:      [n, hidden] the last layer's MLP output (the final norm adds it into x)
  * rope, new_slots, block_tables, kv_lens: as paged_decode_attention_f32 takes them, one row per
  *           sequence. Every row decodes.
- * Returns 0, or 1 where a buffer could not be allocated (out is then incomplete). */
+ * Each weight is packed fp32 or GGUF blocks (decode_layer_t's types), so a model whose weights are kept
+ * quantized runs here too.
+ * Returns 0, or 1 where a buffer could not be allocated or a weight type is not handled (out is then
+ * incomplete). */
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -35,14 +38,21 @@ int decode_layers_f32(const decode_layer_t *layers, int64_t num_layers, float *x
         /* the first layer normalises the embeddings, which then are the stream; later ones add the
          * previous MLP output into it first */
         failed |= rms_norm_packed_matmul_f32(l == 0 ? x : out, hidden, l == 0 ? NULL : x, layer->input_norm, eps,
-                                             layer->qkv, layer->qkv_bias, qkv, n, qkv_size, hidden, num_threads);
+                                             layer->qkv, layer->qkv_type, layer->qkv_bias, qkv, n, qkv_size, hidden,
+                                             num_threads);
         failed |= paged_decode_attention_f32(qkv, qkv_size, rope, new_slots, layer->k_cache, layer->v_cache, attn,
                                              block_tables, kv_lens, n, num_heads, num_kv_heads, head_dim, block_size,
                                              max_blocks, scale, attention_threads);
-        packed_matmul_f32(attn, q_size, layer->o, layer->o_bias, attn_out, n, hidden, q_size, num_threads);
-        failed |= rms_norm_packed_matmul_f32(attn_out, hidden, x, layer->post_norm, eps, layer->gate_up, NULL,
-                                             gate_up, n, 2 * intermediate, hidden, num_threads);
-        failed |= silu_mul_packed_matmul_f32(gate_up, layer->down, NULL, out, n, hidden, intermediate, num_threads);
+        if (layer->o_type == 0)
+            packed_matmul_f32(attn, q_size, layer->o, layer->o_bias, attn_out, n, hidden, q_size, num_threads);
+        else
+            failed |= quant_matmul_f32(attn, q_size, layer->o, layer->o_type, layer->o_bias, attn_out, n, hidden,
+                                       q_size, num_threads);
+        failed |= rms_norm_packed_matmul_f32(attn_out, hidden, x, layer->post_norm, eps, layer->gate_up,
+                                             layer->gate_up_type, NULL, gate_up, n, 2 * intermediate, hidden,
+                                             num_threads);
+        failed |= silu_mul_packed_matmul_f32(gate_up, layer->down, layer->down_type, NULL, out, n, hidden,
+                                             intermediate, num_threads);
     }
     free(qkv);
     free(attn);

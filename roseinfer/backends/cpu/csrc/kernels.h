@@ -11,10 +11,14 @@
 
 typedef struct {
     const float *input_norm, *post_norm;   /* [hidden] RMSNorm weights */
-    const float *qkv, *qkv_bias;           /* packed [q_size + 2 * kv_size, hidden]; bias or NULL */
-    const float *o, *o_bias;               /* packed [hidden, q_size]; bias or NULL */
-    const float *gate_up, *down;           /* packed [2 * intermediate, hidden], [hidden, intermediate] */
+    const void *qkv;                       /* [q_size + 2 * kv_size, hidden] */
+    const float *qkv_bias;                 /* or NULL */
+    const void *o;                         /* [hidden, q_size] */
+    const float *o_bias;                   /* or NULL */
+    const void *gate_up, *down;            /* [2 * intermediate, hidden], [hidden, intermediate] */
     float *k_cache, *v_cache;              /* [slots, num_kv_heads, head_dim] */
+    /* each weight's layout: 0 packed fp32 (64-row blocks), else the GGML type of its GGUF blocks */
+    int64_t qkv_type, o_type, gate_up_type, down_type;
 } decode_layer_t;
 
 void rms_norm_f32(const float *x, int64_t x_row_stride, float *residual, const float *weight, float *out,
@@ -31,10 +35,10 @@ void packed_matmul_steps_f32(const float *const *packed, const float *const *bia
 void packed_matmul_f32(const float *x, int64_t x_stride, const float *packed, const float *bias, float *out,
                        int64_t m, int64_t n, int64_t k, int num_threads);
 int rms_norm_packed_matmul_f32(const float *x, int64_t x_stride, float *residual, const float *norm_weight, float eps,
-                               const float *packed, const float *bias, float *out, int64_t m, int64_t n, int64_t k,
-                               int num_threads);
-int silu_mul_packed_matmul_f32(const float *gate_up, const float *packed, const float *bias, float *out, int64_t m,
+                               const void *packed, int64_t weight_type, const float *bias, float *out, int64_t m,
                                int64_t n, int64_t k, int num_threads);
+int silu_mul_packed_matmul_f32(const float *gate_up, const void *packed, int64_t weight_type, const float *bias,
+                               float *out, int64_t m, int64_t n, int64_t k, int num_threads);
 int paged_decode_attention_f32(float *q, int64_t q_row_stride, const float *rope, const int64_t *new_slots,
                                float *k_cache, float *v_cache, float *out, const int64_t *block_tables,
                                const int64_t *kv_lens, int64_t n, int64_t num_heads, int64_t num_kv_heads,
@@ -49,5 +53,9 @@ int decode_layers_f32(const decode_layer_t *layers, int64_t num_layers, float *x
                       const int64_t *new_slots, const int64_t *block_tables, const int64_t *kv_lens, int64_t n,
                       int64_t hidden, int64_t intermediate, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                       int64_t block_size, int64_t max_blocks, float eps, float scale, int num_threads);
+int quant_matmul_f32(const float *x, int64_t x_stride, const uint8_t *weight, int64_t type, const float *bias,
+                     float *out, int64_t m, int64_t n, int64_t k, int num_threads);
+int dequantize_rows_f32(const uint8_t *weight, int64_t type, const int64_t *ids, int64_t count, int64_t k, float *out,
+                        int num_threads);
 
 #endif

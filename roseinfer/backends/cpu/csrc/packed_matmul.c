@@ -23,6 +23,7 @@
 #include <string.h>
 
 #include "kernels.h"
+#include "quants.h"
 #include "simd.h"
 
 #define BLOCK 64
@@ -133,11 +134,13 @@ enum prologue { NORM_ROWS, SILU_MUL_ROWS };
 /* The matmul on rows computed first from x, in one parallel region: the `omp for` over the rows
  * ends in a barrier, so every row is written before a matmul task reads it. NORM_ROWS: x [m, k]
  * rows x_stride floats apart through rms_norm_row; SILU_MUL_ROWS: x rows [gate | up] of 2k floats
- * through silu_mul_row. Returns nonzero where the rows' buffer could not be allocated (nothing is
- * written). */
+ * through silu_mul_row. weight_type 0: `packed` is the 64-row packed layout; otherwise a GGML type
+ * and `packed` its blocks (csrc/quant_matmul.c). Returns nonzero where the rows' buffer could not be
+ * allocated or the type is not handled (nothing is written). */
 static int prologue_matmul(enum prologue kind, const float *x, int64_t x_stride, float *residual,
-                           const float *norm_weight, float eps, const float *packed, const float *bias, float *out,
-                           int64_t m, int64_t n, int64_t k, int num_threads) {
+                           const float *norm_weight, float eps, const void *packed, int64_t weight_type,
+                           const float *bias, float *out, int64_t m, int64_t n, int64_t k, int num_threads) {
+    if (weight_type != 0 && !quant_shape_ok(weight_type, k)) return 1;
     float *rows = malloc((size_t)(m * k) * sizeof(float));
     if (rows == NULL) return 1;
 #pragma omp parallel num_threads(num_threads)
@@ -150,26 +153,31 @@ static int prologue_matmul(enum prologue kind, const float *x, int64_t x_stride,
             else
                 silu_mul_row(row, row + k, rows + i * k, k);
         }
-        matmul_tasks(rows, k, packed, bias, out, m, n, k);
+        if (weight_type == 0)
+            matmul_tasks(rows, k, packed, bias, out, m, n, k);
+        else
+            quant_matmul_tasks(rows, k, packed, weight_type, bias, out, m, n, k);
     }
     free(rows);
     return 0;
 }
 
 /* out = rms_norm(x (+ residual)) W^T (+ bias), with rms_norm_f32's rounding (rms_norm_row). residual:
- * [m, k] contiguous or NULL; given, it is updated in place to x + residual, as rms_norm_f32 does. */
+ * [m, k] contiguous or NULL; given, it is updated in place to x + residual, as rms_norm_f32 does.
+ * W: packed fp32 (weight_type 0) or GGUF blocks of that type. */
 int rms_norm_packed_matmul_f32(const float *x, int64_t x_stride, float *residual, const float *norm_weight, float eps,
-                               const float *packed, const float *bias, float *out, int64_t m, int64_t n, int64_t k,
-                               int num_threads) {
-    return prologue_matmul(NORM_ROWS, x, x_stride, residual, norm_weight, eps, packed, bias, out, m, n, k,
-                           num_threads);
+                               const void *packed, int64_t weight_type, const float *bias, float *out, int64_t m,
+                               int64_t n, int64_t k, int num_threads) {
+    return prologue_matmul(NORM_ROWS, x, x_stride, residual, norm_weight, eps, packed, weight_type, bias, out, m, n,
+                           k, num_threads);
 }
 
 /* out = (silu(gate) * up) W^T (+ bias), where gate_up row i is [gate | up], each k floats, rows
  * contiguous: silu_mul_f32 and packed_matmul_f32 in one call. */
-int silu_mul_packed_matmul_f32(const float *gate_up, const float *packed, const float *bias, float *out, int64_t m,
-                               int64_t n, int64_t k, int num_threads) {
-    return prologue_matmul(SILU_MUL_ROWS, gate_up, 2 * k, NULL, NULL, 0.0f, packed, bias, out, m, n, k, num_threads);
+int silu_mul_packed_matmul_f32(const float *gate_up, const void *packed, int64_t weight_type, const float *bias,
+                               float *out, int64_t m, int64_t n, int64_t k, int num_threads) {
+    return prologue_matmul(SILU_MUL_ROWS, gate_up, 2 * k, NULL, NULL, 0.0f, packed, weight_type, bias, out, m, n, k,
+                           num_threads);
 }
 
 /* The matmul floor's decode steps (bench/floor.py): `steps` times, each of `count` packed weights

@@ -1,0 +1,131 @@
+/* y = x W^T (+ bias) with W kept in GGUF blocks (quants.h), fp32 sums, and the rows of a
+ * quantized table dequantized for an embedding lookup.
+ *
+ * W is [n, k]: row j is k / 32 chunks of 32 weights in k / block_weights whole blocks. A task is
+ * TILE output rows; for each group of up to GROUP rows of x it walks each weight row once, chunk by
+ * chunk: the chunk is dequantized into four 8-float vectors and multiplied into every row of the
+ * group from registers, so a weight is decoded once per group and never stored as fp32. One row of x
+ * keeps four accumulators (four independent FMA chains; one would stall on latency), a group of
+ * four or more one per row. x's group stays in L1 (GROUP rows of k floats), and the tile's weights
+ * in L1/L2 while every group passes over them. */
+#include <stdint.h>
+#include <string.h>
+
+#include "kernels.h"
+#include "quants.h"
+#include "simd.h"
+
+#define GROUP 8
+#define TILE 16
+
+static inline vec8 load8(const float *p) {
+    vec8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline float hsum8(vec8 v) {
+    const vec4 s4 = (vec4){v[0], v[1], v[2], v[3]} + (vec4){v[4], v[5], v[6], v[7]};
+    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+/* sums[r] = row r of x (r < rows) times weight row w, over k columns */
+static inline __attribute__((always_inline)) void group_times_row(int type, const float *x, int64_t x_stride,
+                                                                  const uint8_t *w, int64_t k, const int rows,
+                                                                  float sums[GROUP]) {
+    const int accs = rows >= 4 ? 1 : 4;
+    vec8 acc[GROUP][4];
+    for (int r = 0; r < rows; r++)
+        for (int a = 0; a < accs; a++) acc[r][a] = (vec8){0};
+    for (int64_t c = 0; c < k / 32; c++) {
+        vec8 wv[4];
+        dequant_chunk(type, w, c, wv);
+        for (int r = 0; r < rows; r++) {
+            const float *xc = x + r * x_stride + 32 * c;
+            for (int i = 0; i < 4; i++) acc[r][i % accs] += load8(xc + 8 * i) * wv[i];
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        for (int a = 1; a < accs; a++) acc[r][0] += acc[r][a];
+        sums[r] = hsum8(acc[r][0]);
+    }
+}
+
+/* One type's tasks (type constant after inlining), shared over the enclosing parallel region. */
+static inline __attribute__((always_inline)) void matmul_tasks(int type, const float *x, int64_t x_stride,
+                                                               const uint8_t *weight, const float *bias, float *out,
+                                                               int64_t m, int64_t n, int64_t k) {
+    const int64_t row_bytes = k / quant_block_weights(type) * quant_block_bytes(type);
+    const int64_t tiles = (n + TILE - 1) / TILE;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t end = (t + 1) * TILE < n ? (t + 1) * TILE : n;
+        for (int64_t g = 0; g < m; g += GROUP) {
+            const int rows = m - g < GROUP ? (int)(m - g) : GROUP;
+            const float *xg = x + g * x_stride;
+            for (int64_t j = t * TILE; j < end; j++) {
+                float sums[GROUP];
+                const uint8_t *w = weight + j * row_bytes;
+                /* constant row counts, so the accumulators stay in registers */
+                switch (rows) {
+                case 1: group_times_row(type, xg, x_stride, w, k, 1, sums); break;
+                case 2: group_times_row(type, xg, x_stride, w, k, 2, sums); break;
+                case 3: group_times_row(type, xg, x_stride, w, k, 3, sums); break;
+                case 4: group_times_row(type, xg, x_stride, w, k, 4, sums); break;
+                case 5: group_times_row(type, xg, x_stride, w, k, 5, sums); break;
+                case 6: group_times_row(type, xg, x_stride, w, k, 6, sums); break;
+                case 7: group_times_row(type, xg, x_stride, w, k, 7, sums); break;
+                default: group_times_row(type, xg, x_stride, w, k, GROUP, sums); break;
+                }
+                const float b = bias != NULL ? bias[j] : 0.0f;
+                for (int r = 0; r < rows; r++) out[(g + r) * n + j] = sums[r] + b;
+            }
+        }
+    }
+}
+
+void quant_matmul_tasks(const float *x, int64_t x_stride, const uint8_t *weight, int64_t type, const float *bias,
+                        float *out, int64_t m, int64_t n, int64_t k) {
+    switch (type) {
+    case Q4_0: matmul_tasks(Q4_0, x, x_stride, weight, bias, out, m, n, k); break;
+    case Q4_1: matmul_tasks(Q4_1, x, x_stride, weight, bias, out, m, n, k); break;
+    case Q8_0: matmul_tasks(Q8_0, x, x_stride, weight, bias, out, m, n, k); break;
+    case Q4_K: matmul_tasks(Q4_K, x, x_stride, weight, bias, out, m, n, k); break;
+    default: matmul_tasks(Q6_K, x, x_stride, weight, bias, out, m, n, k); break;
+    }
+}
+
+/* out [m, n] = x [m, k] (rows x_stride floats apart) W^T (+ bias [n] or NULL); weight: W's blocks,
+ * rows back to back. Returns nonzero (nothing written) for a type not handled or a k that is not a
+ * whole number of blocks. */
+int quant_matmul_f32(const float *x, int64_t x_stride, const uint8_t *weight, int64_t type, const float *bias,
+                     float *out, int64_t m, int64_t n, int64_t k, int num_threads) {
+    if (!quant_shape_ok(type, k)) return 1;
+#pragma omp parallel num_threads(num_threads)
+    quant_matmul_tasks(x, x_stride, weight, type, bias, out, m, n, k);
+    return 0;
+}
+
+/* out [count, k] = rows ids[0..count) of the quantized table [*, k], dequantized. Returns nonzero
+ * (nothing written) as quant_matmul_f32 does. */
+int dequantize_rows_f32(const uint8_t *weight, int64_t type, const int64_t *ids, int64_t count, int64_t k, float *out,
+                        int num_threads) {
+    if (!quant_shape_ok(type, k)) return 1;
+    const int64_t row_bytes = k / quant_block_weights(type) * quant_block_bytes(type);
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t i = 0; i < count; i++) {
+        const uint8_t *row = weight + ids[i] * row_bytes;
+        for (int64_t c = 0; c < k / 32; c++) {
+            vec8 w[4];
+            switch (type) {
+            case Q4_0: dequant_chunk(Q4_0, row, c, w); break;
+            case Q4_1: dequant_chunk(Q4_1, row, c, w); break;
+            case Q8_0: dequant_chunk(Q8_0, row, c, w); break;
+            case Q4_K: dequant_chunk(Q4_K, row, c, w); break;
+            default: dequant_chunk(Q6_K, row, c, w); break;
+            }
+            memcpy(out + i * k + 32 * c, w, sizeof w);
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,156 @@
+/* GGUF block formats, dequantized 32 weights at a time into four 8-float vectors: the one copy of
+ * each type's math, which the quantized matmul keeps in registers and the row lookup stores.
+ *
+ * Layouts as llama.cpp's ggml-quants.c and gguf-py's gguf/quants.py define them (fp16 little-endian):
+ *   Q8_0  34 B / 32:  d, int8 q[32]                        w = d * q
+ *   Q4_0  18 B / 32:  d, q[16] (low nibbles: 0-15, high: 16-31)   w = d * (q - 8)
+ *   Q4_1  20 B / 32:  d, m, q[16] as Q4_0                  w = d * q + m
+ *   Q4_K  144 B / 256: d, dmin, 12 B of 6-bit scales/mins, q[128]; chunk s of 32 reads bytes
+ *         32 (s / 2) .. + 31, low nibbles for even s, high for odd   w = (d * sc[s]) * q - dmin * mn[s]
+ *   Q6_K  210 B / 256: ql[128], qh[64], int8 scales[16], d; chunk s of half h = s / 4, t = s % 4:
+ *         ql[64 h + 32 (t & 1) + l] nibble t / 2, qh[32 h + l] bits 2t, 2t+1 on top; 16 values a scale
+ *         w = (d * scale) * (q - 32)
+ * Every product here is exact in fp32 (an 11-bit fp16 significand times integers of at most 7 and 6
+ * bits), so the only rounding is the final add, and a fused multiply-add gives the same bits: the
+ * weights equal gguf.quants.dequantize's exactly. */
+#ifndef ROSEINFER_QUANTS_H
+#define ROSEINFER_QUANTS_H
+
+#include <stdint.h>
+#include <string.h>
+
+#include "simd.h"
+
+/* GGML type ids (gguf.GGMLQuantizationType) */
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
+
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+/* Bytes per block and weights per block of a type; 0 for a type not handled here. */
+static inline int64_t quant_block_bytes(int64_t type) {
+    switch (type) {
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q8_0: return 34;
+    case Q4_K: return 144;
+    case Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+static inline int64_t quant_block_weights(int64_t type) { return type == Q4_K || type == Q6_K ? 256 : 32; }
+
+/* Whether `type` is handled and k is a whole number of its blocks. */
+static inline int quant_shape_ok(int64_t type, int64_t k) {
+    return quant_block_bytes(type) != 0 && k > 0 && k % quant_block_weights(type) == 0;
+}
+
+/* quant_matmul_f32's tasks, shared over the threads of an enclosing parallel region (the callers
+ * check quant_shape_ok first); csrc/packed_matmul.c runs them after its row prologues */
+void quant_matmul_tasks(const float *x, int64_t x_stride, const uint8_t *weight, int64_t type, const float *bias,
+                        float *out, int64_t m, int64_t n, int64_t k);
+
+static inline float fp16_to_f32(const uint8_t *p) {
+#if defined(__F16C__)
+    return _cvtsh_ss((unsigned short)(p[0] | p[1] << 8));
+#else
+    const uint32_t h = (uint32_t)p[0] | (uint32_t)p[1] << 8;
+    const uint32_t sign = (h & 0x8000u) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+    union { uint32_t u; float f; } v;
+    if (exponent == 0) { /* zero or subnormal: mantissa * 2^-24, exact in fp32 */
+        v.f = (float)mantissa * 5.9604644775390625e-08f;
+        v.u |= sign;
+    } else if (exponent == 31) {
+        v.u = sign | 0x7f800000u | mantissa << 13;
+    } else {
+        v.u = sign | (exponent + 112) << 23 | mantissa << 13;
+    }
+    return v.f;
+#endif
+}
+
+/* 8 bytes as floats (unsigned, or signed for bytes8). The bit fields are cut out of a 64-bit word
+ * first, and on AVX2 the widening is written out: GCC 12 shifted byte vectors and widened them one
+ * lane at a time (a third of the instructions of a Q4_1 chunk). */
+static inline vec8 u8_lanes(uint64_t v) {
+#if defined(__AVX2__)
+    return (vec8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)v)));
+#else
+    vec8 out;
+    for (int i = 0; i < 8; i++) out[i] = (float)(uint8_t)(v >> (8 * i));
+    return out;
+#endif
+}
+
+static inline vec8 bytes8(const uint8_t *q) {
+#if defined(__AVX2__)
+    return (vec8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));
+#else
+    vec8 out;
+    for (int i = 0; i < 8; i++) out[i] = (float)(int8_t)q[i];
+    return out;
+#endif
+}
+
+static inline uint64_t load64(const uint8_t *p) {
+    uint64_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+#define NIBBLES 0x0f0f0f0f0f0f0f0full
+
+static inline vec8 nibbles8(const uint8_t *q, int high) { return u8_lanes(load64(q) >> (4 * high) & NIBBLES); }
+
+/* (sc, mn) of chunk s of a Q4_K block's 12 scale bytes: 6 bits each, the top two of chunks 4-7
+ * kept in the high bits of bytes 0-7 */
+static inline void q4_k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *mn = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0xf) | ((s[j - 4] >> 6) << 4);
+        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+/* w[0..3] = weights 32 c .. 32 c + 31 of a row of blocks (c counts 32-weight chunks along the row).
+ * `type` is a constant where this is inlined, so the switch folds away. */
+static inline __attribute__((always_inline)) void dequant_chunk(int type, const uint8_t *row, int64_t c, vec8 w[4]) {
+    if (type == Q8_0 || type == Q4_0 || type == Q4_1) {
+        const uint8_t *b = row + c * quant_block_bytes(type);
+        const float d = fp16_to_f32(b);
+        if (type == Q8_0) {
+            for (int i = 0; i < 4; i++) w[i] = d * bytes8(b + 2 + 8 * i);
+            return;
+        }
+        const uint8_t *q = b + (type == Q4_1 ? 4 : 2);
+        const float m = type == Q4_1 ? fp16_to_f32(b + 2) : -8.0f * d;
+        for (int i = 0; i < 4; i++) w[i] = d * nibbles8(q + 8 * (i & 1), i >> 1) + m;
+        return;
+    }
+    const uint8_t *b = row + (c / 8) * quant_block_bytes(type);
+    const int s = (int)(c % 8);
+    if (type == Q4_K) {
+        int sc, mn;
+        q4_k_scale_min(b + 4, s, &sc, &mn);
+        const float scale = fp16_to_f32(b) * (float)sc, min = fp16_to_f32(b + 2) * (float)mn;
+        const uint8_t *q = b + 16 + 32 * (s / 2);
+        for (int i = 0; i < 4; i++) w[i] = scale * nibbles8(q + 8 * i, s & 1) - min;
+        return;
+    }
+    /* Q6_K */
+    const int h = s / 4, t = s % 4;
+    const uint8_t *ql = b + 64 * h + 32 * (t & 1), *qh = b + 128 + 32 * h;
+    const int8_t *scales = (const int8_t *)(b + 192) + 8 * h + 2 * t;
+    const float d = fp16_to_f32(b + 208);
+    for (int i = 0; i < 4; i++) {
+        const uint64_t q = (load64(ql + 8 * i) >> (4 * (t >> 1)) & NIBBLES)
+                           | (load64(qh + 8 * i) >> (2 * t) & 0x0303030303030303ull) << 4;
+        w[i] = (d * (float)scales[i >> 1]) * (u8_lanes(q) - 32.0f);
+    }
+}
+
+#endif

@@ -1,0 +1,110 @@
+"""GGUF weights kept in their blocks (--quantization gguf): which of a model's weights hold blocks,
+and the rest dequantized as the checkpoint is read.
+
+A folder converted with keep_blocks (loader/gguf.py) stores some matrices as uint8 rows of blocks
+and names them in QUANTIZATION_FILE. A weight keeps its blocks where the backend computes with that
+type (Backend.quantized_types) and the weight is a linear's or an embedding's; a fused weight
+(q/k/v, gate/up) only where all its parts share one type, since one matmul reads it. The parameter
+becomes uint8 [rows, bytes per row] with the type on it (`ggml_type`), and the backend's layers
+read it (backends/cpu/quantized.py). Every other stored block tensor is dequantized on the way in,
+exactly as the fp32 conversion would have.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import numpy as np
+import torch
+from torch import nn
+
+from roseinfer.layers.linear import Linear
+from roseinfer.loader.gguf import QUANTIZATION_FILE
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BlockTensor:
+    """A checkpoint tensor stored as GGUF blocks: its type and its dense shape [rows, cols]."""
+    qtype: str
+    shape: tuple[int, int]
+
+    @property
+    def type_id(self) -> int:
+        from gguf import GGMLQuantizationType
+
+        return int(GGMLQuantizationType[self.qtype])
+
+
+def block_tensors(folder: Path) -> dict[str, BlockTensor]:
+    """The folder's tensors stored as blocks, by checkpoint name; empty for a plain folder."""
+    path = folder / QUANTIZATION_FILE
+    if not path.is_file():
+        return {}
+    tensors = json.loads(path.read_text())["tensors"]
+    return {name: BlockTensor(t["type"], tuple(t["shape"])) for name, t in tensors.items()}
+
+
+def keep_blocks(model: nn.Module, stored: dict[str, BlockTensor], types: frozenset[str]) -> set[str]:
+    """Turns the weights that keep their blocks into uint8 parameters (tied modules share the new one)
+    and returns the checkpoint names they are loaded from; the other stored names get dequantized."""
+    packed: dict[str, tuple[str, int]] = getattr(model, "packed_modules", {})
+    sources: dict[str, list[str]] = {}  # model weight -> its checkpoint tensors
+    for name in stored:
+        target = name
+        for source, (fused, _) in packed.items():
+            target = target.replace(f".{source}.", f".{fused}.")
+        sources.setdefault(target, []).append(name)
+    modules, params = dict(model.named_modules()), dict(model.named_parameters())
+    kept: set[str] = set()
+    for target, names in sources.items():
+        if target not in params:  # a name the model renames or skips (GPT-2's, a tied head): fp32
+            continue
+        module = modules.get(target.rpartition(".")[0])
+        qtypes = {stored[name].qtype for name in names}
+        fused = len(names) > 1 or target not in names
+        if not isinstance(module, (Linear, nn.Embedding)) or not target.endswith(".weight"):
+            continue
+        parts = len(module.tp_parts) if fused else 1  # a fused projection's sub-projections
+        if len(qtypes) > 1 or len(names) != parts:
+            kinds = sorted(qtypes) + (["fp32"] if len(names) != parts else [])
+            logger.info("%s stays fp32: one matmul reads its parts, stored as %s", target, " and ".join(kinds))
+            continue
+        qtype = qtypes.pop()
+        if qtype not in types:
+            continue
+        old = module.weight
+        rows = old.shape[0]
+        row_bytes = _row_bytes(qtype, old.shape[1])
+        param = nn.Parameter(torch.empty(rows, row_bytes, dtype=torch.uint8, device=old.device), requires_grad=False)
+        param.ggml_type = stored[names[0]].type_id
+        for other in model.modules():
+            if getattr(other, "weight", None) is old:
+                other.weight = param
+        kept.update(names)
+    return kept
+
+
+def _row_bytes(qtype: str, cols: int) -> int:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+    return cols // block * size
+
+
+def dequantized(weights: Iterable[tuple[str, torch.Tensor]], stored: dict[str, BlockTensor],
+                kept: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors, those stored as blocks but not kept dequantized to fp32 (gguf-py's
+    dequantize: the values the fp32 conversion writes)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    for name, tensor in weights:
+        if name in stored and name not in kept:
+            values = dequantize(tensor.numpy(), GGMLQuantizationType[stored[name].qtype])
+            tensor = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(stored[name].shape))
+        yield name, tensor

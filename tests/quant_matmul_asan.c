@@ -1,0 +1,58 @@
+/* Runs csrc/quant_matmul.c's matmul and row lookup for tests/test_quantized.py, built with
+ * AddressSanitizer: any read or write outside a buffer aborts with a report. Every type, a single
+ * block per row and several, row counts that leave a partial row group, output widths that leave a
+ * partial tile. The blocks are random bytes with small fp16 scales (values do not matter here). */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "kernels.h"
+
+static const int64_t TYPES[][3] = {{2, 18, 32}, {3, 20, 32}, {8, 34, 32}, {12, 144, 256}, {14, 210, 256}};
+
+static uint8_t *blocks(int64_t count, int64_t bytes) {
+    uint8_t *p = malloc((size_t)(count * bytes));
+    for (int64_t i = 0; i < count * bytes; i++) p[i] = (uint8_t)rand();
+    for (int64_t b = 0; b < count; b++) { /* 0x2000: an fp16 of 2^-7 wherever a type keeps its scales */
+        p[b * bytes] = 0, p[b * bytes + 1] = 0x20, p[b * bytes + 2] = 0, p[b * bytes + 3] = 0x20;
+        p[b * bytes + bytes - 2] = 0, p[b * bytes + bytes - 1] = 0x20;
+    }
+    return p;
+}
+
+int main(void) {
+    for (int t = 0; t < 5; t++) {
+        const int64_t type = TYPES[t][0], bytes = TYPES[t][1], per_block = TYPES[t][2];
+        for (int64_t blocks_per_row = 1; blocks_per_row <= 3; blocks_per_row += 2) {
+            const int64_t k = blocks_per_row * per_block, n = 37;
+            uint8_t *w = blocks(n * blocks_per_row, bytes);
+            for (int64_t m = 1; m <= 19; m += 9) {
+                float *x = malloc(sizeof(float) * (size_t)(m * k)), *out = malloc(sizeof(float) * (size_t)(m * n));
+                float *bias = malloc(sizeof(float) * (size_t)n);
+                for (int64_t i = 0; i < m * k; i++) x[i] = (float)rand() / RAND_MAX - 0.5f;
+                for (int64_t i = 0; i < n; i++) bias[i] = 0.5f;
+                if (quant_matmul_f32(x, k, w, type, bias, out, m, n, k, 2) != 0) {
+                    printf("type %ld: quant_matmul_f32 returned nonzero\n", (long)type);
+                    return 1;
+                }
+                free(x); free(out); free(bias);
+            }
+            const int64_t ids[3] = {n - 1, 0, n / 2};
+            float *rows = malloc(sizeof(float) * (size_t)(3 * k));
+            if (dequantize_rows_f32(w, type, ids, 3, k, rows, 2) != 0) {
+                printf("type %ld: dequantize_rows_f32 returned nonzero\n", (long)type);
+                return 1;
+            }
+            free(rows);
+            free(w);
+        }
+    }
+    /* a type not handled and a row that is not whole blocks are refused */
+    if (quant_matmul_f32(NULL, 0, NULL, 6, NULL, NULL, 1, 1, 32, 1) == 0 ||
+        quant_matmul_f32(NULL, 0, NULL, 12, NULL, NULL, 1, 1, 32, 1) == 0) {
+        printf("an unsupported type or width was accepted\n");
+        return 1;
+    }
+    printf("ok\n");
+    return 0;
+}

@@ -1,0 +1,45 @@
+"""benchmarks/cpu_peers.py reads llama-batched-bench's table (a stand-in executable prints one here)."""
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import stat
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TABLE = """
+llama_batched_bench: n_kv_max = 512, n_batch = 2048, n_ubatch = 512, n_threads = 2
+
+|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |
+|-------|--------|------|--------|----------|----------|----------|----------|----------|----------|
+|    32 |     64 |    1 |     96 |    0.082 |   390.15 |    1.600 |    40.00 |    2.000 |    48.00 |
+|    32 |     64 |   16 |   1536 |    0.900 |   568.88 |    5.000 |   204.80 |    8.000 |   192.00 |
+"""
+
+
+def _peers():
+    spec = importlib.util.spec_from_file_location("cpu_peers", ROOT / "benchmarks" / "cpu_peers.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _fake_bench(tmp_path: pathlib.Path, table: str) -> pathlib.Path:
+    exe = tmp_path / "llama-batched-bench"
+    exe.write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/args\ncat <<'END'\n{table}\nEND\n")
+    exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
+    return tmp_path
+
+
+def test_llama_cpp_e2e_is_output_tokens_over_total_time(tmp_path) -> None:
+    peers = _peers()
+    got = peers.llama_cpp_e2e(_fake_bench(tmp_path, TABLE), tmp_path / "m.gguf", [1, 16], 32, 64, 2)
+    assert got == pytest.approx({1: 64 / 2.0, 16: 16 * 64 / 8.0})
+    args = (tmp_path / "args").read_text().split()
+    assert args[args.index("-npl") + 1] == "1,16" and args[args.index("-ctk") + 1] == "f32"
+
+
+def test_a_missing_batch_size_is_an_error(tmp_path) -> None:
+    with pytest.raises(RuntimeError, match=r"no row for batch sizes \[64\]"):
+        _peers().llama_cpp_e2e(_fake_bench(tmp_path, TABLE), tmp_path / "m.gguf", [1, 16, 64], 32, 64, 2)

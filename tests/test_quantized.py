@@ -1,0 +1,227 @@
+"""GGUF weights kept quantized (--quantization gguf): the CPU backend's block matmul and row lookup
+(csrc/quant_matmul.c) against gguf-py's dequantize and a torch matmul, and whole models against HF
+running the dequantized weights."""
+from __future__ import annotations
+
+import platform
+import shutil
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+from gguf import GGMLQuantizationType as QT
+
+from gguf_writer import encode_weights, make_tiny_tokenizer, write_tiny_gguf
+from roseinfer import LLM, SamplingParams
+from roseinfer.backends.cpu import ops
+from roseinfer.loader.gguf import convert_gguf
+from tiny_models import hf_greedy
+
+QTYPES = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q4_K, QT.Q6_K]
+needs_kernels = pytest.mark.skipif(not any(shutil.which(c) for c in ("cc", "gcc", "clang")),
+                                   reason="no C compiler: the native kernels cannot be built")
+
+
+def random_blocks(qtype: QT, rows: int, cols: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(blocks uint8 [rows, bytes per row], the same weights dequantized by gguf-py [rows, cols])."""
+    rng = np.random.default_rng(seed)
+    raw, stored = encode_weights(rng.standard_normal((rows, cols)).astype(np.float32), qtype, rng)
+    assert stored == qtype
+    dense = gguf.quants.dequantize(raw, qtype).reshape(rows, cols)
+    return torch.from_numpy(np.ascontiguousarray(raw)), torch.from_numpy(dense)
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", QTYPES, ids=[q.name for q in QTYPES])
+@pytest.mark.parametrize("rows", [1, 3, 8, 21])
+def test_quant_matmul_equals_dequantize_then_matmul(qtype: QT, rows: int) -> None:
+    # 37 outputs: a partial tile; 2 blocks of 256 (K-quants) or 24 of 32 per row: widths that are
+    # whole blocks, and for the 32-blocks (768 = 3 * 256) not whole 256-wide steps
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    cols = 2 * block if block == 256 else 24 * block
+    blocks, dense = random_blocks(qtype, 37, cols)
+    x = torch.randn(rows, cols)
+    bias = torch.randn(37)
+    got = ops.quant_matmul(x, blocks, int(qtype), bias)
+    torch.testing.assert_close(got, x @ dense.T + bias, rtol=1e-5, atol=1e-4 * dense.abs().max().item())
+    # strided rows of x (a slice of a wider tensor) read the same
+    wide = torch.randn(rows, cols + 16)
+    wide[:, :cols] = x
+    torch.testing.assert_close(ops.quant_matmul(wide[:, :cols], blocks, int(qtype), bias), got)
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", QTYPES, ids=[q.name for q in QTYPES])
+def test_dequantize_rows_equals_gguf_dequantize_bit_for_bit(qtype: QT) -> None:
+    blocks, dense = random_blocks(qtype, 9, gguf.GGML_QUANT_SIZES[qtype][0] * 3, seed=1)
+    ids = torch.tensor([8, 0, 3, 3])
+    assert torch.equal(ops.dequantize_rows(blocks, int(qtype), ids, dense.shape[1]), dense[ids])
+
+
+@needs_kernels
+def test_quant_matmul_refuses_types_and_widths_it_does_not_handle() -> None:
+    blocks, _ = random_blocks(QT.Q4_K, 4, 256)
+    with pytest.raises(ValueError, match="not supported"):
+        ops.quant_matmul(torch.randn(2, 32), blocks[:, :18], int(QT.Q4_K), None)  # 32 is not whole 256-blocks
+    with pytest.raises(ValueError, match="not supported"):
+        ops.quant_matmul(torch.randn(2, 32), blocks[:, :18], int(QT.Q5_0), None)
+
+
+def _tiny_hf(model_type: str, hidden: int, vocab: int, **overrides) -> torch.nn.Module:
+    """A random HF model whose 2-D weights are scaled up, so greedy logits are far from ties."""
+    torch.manual_seed(0)
+    if model_type == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=vocab, n_embd=hidden, n_layer=2, n_head=4, n_positions=128,
+                                      n_inner=2 * hidden, bos_token_id=1, eos_token_id=2)
+    else:
+        cls = dict(llama=transformers.LlamaConfig, qwen3=transformers.Qwen3Config)[model_type]
+        cfg = cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5,
+                  bos_token_id=1, eos_token_id=2, **overrides)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+            if p.dim() == 2:
+                p.mul_(4.0)
+    return model
+
+
+def _quantized_modules(llm: LLM) -> set[str]:
+    return {type(m).__name__ for m in llm.engine.runner.model.modules() if hasattr(getattr(m, "weight", None),
+                                                                                   "ggml_type")}
+
+
+# llama: q/k rows unpermuted and reordered for rotary as rows of blocks, an untied head; qwen3: a
+# tied head reading the embedding's blocks, q/k norms; gpt2: its Conv1D weights are transposed and
+# its names renamed, so everything is dequantized at load (and still exact)
+CASES = [("llama", q.name) for q in QTYPES] + [("qwen3", "Q8_0"), ("gpt2", "Q8_0")]
+
+
+@needs_kernels
+@pytest.mark.parametrize("model_type,qtype", CASES, ids=[f"{m}-{q}" for m, q in CASES])
+def test_engine_with_blocks_matches_hf_on_the_dequantized_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   model_type: str, qtype: str) -> None:
+    """roseinfer with quantization gguf (weights in blocks, dequantized in the matmul) generates what HF
+    generates from the dequantized weights (the fp32 conversion of the same file), token for token."""
+    monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(tmp_path / "cache"))
+    tok = make_tiny_tokenizer(300)
+    hidden = 256 if qtype in ("Q4_K", "Q6_K") else 64  # K-quant rows are whole 256-blocks
+    extra = dict(llama=dict(tie_word_embeddings=False), qwen3=dict(head_dim=32, tie_word_embeddings=True), gpt2={})
+    src = write_tiny_gguf(tmp_path / "tiny.gguf", _tiny_hf(model_type, hidden, len(tok), **extra[model_type]), tok,
+                          qtype)
+    llm = LLM(model=str(src), quantization="gguf", num_kv_blocks=32)
+    assert _quantized_modules(llm) == (set() if model_type == "gpt2" else {"QuantizedLinear", "QuantizedEmbedding"})
+    prompts = [[5, 17, 42, 9], list(range(3, 40))]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    folder = convert_gguf(src)  # dequantized to fp32
+    refs = [hf_greedy(folder, p, 12) for p in prompts]
+    assert any(len(set(r)) > 2 for r in refs), "degenerate reference"
+    assert [o.token_ids for o in outs] == refs
+    if model_type == "llama":  # its decode steps ran all layers in one C call (csrc/decode_layers.c)
+        table = llm.engine.runner.model._decode_table
+        assert table is not None and table[1] is not None
+
+
+@needs_kernels
+def test_tensor_parallel_dequantizes_blocks_at_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank's share of a row would cut through blocks: under tensor parallelism auto dequantizes at
+    load (still HF's tokens on the dequantized weights), and gguf is refused before anything starts."""
+    monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(tmp_path / "cache"))
+    tok = make_tiny_tokenizer(300)
+    src = write_tiny_gguf(tmp_path / "tiny.gguf", _tiny_hf("llama", 64, len(tok), tie_word_embeddings=False), tok,
+                          "Q8_0")
+    with pytest.raises(ValueError, match="tensor parallelism splits weights"):
+        LLM(model=str(src), quantization="gguf", tensor_parallel_size=2)
+    llm = LLM(model=str(src), tensor_parallel_size=2, num_kv_blocks=32)
+    try:
+        assert _quantized_modules(llm) == set()
+        prompt = list(range(3, 40))
+        out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
+        assert out.token_ids == hf_greedy(convert_gguf(src), prompt, 12)
+    finally:
+        llm.shutdown()
+
+
+def test_a_fused_weight_whose_parts_differ_in_type_stays_fp32(caplog: pytest.LogCaptureFixture) -> None:
+    from roseinfer.loader.quantized import BlockTensor, keep_blocks
+    from roseinfer.models.config import ModelConfig
+    from roseinfer.models.registry import build_model
+
+    cfg = _tiny_hf("llama", 64, 300, tie_word_embeddings=False).config
+    model = build_model(ModelConfig.from_dict(cfg.to_dict()))
+    attn, mlp = "model.layers.0.self_attn", "model.layers.0.mlp"
+    stored = {f"{attn}.q_proj.weight": BlockTensor("Q4_1", (64, 64)), f"{attn}.k_proj.weight": BlockTensor("Q8_0", (32, 64)),
+              f"{attn}.v_proj.weight": BlockTensor("Q4_1", (32, 64)), f"{mlp}.gate_proj.weight": BlockTensor("Q4_1", (64, 64)),
+              f"{mlp}.up_proj.weight": BlockTensor("Q4_1", (64, 64))}
+    with caplog.at_level("INFO"):
+        kept = keep_blocks(model, stored, frozenset({"Q4_1", "Q8_0"}))
+    assert kept == {f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"}
+    assert "qkv_proj.weight stays fp32" in caplog.text and "Q4_1 and Q8_0" in caplog.text
+    layer = model.model.layers[0]
+    assert layer.self_attn.qkv_proj.weight.dtype == torch.float32
+    assert layer.mlp.gate_up_proj.weight.dtype == torch.uint8 and layer.mlp.gate_up_proj.weight.shape == (128, 40)
+
+
+def test_quantization_gguf_needs_a_backend_and_a_model_that_have_blocks(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """--quantization gguf with the torch backend is an error naming the way out; auto there falls back
+    to fp32 weights (and still matches HF); gguf on a model without blocks is an error; a bad value too."""
+    from roseinfer.config import EngineConfig
+
+    monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(tmp_path / "cache"))
+    tok = make_tiny_tokenizer(300)
+    src = write_tiny_gguf(tmp_path / "tiny.gguf", _tiny_hf("llama", 64, len(tok), tie_word_embeddings=False), tok, "Q4_0")
+    with pytest.raises(ValueError, match="torch backend computes with fp32 weights only"):
+        LLM(model=str(src), quantization="gguf", attention_backend="torch", num_kv_blocks=8)
+    llm = LLM(model=str(src), attention_backend="torch", num_kv_blocks=8)  # auto
+    assert not _quantized_modules(llm)
+    prompt = [5, 17, 42, 9]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
+    assert out.token_ids == hf_greedy(convert_gguf(src), prompt, 8)
+    with pytest.raises(ValueError, match="needs a GGUF model with quantized matrices"):
+        LLM(model=str(convert_gguf(src)), quantization="gguf", num_kv_blocks=8)
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        EngineConfig(quantization="int8")
+
+
+@needs_kernels
+def test_quantized_linear_from_32_rows_multiplies_dequantized_slices(monkeypatch: pytest.MonkeyPatch) -> None:
+    from roseinfer.backends.cpu import quantized
+
+    blocks, dense = random_blocks(QT.Q4_1, 45, 64)
+    linear = quantized.Linear(64, 45, bias=True)
+    linear.weight = torch.nn.Parameter(blocks, requires_grad=False)
+    linear.weight.ggml_type = int(QT.Q4_1)
+    quantized.install(linear)
+    assert isinstance(linear, quantized.QuantizedLinear)
+    monkeypatch.setattr(quantized, "SLICE_BYTES", 10 * 64 * 4)  # slices of 10 rows of W: 5, the last partial
+    for rows in (31, 32, 70):  # the block kernel, then the sliced fp32 matmul
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(linear(x), x @ dense.T + linear.bias, rtol=1e-5, atol=1e-4)
+
+
+@needs_kernels
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the -mno-* flags are x86's")
+def test_the_portable_c_path_gives_the_same_values(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Built without AVX, AVX2, F16C or FMA (the GCC-vector and scalar-fp16 code that any compiler
+    builds), the row lookup is still bit for bit gguf-py's and the matmul its dequantize's."""
+    from roseinfer.backends.cpu import kernels
+
+    flags = tuple(f for f in kernels.CFLAGS if f != "-march=native") + ("-mno-avx", "-mno-f16c", "-mno-fma")
+    monkeypatch.setattr(kernels, "CFLAGS", flags)
+    monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(tmp_path))
+    kernels.native_library.cache_clear()
+    try:
+        for qtype in QTYPES:
+            blocks, dense = random_blocks(qtype, 19, gguf.GGML_QUANT_SIZES[qtype][0] * 2, seed=2)
+            ids = torch.tensor([18, 0, 7])
+            assert torch.equal(ops.dequantize_rows(blocks, int(qtype), ids, dense.shape[1]), dense[ids])
+            x = torch.randn(5, dense.shape[1])
+            torch.testing.assert_close(ops.quant_matmul(x, blocks, int(qtype), None), x @ dense.T, rtol=1e-5,
+                                       atol=1e-4 * dense.abs().max().item())
+    finally:
+        kernels.native_library.cache_clear()  # later tests load the real build again
