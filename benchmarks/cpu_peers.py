@@ -1,0 +1,102 @@
+"""roseinfer against llama.cpp on the same GGUF, end to end, in one run on this machine.
+
+Every batch size runs each side in turn: `roseinfer bench offline` (offline mode, prompt-len prompt
+tokens and max-new-tokens output tokens a sequence, all submitted at once) with the weights expanded
+to fp32 and kept quantized, and llama.cpp's `llama-batched-bench` on an F32 copy of the file and on
+the file itself. e2e is output tokens / total time for both (llama.cpp: B x TG / T).
+
+    python benchmarks/cpu_peers.py --llama-cpp BUILD/bin [--model GGUF] [--batch-sizes 1,16,64] [--threads 2]
+
+BUILD/bin holds llama-batched-bench and llama-quantize (benchmarks/README.md: "CPU peers" says how
+to build them from the llama-cpp-python sdist).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+
+# llama-batched-bench's table: |PP|TG|B|N_KV|T_PP s|S_PP t/s|T_TG s|S_TG t/s|T s|S t/s|
+LLAMA_ROW = re.compile(r"^\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*\d+\s*\|" + r"\s*([0-9.]+)\s*\|" * 6)
+
+
+def llama_cpp_e2e(bin_dir: pathlib.Path, gguf: pathlib.Path, batch_sizes: list[int], prompt_len: int,
+                  new_tokens: int, threads: int) -> dict[int, float]:
+    """Output tok/s end to end per batch size; f32 KV cache, as the engine keeps it."""
+    cmd = [str(bin_dir / "llama-batched-bench"), "-m", str(gguf), "-c", str(max(batch_sizes) * (prompt_len + new_tokens)),
+           "-b", "2048", "-ub", "512", "-npp", str(prompt_len), "-ntg", str(new_tokens),
+           "-npl", ",".join(map(str, batch_sizes)), "-t", str(threads), "-ctk", "f32", "-ctv", "f32"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    rows = {}
+    for line in out.splitlines():
+        m = LLAMA_ROW.match(line)
+        if m:
+            batch, total_s = int(m.group(3)), float(m.group(8))
+            rows[batch] = batch * int(m.group(2)) / total_s
+    missing = set(batch_sizes) - rows.keys()
+    if missing:
+        raise RuntimeError(f"llama-batched-bench printed no row for batch sizes {sorted(missing)}:\n{out}")
+    return rows
+
+
+def roseinfer_e2e(model: pathlib.Path, quantization: str, batch_sizes: list[int], prompt_len: int, new_tokens: int,
+                  threads: int) -> dict[int, float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        report = pathlib.Path(tmp) / "report.json"
+        subprocess.run([sys.executable, "-m", "roseinfer.cli", "bench", "offline", "--model", str(model),
+                        "--quantization", quantization, "--mode", "offline",
+                        "--batch-sizes", ",".join(map(str, batch_sizes)), "--prompt-len", str(prompt_len),
+                        "--max-new-tokens", str(new_tokens), "--no-stop-on-eos", "--num-threads", str(threads),
+                        "--json", str(report)], check=True, stdout=subprocess.DEVNULL)
+        rows = json.loads(report.read_text())["summary"]
+    return {row["batch_size"]: row["throughput_completion_total"] for row in rows}
+
+
+def f32_copy(bin_dir: pathlib.Path, gguf: pathlib.Path, folder: pathlib.Path) -> pathlib.Path:
+    """The file's weights dequantized to F32 by llama.cpp itself: the values the fp32 engine holds."""
+    target = folder / f"{gguf.stem}.F32.gguf"
+    if not target.exists():
+        subprocess.run([str(bin_dir / "llama-quantize"), "--allow-requantize", str(gguf), str(target), "F32"],
+                       check=True, capture_output=True)
+    return target
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--llama-cpp", type=pathlib.Path, required=True, help="folder with llama-batched-bench")
+    parser.add_argument("--model", type=pathlib.Path, help="a quantized GGUF (default: the default model)")
+    parser.add_argument("--batch-sizes", default="1,16,64")
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--work-dir", type=pathlib.Path, default=pathlib.Path(tempfile.gettempdir()),
+                        help="where the F32 copy of the GGUF is kept between runs")
+    args = parser.parse_args()
+    if args.model is None:
+        from roseinfer.loader.default_model import default_model_path
+
+        args.model = pathlib.Path(default_model_path())
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    shape = (sizes, args.prompt_len, args.max_new_tokens, args.threads)
+    columns = {
+        "roseinfer fp32": roseinfer_e2e(args.model, "none", *shape),
+        "llama.cpp F32": llama_cpp_e2e(args.llama_cpp, f32_copy(args.llama_cpp, args.model, args.work_dir), *shape),
+        "roseinfer gguf": roseinfer_e2e(args.model, "gguf", *shape),
+        "llama.cpp file": llama_cpp_e2e(args.llama_cpp, args.model, *shape),
+    }
+    print(f"{args.model.name}, {args.threads} threads, {args.prompt_len} prompt + {args.max_new_tokens} output "
+          "tokens a sequence, output tok/s end to end")
+    print("| batch | " + " | ".join(columns) + " | fp32 ratio | quantized ratio |")
+    print("|---:|" + "---:|" * (len(columns) + 2))
+    for b in sizes:
+        v = [columns[name][b] for name in columns]
+        print(f"| {b} | " + " | ".join(f"{x:.1f}" for x in v) + f" | {v[0] / v[1]:.2f} | {v[2] / v[3]:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
