@@ -1,11 +1,14 @@
 """roseinfer against llama.cpp on the same GGUF, end to end, in one run on this machine.
 
-Every batch size runs each side in turn: `roseinfer bench offline` (offline mode, prompt-len prompt
-tokens and max-new-tokens output tokens a sequence, all submitted at once) with the weights expanded
-to fp32 and kept quantized, and llama.cpp's `llama-batched-bench` on an F32 copy of the file and on
-the file itself. e2e is output tokens / total time for both (llama.cpp: B x TG / T).
+Four columns, one after another in each round: `roseinfer bench offline` with the weights expanded
+to fp32 (`--quantization none`), llama.cpp's `llama-batched-bench` on an F32 copy of the file (the
+same values), roseinfer with the GGUF blocks kept (`--quantization gguf`), and llama.cpp on the file
+itself. Each runs, per batch size B, one batch of B sequences of prompt-len prompt tokens and
+max-new-tokens output tokens, all submitted at once; e2e is output tokens / total time for both
+(llama.cpp: B x TG / T). With several rounds the table shows each column's median.
 
     python benchmarks/cpu_peers.py --llama-cpp BUILD/bin [--model GGUF] [--batch-sizes 1,16,64] [--threads 2]
+                                   [--rounds 1]
 
 BUILD/bin holds llama-batched-bench and llama-quantize (benchmarks/README.md: "CPU peers" says how
 to build them from the llama-cpp-python sdist).
@@ -17,6 +20,7 @@ import json
 import os
 import pathlib
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -46,15 +50,19 @@ def llama_cpp_e2e(bin_dir: pathlib.Path, gguf: pathlib.Path, batch_sizes: list[i
 
 def roseinfer_e2e(model: pathlib.Path, quantization: str, batch_sizes: list[int], prompt_len: int, new_tokens: int,
                   threads: int) -> dict[int, float]:
+    """Output tok/s end to end per batch size: one full batch of requests, all submitted at once, as
+    llama-batched-bench runs them."""
+    rates = {}
     with tempfile.TemporaryDirectory() as tmp:
         report = pathlib.Path(tmp) / "report.json"
-        subprocess.run([sys.executable, "-m", "roseinfer.cli", "bench", "offline", "--model", str(model),
-                        "--quantization", quantization, "--mode", "offline",
-                        "--batch-sizes", ",".join(map(str, batch_sizes)), "--prompt-len", str(prompt_len),
-                        "--max-new-tokens", str(new_tokens), "--no-stop-on-eos", "--num-threads", str(threads),
-                        "--json", str(report)], check=True, stdout=subprocess.DEVNULL)
-        rows = json.loads(report.read_text())["summary"]
-    return {row["batch_size"]: row["throughput_completion_total"] for row in rows}
+        for batch in batch_sizes:
+            subprocess.run([sys.executable, "-m", "roseinfer.cli", "bench", "offline", "--model", str(model),
+                            "--quantization", quantization, "--mode", "offline", "--batch-sizes", str(batch),
+                            "--num-requests", str(batch), "--prompt-len", str(prompt_len),
+                            "--max-new-tokens", str(new_tokens), "--no-stop-on-eos", "--num-threads", str(threads),
+                            "--json", str(report)], check=True, stdout=subprocess.DEVNULL)
+            rates[batch] = json.loads(report.read_text())["summary"][0]["throughput_completion_total"]
+    return rates
 
 
 def f32_copy(bin_dir: pathlib.Path, gguf: pathlib.Path, folder: pathlib.Path) -> pathlib.Path:
@@ -74,6 +82,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--work-dir", type=pathlib.Path, default=pathlib.Path(tempfile.gettempdir()),
                         help="where the F32 copy of the GGUF is kept between runs")
     args = parser.parse_args()
@@ -83,12 +92,16 @@ def main() -> None:
         args.model = pathlib.Path(default_model_path())
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     shape = (sizes, args.prompt_len, args.max_new_tokens, args.threads)
-    columns = {
-        "roseinfer fp32": roseinfer_e2e(args.model, "none", *shape),
-        "llama.cpp F32": llama_cpp_e2e(args.llama_cpp, f32_copy(args.llama_cpp, args.model, args.work_dir), *shape),
-        "roseinfer gguf": roseinfer_e2e(args.model, "gguf", *shape),
-        "llama.cpp file": llama_cpp_e2e(args.llama_cpp, args.model, *shape),
-    }
+    f32 = f32_copy(args.llama_cpp, args.model, args.work_dir)
+    runs: dict[str, list[dict[int, float]]] = {}
+    for _ in range(args.rounds):
+        for name, run in (("roseinfer fp32", lambda: roseinfer_e2e(args.model, "none", *shape)),
+                          ("llama.cpp F32", lambda: llama_cpp_e2e(args.llama_cpp, f32, *shape)),
+                          ("roseinfer gguf", lambda: roseinfer_e2e(args.model, "gguf", *shape)),
+                          ("llama.cpp file", lambda: llama_cpp_e2e(args.llama_cpp, args.model, *shape))):
+            runs.setdefault(name, []).append(run())
+            print(f"{name}: " + ", ".join(f"batch {b} {v:.1f}" for b, v in runs[name][-1].items()), flush=True)
+    columns = {name: {b: statistics.median(r[b] for r in rs) for b in sizes} for name, rs in runs.items()}
     print(f"{args.model.name}, {args.threads} threads, {args.prompt_len} prompt + {args.max_new_tokens} output "
           "tokens a sequence, output tok/s end to end")
     print("| batch | " + " | ".join(columns) + " | fp32 ratio | quantized ratio |")

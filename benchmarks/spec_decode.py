@@ -7,6 +7,7 @@ where prompt lookup should pay) and an open-ended chat reply (where it should co
 nothing). Checks the outputs are identical, and prints tok/s, the ratio and the draft counters.
 
     python benchmarks/spec_decode.py [--model M] [--rounds 3] [--batch-size 1] [--speculative-config JSON]
+                                    [--quantization auto|gguf|none]
 """
 from __future__ import annotations
 
@@ -53,8 +54,9 @@ def main() -> None:
                         help="copies of each task's prompt decoded together (speculation stops above the config's "
                              "disable_by_batch_size: raise it to measure speculation there)")
     parser.add_argument("--speculative-config", default=json.dumps(NGRAM))
+    parser.add_argument("--quantization", default="auto", help="as the engine's flag (auto keeps GGUF blocks)")
     args = parser.parse_args()
-    common = {"num_threads": args.num_threads, "enable_prefix_caching": False}  # every round prefills afresh
+    common = {"num_threads": args.num_threads, "enable_prefix_caching": False, "quantization": args.quantization}  # every round prefills afresh
     plain = LLM(args.model, **common)
     spec = LLM(args.model, speculative_config=args.speculative_config, **common)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
