@@ -37,7 +37,7 @@ def test_llama_cpp_e2e_is_output_tokens_over_total_time(tmp_path) -> None:
     got = peers.llama_cpp_e2e(_fake_bench(tmp_path, TABLE), tmp_path / "m.gguf", [1, 16], 32, 64, 2)
     assert got == pytest.approx({1: 64 / 2.0, 16: 16 * 64 / 8.0})
     args = (tmp_path / "args").read_text().split()
-    assert args[args.index("-npl") + 1] == "1,16" and args[args.index("-ctk") + 1] == "f32"
+    assert args[args.index("-npl") + 1] == "1,16" and args[args.index("-ctk") + 1] == "f16"
 
 
 def test_a_missing_batch_size_is_an_error(tmp_path) -> None:
