@@ -10,7 +10,7 @@ max-new-tokens output tokens, all submitted at once; e2e is output tokens / tota
     python benchmarks/cpu_peers.py --llama-cpp BUILD/bin [--model GGUF] [--batch-sizes 1,16,64] [--threads 2]
                                    [--rounds 1]
 
-BUILD/bin holds llama-batched-bench and llama-quantize (benchmarks/README.md: "CPU peers" says how
+BUILD/bin holds llama-batched-bench and llama-quantize (benchmarks/README.md, "llama.cpp on the same weights", says how
 to build them from the llama-cpp-python sdist).
 """
 from __future__ import annotations
