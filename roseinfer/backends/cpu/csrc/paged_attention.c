@@ -2,8 +2,8 @@
  *
  * The torch path first gathers every sequence's blocks into a padded copy for SDPA, which writes
  * and re-reads the whole context (46 KB per token for the default model) on every step. Here one
- * task per (sequence, KV head) walks the block table and reads that head's K and V rows once, in
- * place.
+ * task per sequence walks its block table and reads each cached token's K and V rows once, in
+ * place: a token's rows for all KV heads are adjacent, so a block is one contiguous stretch.
  * Called by the CPU backend's attention (backends/cpu/attention.py).
  *
  * q:                 [n, num_heads, head_dim], rows q_row_stride floats apart (heads contiguous); with
@@ -53,29 +53,35 @@ static void softmax_inplace(float *s, int64_t len) {
     for (int64_t t = 0; t < len; t++) s[t] *= inv;
 }
 
-/* One KV head of one sequence: scores for the query heads that share it over the sequence's tokens,
- * softmax, then the weighted sum of V. A task per (row, KV head) rather than per row lets a single
- * sequence (batch 1, a speculative verification's few rows) use every thread. The head loop is
- * inside the token loop, with `h / group` and `t / block_size` out of it: they were 64-bit
- * divisions in the inner loops (~10 % of the kernel with the cache warm). slots: the tokens' row
- * offsets (token_row_offsets). Always inlined, and called with head_dim a literal for the common
- * head sizes: dot and axpy then unroll into registers, with no tail loop. */
-static inline __attribute__((always_inline)) void attend_kv_head(
-    const float *qs, const float *k_cache, const float *v_cache, float *o, float *scores, const int64_t *slots,
-    int64_t len, int64_t group, const int64_t head_dim, float scale) {
-    for (int64_t t = 0; t < len && t < PREFETCH_TOKENS; t++) prefetch_floats(k_cache + slots[t], head_dim);
+/* One sequence: scores for every head over its tokens, softmax, then the weighted sum of V. The
+ * loops go KV head by KV head and then over the query heads that share it, because `h / group`
+ * per head and `t / block_size` per token were 64-bit divisions in the inner loops (~10 % of the
+ * kernel with the cache warm). slots: scratch for the tokens' row offsets (token_row_offsets).
+ * Always inlined, and called with head_dim a literal for the common head sizes: dot and axpy then
+ * unroll into registers, with no tail loop. */
+static inline __attribute__((always_inline)) void attend_sequence(
+    const float *qs, const float *k_cache, const float *v_cache, float *o, float *scores, int64_t *slots,
+    const int64_t *table, int64_t len, int64_t num_kv_heads, int64_t group, const int64_t head_dim,
+    int64_t block_size, float scale) {
+    const int64_t slot_stride = num_kv_heads * head_dim, num_heads = num_kv_heads * group;
+    token_row_offsets(table, len, block_size, slot_stride, slots);
+    for (int64_t t = 0; t < len && t < PREFETCH_TOKENS; t++) prefetch_floats(k_cache + slots[t], slot_stride);
     for (int64_t t = 0; t < len; t++) {
         const float *k = k_cache + slots[t];
-        if (t + PREFETCH_TOKENS < len) prefetch_floats(k_cache + slots[t + PREFETCH_TOKENS], head_dim);
-        for (int64_t j = 0; j < group; j++) scores[j * len + t] = dot(qs + j * head_dim, k, head_dim) * scale;
+        if (t + PREFETCH_TOKENS < len) prefetch_floats(k_cache + slots[t + PREFETCH_TOKENS], slot_stride);
+        for (int64_t kv = 0, h = 0; kv < num_kv_heads; kv++)
+            for (int64_t j = 0; j < group; j++, h++)
+                scores[h * len + t] = dot(qs + h * head_dim, k + kv * head_dim, head_dim) * scale;
     }
-    for (int64_t t = 0; t < len && t < PREFETCH_TOKENS; t++) prefetch_floats(v_cache + slots[t], head_dim);
-    for (int64_t j = 0; j < group; j++) softmax_inplace(scores + j * len, len);
-    memset(o, 0, sizeof(float) * (size_t)(group * head_dim));
+    for (int64_t t = 0; t < len && t < PREFETCH_TOKENS; t++) prefetch_floats(v_cache + slots[t], slot_stride);
+    for (int64_t h = 0; h < num_heads; h++) softmax_inplace(scores + h * len, len);
+    memset(o, 0, sizeof(float) * (size_t)(num_heads * head_dim));
     for (int64_t t = 0; t < len; t++) {
         const float *v = v_cache + slots[t];
-        if (t + PREFETCH_TOKENS < len) prefetch_floats(v_cache + slots[t + PREFETCH_TOKENS], head_dim);
-        for (int64_t j = 0; j < group; j++) axpy(o + j * head_dim, scores[j * len + t], v, head_dim);
+        if (t + PREFETCH_TOKENS < len) prefetch_floats(v_cache + slots[t + PREFETCH_TOKENS], slot_stride);
+        for (int64_t kv = 0, h = 0; kv < num_kv_heads; kv++)
+            for (int64_t j = 0; j < group; j++, h++)
+                axpy(o + h * head_dim, scores[h * len + t], v + kv * head_dim, head_dim);
     }
 }
 
@@ -97,7 +103,7 @@ int paged_decode_attention_f32(float *q, int64_t q_row_stride, const float *rope
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-        float *scores = malloc(sizeof(float) * (size_t)(group * max_len)); /* [query head][token] */
+        float *scores = malloc(sizeof(float) * (size_t)(num_heads * max_len)); /* [head][token] */
         int64_t *slots = malloc(sizeof(int64_t) * (size_t)max_len);
         failed = scores == NULL || slots == NULL;
         if (rope != NULL) {
@@ -111,15 +117,14 @@ int paged_decode_attention_f32(float *q, int64_t q_row_stride, const float *rope
             }
         } /* the loop's barrier: every new row is in the cache before any row attends */
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < n * num_kv_heads; task++) {
+        for (int64_t seq = 0; seq < n; seq++) {
             if (failed) continue;
-            const int64_t seq = task / num_kv_heads, kv = task % num_kv_heads;
-            const float *qs = q + seq * q_row_stride + kv * group * head_dim;
-            float *o = out + (seq * num_heads + kv * group) * head_dim;
-            token_row_offsets(block_tables + seq * max_blocks, kv_lens[seq], block_size, kv_floats, slots);
+            float *qs = q + seq * q_row_stride;
+            float *o = out + seq * num_heads * head_dim;
+            const int64_t *table = block_tables + seq * max_blocks;
 #define ATTEND(dim) \
-    attend_kv_head(qs, k_cache + kv * head_dim, v_cache + kv * head_dim, o, scores, slots, kv_lens[seq], group, dim, \
-                   scale)
+    attend_sequence(qs, k_cache, v_cache, o, scores, slots, table, kv_lens[seq], num_kv_heads, group, dim, \
+                    block_size, scale)
             if (head_dim == 64)
                 ATTEND(64);
             else if (head_dim == 128)
