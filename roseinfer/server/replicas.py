@@ -111,7 +111,7 @@ class ReplicaSet:
                                    logging_config={"enable_access_log": False}) for i in range(num_replicas)]
         self.handles = serve.run_many(targets)
         infos = [handle.info.remote().result() for handle in self.handles]
-        folder = resolve_model_folder(config.model)
+        folder = resolve_model_folder(config.model, config.quantization)  # the replicas' folder: converted once
         self.engine = EngineView(config, folder, load_model_config(folder), Tokenizer(folder),
                                  sampling_defaults(folder, config.generation_config, config.override_generation_config),
                                  min(i["max_model_len"] for i in infos), min(i["num_kv_blocks"] for i in infos))
