@@ -14,7 +14,7 @@ import torch
 
 from roseinfer.backends import select_backend
 from roseinfer.config import EngineConfig, SpeculativeConfig
-from roseinfer.engine.block_manager import BlockManager
+from roseinfer.engine.block_manager import BlockManager, blocks_for
 from roseinfer.engine.model_runner import ModelRunner
 from roseinfer.engine.request import Request
 from roseinfer.engine.sampler import Sampler
@@ -45,7 +45,7 @@ class DraftModelProposer(Proposer):
         bs = engine_config.block_size
         # proposals run one at a time; this keeps a full-length context cached for each request that
         # may speculate at once, so they do not evict each other's
-        num_blocks = (config.disable_by_batch_size + 1) * -(-self.max_model_len // bs)
+        num_blocks = (config.disable_by_batch_size + 1) * blocks_for(self.max_model_len, bs)
         self.block_manager = BlockManager(num_blocks, bs, enable_prefix_caching=True)
         self.runner = ModelRunner(model, model_config, num_blocks, bs, backend,
                                   Sampler(set(), device, engine_config.seed, backend.argmax))

@@ -44,11 +44,7 @@ class EngineReplica:
     def info(self) -> dict:
         """What the ingress needs to check requests as this engine would, and to find this process."""
         engine = self.engine
-        return {"max_model_len": engine.max_model_len, "num_kv_blocks": engine.num_kv_blocks,
-                "model_folder": str(engine.model_folder), "pid": os.getpid()}
-
-    def stats(self) -> dict:
-        return self.manager.stats()
+        return {"max_model_len": engine.max_model_len, "num_kv_blocks": engine.num_kv_blocks, "pid": os.getpid()}
 
     def metrics_text(self) -> bytes:
         """This engine's Prometheus exposition (the single-engine server's /metrics body)."""
