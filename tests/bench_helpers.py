@@ -1,7 +1,13 @@
-"""What the `bench offline` tests share: their thread count and reading figures off the printout."""
+"""What the benchmark tests share: their thread count, reading figures off the printout, and the
+scripts under benchmarks/ (not a package) loaded as modules."""
 from __future__ import annotations
 
+import importlib.util
 import re
+from pathlib import Path
+from types import ModuleType
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 # One torch thread: on a small shared CPU, tiny matmuls spread over two threads spend
 # most of their time waking the second one (20x slower here).
@@ -11,3 +17,11 @@ ONE_THREAD = ["--num-threads", "1"]
 def reported_values(text: str, label: str) -> list[float]:
     """Every figure printed as `label: value` on a line of its own, in order."""
     return [float(x) for x in re.findall(rf"^{re.escape(label)}: ([0-9.]+)", text, flags=re.M)]
+
+
+def benchmark_script(name: str) -> ModuleType:
+    """benchmarks/<name>.py as a module, to call its functions."""
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

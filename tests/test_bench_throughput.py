@@ -2,7 +2,6 @@
 bandwidth floor's parts, and benchmarks/random_model.py (the GPU benchmarks' checkpoints)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import subprocess
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from bench_helpers import benchmark_script
 
 from roseinfer.bench.floor import copy_bandwidth, decode_step_bytes
 from roseinfer.bench.throughput import make_workload
@@ -83,9 +83,7 @@ def test_copy_bandwidth_is_a_rate() -> None:
 
 
 def test_random_model_loads_and_its_tokenizer_round_trips(tmp_path) -> None:
-    spec = importlib.util.spec_from_file_location("random_model", ROOT / "benchmarks" / "random_model.py")
-    random_model = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(random_model)
+    random_model = benchmark_script("random_model")
     random_model.write_model("qwen3-0.6b", tmp_path, torch.bfloat16, num_layers=1)
     config = json.loads((tmp_path / "config.json").read_text())
     assert (config["model_type"], config["hidden_size"], config["num_hidden_layers"], config["vocab_size"],

@@ -1,13 +1,12 @@
 """benchmarks/cpu_peers.py reads llama-batched-bench's table (a stand-in executable prints one here)."""
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 import stat
 
 import pytest
+from bench_helpers import benchmark_script
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 TABLE = """
 llama_batched_bench: n_kv_max = 512, n_batch = 2048, n_ubatch = 512, n_threads = 2
 
@@ -18,13 +17,6 @@ llama_batched_bench: n_kv_max = 512, n_batch = 2048, n_ubatch = 512, n_threads =
 """
 
 
-def _peers():
-    spec = importlib.util.spec_from_file_location("cpu_peers", ROOT / "benchmarks" / "cpu_peers.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _fake_bench(tmp_path: pathlib.Path, table: str) -> pathlib.Path:
     exe = tmp_path / "llama-batched-bench"
     exe.write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/args\ncat <<'END'\n{table}\nEND\n")
@@ -33,7 +25,7 @@ def _fake_bench(tmp_path: pathlib.Path, table: str) -> pathlib.Path:
 
 
 def test_llama_cpp_e2e_is_output_tokens_over_total_time(tmp_path) -> None:
-    peers = _peers()
+    peers = benchmark_script("cpu_peers")
     got = peers.llama_cpp_e2e(_fake_bench(tmp_path, TABLE), tmp_path / "m.gguf", [1, 16], 32, 64, 2)
     assert got == pytest.approx({1: 64 / 2.0, 16: 16 * 64 / 8.0})
     args = (tmp_path / "args").read_text().split()
@@ -42,4 +34,4 @@ def test_llama_cpp_e2e_is_output_tokens_over_total_time(tmp_path) -> None:
 
 def test_a_missing_batch_size_is_an_error(tmp_path) -> None:
     with pytest.raises(RuntimeError, match=r"no row for batch sizes \[64\]"):
-        _peers().llama_cpp_e2e(_fake_bench(tmp_path, TABLE), tmp_path / "m.gguf", [1, 16, 64], 32, 64, 2)
+        benchmark_script("cpu_peers").llama_cpp_e2e(_fake_bench(tmp_path, TABLE), tmp_path / "m.gguf", [1, 16, 64], 32, 64, 2)

@@ -7,6 +7,7 @@ import json
 import shutil
 
 import pytest
+from bench_helpers import benchmark_script
 from tiny_models import hf_greedy, sample_prompts
 
 from roseinfer import LLM, SamplingParams
@@ -102,17 +103,10 @@ def test_config_names():
 
 def test_layer_skip_draft_script(target, tmp_path):
     """benchmarks/layer_skip_draft.py cuts a 1-layer draft out of the 2-layer target: it loads as a
-    draft, keeps the target's greedy output exact, and proposes tokens that are sometimes accepted."""
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "layer_skip_draft.py"
-    spec = importlib.util.spec_from_file_location("layer_skip_draft", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    draft, keeps the target's greedy output exact, and proposes tokens."""
     model_dir, prompts, refs = target
     draft = tmp_path / "draft"
-    script.write_draft(str(model_dir), 1, draft)
+    benchmark_script("layer_skip_draft").write_draft(str(model_dir), 1, draft)
     assert json.loads((draft / "config.json").read_text())["num_hidden_layers"] == 1
     llm = _llm(model_dir, draft)
     assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == refs
