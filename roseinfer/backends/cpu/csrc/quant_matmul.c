@@ -55,7 +55,7 @@ static inline __attribute__((always_inline)) void group_times_row(int type, cons
 static inline __attribute__((always_inline)) void matmul_tasks(int type, const float *x, int64_t x_stride,
                                                                const uint8_t *weight, const float *bias, float *out,
                                                                int64_t m, int64_t n, int64_t k) {
-    const int64_t row_bytes = k / quant_block_weights(type) * quant_block_bytes(type);
+    const int64_t row_bytes = quant_row_bytes(type, k);
     const int64_t tiles = (n + TILE - 1) / TILE;
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
@@ -111,7 +111,7 @@ int quant_matmul_f32(const float *x, int64_t x_stride, const uint8_t *weight, in
 int dequantize_rows_f32(const uint8_t *weight, int64_t type, const int64_t *ids, int64_t count, int64_t k, float *out,
                         int num_threads) {
     if (!quant_shape_ok(type, k)) return 1;
-    const int64_t row_bytes = k / quant_block_weights(type) * quant_block_bytes(type);
+    const int64_t row_bytes = quant_row_bytes(type, k);
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t i = 0; i < count; i++) {
         const uint8_t *row = weight + ids[i] * row_bytes;

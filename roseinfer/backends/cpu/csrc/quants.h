@@ -47,6 +47,11 @@ static inline int quant_shape_ok(int64_t type, int64_t k) {
     return quant_block_bytes(type) != 0 && k > 0 && k % quant_block_weights(type) == 0;
 }
 
+/* Bytes of one row of k weights (quant_shape_ok(type, k) holds). */
+static inline int64_t quant_row_bytes(int64_t type, int64_t k) {
+    return k / quant_block_weights(type) * quant_block_bytes(type);
+}
+
 /* quant_matmul_f32's tasks, shared over the threads of an enclosing parallel region (the callers
  * check quant_shape_ok first); csrc/packed_matmul.c runs them after its row prologues */
 void quant_matmul_tasks(const float *x, int64_t x_stride, const uint8_t *weight, int64_t type, const float *bias,
