@@ -224,7 +224,8 @@ def test_matmul_floor_runs_from_c_where_the_engines_decode_layers_do(tiny_model_
     monkeypatch.setattr(PackedLinear, "forward",
                         lambda self, x: python_calls.append(x.shape[0]) or real_forward(self, x))
     assert matmul_floor(m, backend, 3, steps=4, warmup=1) > 0
-    expected = [(layer.native_weights, layer.bias, layer.out_features, layer.in_features) for layer in layers]
+    expected = [(layer.native_weights, layer.native_type, layer.bias, layer.out_features, layer.in_features)
+                for layer in layers]
     assert [(w, rows, steps) for w, rows, steps in c_steps] == [(expected, 3, 1), (expected, 3, 4)]
     assert python_calls == []
     monkeypatch.setattr(ops, "PACKED_MATMUL_MAX_ROWS", 2)

@@ -127,6 +127,33 @@ def test_engine_with_blocks_matches_hf_on_the_dequantized_weights(tmp_path: Path
 
 
 @needs_kernels
+def test_matmul_floors_run_on_blocks_from_one_c_loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`bench offline --floor` on a model kept in blocks: the decode floor runs the quantized matmuls
+    from one C loop, as the engine's one-call decoder stack does, each weight with its GGML type; the
+    activations are fp32 (the first parameter is a uint8 block table)."""
+    from roseinfer.bench.floor import matmul_floor, prefill_matmul_floor
+    from roseinfer.layers.linear import linear_layers
+
+    monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(tmp_path / "cache"))
+    tok = make_tiny_tokenizer(300)
+    src = write_tiny_gguf(tmp_path / "tiny.gguf", _tiny_hf("llama", 64, len(tok), tie_word_embeddings=False), tok,
+                          "Q4_1")
+    llm = LLM(model=str(src), quantization="gguf", num_kv_blocks=32)
+    model, backend = llm.engine.runner.model, llm.engine.backend
+    layers = linear_layers(model)
+    calls: list[list[int]] = []
+    real_steps = ops.packed_matmul_steps
+    monkeypatch.setattr(ops, "packed_matmul_steps",
+                        lambda weights, x, steps: calls.append([w[1] for w in weights]) or real_steps(weights, x, steps))
+    assert matmul_floor(model, backend, 2, steps=2, warmup=1) > 0
+    assert calls == [[int(QT.Q4_1)] * len(layers)] * 2
+    assert prefill_matmul_floor(model, 2, 8, 16) > 0
+    with pytest.raises(ValueError, match="not supported"):
+        real_steps([(layers[0].native_weights, 99, None, layers[0].out_features, layers[0].in_features)],
+                   torch.zeros(1, layers[0].in_features), 1)
+
+
+@needs_kernels
 def test_tensor_parallel_dequantizes_blocks_at_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A rank's share of a row would cut through blocks: under tensor parallelism auto dequantizes at
     load (still HF's tokens on the dequantized weights), and gguf is refused before anything starts."""

@@ -34,8 +34,14 @@ def _timed(run: Callable[[], None], cuda: bool) -> float:
     return time.perf_counter() - start
 
 
+def _activation_like(model: nn.Module) -> torch.Tensor:
+    """A floating-point parameter of the model: the activations' dtype and device (a weight kept in
+    GGUF blocks is uint8)."""
+    return next(p for p in model.parameters() if p.is_floating_point())
+
+
 def _inputs(layers: list[Linear], rows: int, reference: torch.Tensor) -> dict[int, torch.Tensor]:
-    """One random activation per input width of `layers` (dtype and device of the weights)."""
+    """One random activation per input width of `layers` (dtype and device of `reference`)."""
     return {n: torch.randn(rows, n, dtype=reference.dtype, device=reference.device)
             for n in {layer.in_features for layer in layers}}
 
@@ -47,7 +53,7 @@ def matmul_floor(model: nn.Module, backend: Backend, batch_size: int, steps: int
     if batch_size < 1 or steps < 1 or warmup < 0:
         raise ValueError("matmul_floor needs batch_size >= 1, steps >= 1, warmup >= 0")
     layers = linear_layers(model)
-    reference = next(model.parameters())
+    reference = _activation_like(model)
     decode_steps = backend.matmul_loop(layers, _inputs(layers, batch_size, reference))
     decode_steps(warmup)
     return batch_size * steps / _timed(lambda: decode_steps(steps), reference.device.type == "cuda")
@@ -65,7 +71,7 @@ def prefill_matmul_floor(model: nn.Module, num_prompts: int, prompt_len: int, st
     body, head = layers[:-1], layers[-1]
     total = num_prompts * prompt_len
     steps = [step_tokens] * (total // step_tokens) + [total % step_tokens] * (total % step_tokens > 0)
-    reference = next(model.parameters())
+    reference = _activation_like(model)
     inputs = _inputs(body, max(steps), reference)
     head_input = _inputs([head], num_prompts, reference)[head.in_features]
 

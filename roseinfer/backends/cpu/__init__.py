@@ -12,7 +12,7 @@ from roseinfer.backends.base import Backend, BatchLayout
 from roseinfer.backends.cpu import layers, llama, ops, quantized
 from roseinfer.backends.cpu.attention import CPUMetadata, NativeDecodeGroup, NativePrefillGroup
 from roseinfer.backends.cpu.kernels import kernels_available
-from roseinfer.backends.cpu.layers import PackedLinear
+from roseinfer.backends.cpu.layers import NativeRowsLinear
 from roseinfer.backends.cpu.quantized import QUANTIZED_TYPES
 from roseinfer.backends.torch_sdpa import AttentionGroup, padded_block_tables, sdpa_group, split_decode_prefill
 from roseinfer.layers.linear import Linear
@@ -47,9 +47,10 @@ class CPUBackend(Backend):
 
     def matmul_loop(self, layers: list[Linear], inputs: dict[int, torch.Tensor]) -> Callable[[int], None]:
         rows = next(iter(inputs.values())).shape[0]
-        if not all(isinstance(layer, PackedLinear) and layer.takes_native_rows(rows) for layer in layers):
+        if not all(isinstance(layer, NativeRowsLinear) and layer.takes_native_rows(rows) for layer in layers):
             return super().matmul_loop(layers, inputs)
-        weights = [(layer.native_weights, layer.bias, layer.out_features, layer.in_features) for layer in layers]
+        weights = [(layer.native_weights, layer.native_type, layer.bias, layer.out_features, layer.in_features)
+                   for layer in layers]
         widest = inputs[max(inputs)]
         return lambda count: ops.packed_matmul_steps(weights, widest, count)
 

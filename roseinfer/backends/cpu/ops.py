@@ -238,20 +238,25 @@ def decode_layers(layers: ctypes.Array, x: torch.Tensor, rotations: torch.Tensor
     return out
 
 
-def packed_matmul_steps(weights: list[tuple[int, torch.Tensor | None, int, int]], x: torch.Tensor, steps: int) -> None:
-    """`steps` times, x's rows times every packed weight (address, bias, out_features, in_features) in
-    turn, all in one call: the matmul floor of a decode step that runs in C (decode_layers)."""
+def packed_matmul_steps(weights: list[tuple[int, int, torch.Tensor | None, int, int]], x: torch.Tensor,
+                        steps: int) -> None:
+    """`steps` times, x's rows times every weight (address, layout type, bias, out_features,
+    in_features; type 0 packed fp32, else the GGML type of GGUF blocks) in turn, all in one call: the
+    matmul floor of a decode step that runs in C (decode_layers)."""
     count = len(weights)
     pointers = ctypes.c_void_p * count
     sizes = ctypes.c_int64 * count
     x = _rows(x)
-    if any(in_features > x.shape[1] for _, _, _, in_features in weights):
+    if any(in_features > x.shape[1] for *_, in_features in weights):
         raise ValueError("packed_matmul_steps needs x as wide as the widest input")
-    out = torch.empty(x.shape[0], max(w[2] for w in weights), dtype=x.dtype)
-    native_library().packed_matmul_steps_f32(
-        packed=pointers(*(w[0] for w in weights)), bias=pointers(*(_address(w[1]) for w in weights)),
-        n=sizes(*(w[2] for w in weights)), k=sizes(*(w[3] for w in weights)), count=count, x=x.data_ptr(),
-        x_stride=x.stride(0), out=out.data_ptr(), m=x.shape[0], steps=steps, num_threads=torch.get_num_threads())
+    out = torch.empty(x.shape[0], max(w[3] for w in weights), dtype=x.dtype)
+    failed = native_library().packed_matmul_steps_f32(
+        packed=pointers(*(w[0] for w in weights)), types=sizes(*(w[1] for w in weights)),
+        bias=pointers(*(_address(w[2]) for w in weights)), n=sizes(*(w[3] for w in weights)),
+        k=sizes(*(w[4] for w in weights)), count=count, x=x.data_ptr(), x_stride=x.stride(0), out=out.data_ptr(),
+        m=x.shape[0], steps=steps, num_threads=torch.get_num_threads())
+    if failed:
+        raise ValueError("packed_matmul_steps: a quantized weight's GGML type or width is not supported")
 
 
 def quant_matmul(x: torch.Tensor, weight: torch.Tensor, qtype: int, bias: torch.Tensor | None) -> torch.Tensor:

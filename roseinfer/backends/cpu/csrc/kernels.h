@@ -29,9 +29,9 @@ void rotary_f32(float *x, int64_t x_row_stride, const float *rope, int64_t n, in
 void argmax_rows_f32(const float *x, int64_t n, int64_t width, int64_t *out, int num_threads);
 void store_kv_f32(const float *k, int64_t k_row_stride, const float *v, int64_t v_row_stride,
                   const int64_t *slots, int64_t n, int64_t row_floats, float *k_cache, float *v_cache);
-void packed_matmul_steps_f32(const float *const *packed, const float *const *bias, const int64_t *n, const int64_t *k,
-                             int64_t count, const float *x, int64_t x_stride, float *out, int64_t m, int64_t steps,
-                             int num_threads);
+int packed_matmul_steps_f32(const void *const *packed, const int64_t *types, const float *const *bias,
+                            const int64_t *n, const int64_t *k, int64_t count, const float *x, int64_t x_stride,
+                            float *out, int64_t m, int64_t steps, int num_threads);
 void packed_matmul_f32(const float *x, int64_t x_stride, const float *packed, const float *bias, float *out,
                        int64_t m, int64_t n, int64_t k, int num_threads);
 int rms_norm_packed_matmul_f32(const float *x, int64_t x_stride, float *residual, const float *norm_weight, float eps,

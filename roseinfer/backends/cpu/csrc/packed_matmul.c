@@ -180,13 +180,21 @@ int silu_mul_packed_matmul_f32(const float *gate_up, const void *packed, int64_t
                            num_threads);
 }
 
-/* The matmul floor's decode steps (bench/floor.py): `steps` times, each of `count` packed weights
- * times the same m rows, back to back, with no Python between them: the matmuls as
- * decode_layers_f32 runs them and nothing else. Weight i is [n[i], k[i]] with bias[i] or NULL;
- * x: [m, x_stride] (x_stride >= every k); out: [m, max n] scratch. */
-void packed_matmul_steps_f32(const float *const *packed, const float *const *bias, const int64_t *n, const int64_t *k,
-                             int64_t count, const float *x, int64_t x_stride, float *out, int64_t m, int64_t steps,
-                             int num_threads) {
+/* The matmul floor's decode steps (bench/floor.py): `steps` times, each of `count` weights times the
+ * same m rows, back to back, with no Python between them: the matmuls as decode_layers_f32 runs them
+ * and nothing else. Weight i is [n[i], k[i]], packed fp32 (types[i] 0) or GGUF blocks of GGML type
+ * types[i], with bias[i] or NULL; x: [m, x_stride] (x_stride >= every k); out: [m, max n] scratch.
+ * Returns nonzero where a quantized weight's type or width is not handled. */
+int packed_matmul_steps_f32(const void *const *packed, const int64_t *types, const float *const *bias,
+                            const int64_t *n, const int64_t *k, int64_t count, const float *x, int64_t x_stride,
+                            float *out, int64_t m, int64_t steps, int num_threads) {
+    int failed = 0;
     for (int64_t s = 0; s < steps; s++)
-        for (int64_t i = 0; i < count; i++) packed_matmul_f32(x, x_stride, packed[i], bias[i], out, m, n[i], k[i], num_threads);
+        for (int64_t i = 0; i < count; i++) {
+            if (types[i] == 0)
+                packed_matmul_f32(x, x_stride, packed[i], bias[i], out, m, n[i], k[i], num_threads);
+            else
+                failed |= quant_matmul_f32(x, x_stride, packed[i], types[i], bias[i], out, m, n[i], k[i], num_threads);
+        }
+    return failed;
 }
