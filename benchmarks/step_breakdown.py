@@ -82,7 +82,7 @@ def main() -> None:
             attention.PagedAttention.__call__, attention.PagedAttention.forward_qkv = real_attention
             CPULlamaForCausalLM.decode_layers = real_stack
         t6 = time.perf_counter()
-        scheduler.update(out, tokens, logprobs)
+        scheduler.update(out, [[token] for token in tokens], logprobs)  # one token per decode row
         t7 = time.perf_counter()
         for key, a, b in (("schedule", t0, t1), ("prepare", t1, t2), ("forward", t2, t3),
                           ("logits+sample", t3, t4), ("update", t6, t7)):

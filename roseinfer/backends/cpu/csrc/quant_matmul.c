@@ -4,9 +4,10 @@
  * W is [n, k]: row j is k / 32 chunks of 32 weights in k / block_weights whole blocks. A task is
  * TILE output rows; for each group of up to GROUP rows of x it walks each weight row once, chunk by
  * chunk: the chunk is dequantized into four 8-float vectors and multiplied into every row of the
- * group from registers, so a weight is decoded once per group and never stored as fp32. One row of x
- * keeps four accumulators (four independent FMA chains; one would stall on latency), a group of
- * four or more one per row. x's group stays in L1 (GROUP rows of k floats), and the tile's weights
+ * group from registers, so a weight is decoded once per group and never stored as fp32. A group
+ * keeps at least eight independent FMA chains where the registers allow (fewer stall on latency):
+ * four accumulators a row for one or two rows, two for three or four, one from five (three rows
+ * with four each spilled). x's group stays in L1 (GROUP rows of k floats), and the tile's weights
  * in L1/L2 while every group passes over them. */
 #include <stdint.h>
 #include <string.h>
@@ -33,7 +34,7 @@ static inline float hsum8(vec8 v) {
 static inline __attribute__((always_inline)) void group_times_row(int type, const float *x, int64_t x_stride,
                                                                   const uint8_t *w, int64_t k, const int rows,
                                                                   float sums[GROUP]) {
-    const int accs = rows >= 4 ? 1 : 4;
+    const int accs = rows <= 2 ? 4 : rows <= 4 ? 2 : 1;
     vec8 acc[GROUP][4];
     for (int r = 0; r < rows; r++)
         for (int a = 0; a < accs; a++) acc[r][a] = (vec8){0};

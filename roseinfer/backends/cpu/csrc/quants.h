@@ -107,7 +107,17 @@ static inline uint64_t load64(const uint8_t *p) {
 
 #define NIBBLES 0x0f0f0f0f0f0f0f0full
 
-static inline vec8 nibbles8(const uint8_t *q, int high) { return u8_lanes(load64(q) >> (4 * high) & NIBBLES); }
+/* 8 nibbles of q[0..7], the low or the high ones, as floats. On AVX2 the bytes are widened straight
+ * from memory and the nibble cut out of each 32-bit lane (an and or a shift): half the instructions
+ * of cutting them out of a 64-bit word first, and a chunk's dequantization is what bounds the matmul. */
+static inline vec8 nibbles8(const uint8_t *q, int high) {
+#if defined(__AVX2__)
+    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
+    return (vec8)_mm256_cvtepi32_ps(high ? _mm256_srli_epi32(bytes, 4) : _mm256_and_si256(bytes, _mm256_set1_epi32(15)));
+#else
+    return u8_lanes(load64(q) >> (4 * high) & NIBBLES);
+#endif
+}
 
 /* (sc, mn) of chunk s of a Q4_K block's 12 scale bytes: 6 bits each, the top two of chunks 4-7
  * kept in the high bits of bytes 0-7 */
