@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from bench_helpers import benchmark_script
+from bench_helpers import ONE_THREAD, benchmark_script
 
 from roseinfer.bench.floor import copy_bandwidth, decode_step_bytes
 from roseinfer.bench.throughput import make_workload
@@ -109,3 +109,18 @@ def test_decode_bandwidth_script(tiny_model_factory) -> None:
     floor = re.search(r"floor ([0-9.]+) ms -> floor/step ([0-9.]+)$", proc.stdout, re.M)
     assert step and floor
     assert float(floor.group(2)) == pytest.approx(float(floor.group(1)) / float(step.group(1)), abs=0.01)
+
+
+def test_step_breakdown_script(tiny_model_factory) -> None:
+    """benchmarks/step_breakdown.py drives the scheduler and runner by hand, so a change to their
+    interfaces breaks it without breaking the engine: run it, and check its parts add up to its step."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_breakdown.py"),
+                           "--model", str(tiny_model_factory("llama")), "--batch-size", "2", "--prompt-len", "8",
+                           "--steps", "3", *ONE_THREAD], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    parts = {name: float(ms) for name, ms in re.findall(r"^  (\S+)\s+([0-9.]+)  \(\s*[0-9.]+%\)$", proc.stdout, re.M)}
+    assert set(parts) == {"schedule", "prepare", "forward", "logits+sample", "update"}
+    assert re.search(r"^  attention\s+-?[0-9.]+  \(layer-by-layer forward", proc.stdout, re.M)
+    step = re.search(r"^  step\s+([0-9.]+)$", proc.stdout, re.M)
+    assert step and float(step.group(1)) == pytest.approx(sum(parts.values()), abs=0.02)
+    assert re.search(r"engine/floor [0-9.]+$", proc.stdout, re.M)

@@ -142,6 +142,16 @@ static inline __attribute__((always_inline)) void dequant_chunk(int type, const 
             return;
         }
         const uint8_t *q = b + (type == Q4_1 ? 4 : 2);
+#if defined(__AVX2__) && defined(__F16C__)
+        if (type == Q4_1) { /* d and m converted together and broadcast from a register */
+            uint32_t dm_bits;
+            memcpy(&dm_bits, b, sizeof dm_bits);
+            const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm_bits));
+            const vec8 d8 = (vec8)_mm256_broadcastss_ps(dm), m8 = (vec8)_mm256_broadcastss_ps(_mm_movehdup_ps(dm));
+            for (int i = 0; i < 4; i++) w[i] = d8 * nibbles8(q + 8 * (i & 1), i >> 1) + m8;
+            return;
+        }
+#endif
         const float m = type == Q4_1 ? fp16_to_f32(b + 2) : -8.0f * d;
         for (int i = 0; i < 4; i++) w[i] = d * nibbles8(q + 8 * (i & 1), i >> 1) + m;
         return;
