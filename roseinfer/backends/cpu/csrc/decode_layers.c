@@ -42,11 +42,8 @@ int decode_layers_f32(const decode_layer_t *layers, int64_t num_layers, float *x
         failed |= paged_decode_attention_f32(qkv, qkv_size, rope, new_slots, layer->k_cache, layer->v_cache, attn,
                                              block_tables, kv_lens, n, num_heads, num_kv_heads, head_dim, block_size,
                                              max_blocks, scale, attention_threads);
-        if (layer->o_type == 0)
-            packed_matmul_f32(attn, q_size, layer->o, layer->o_bias, attn_out, n, hidden, q_size, num_threads);
-        else
-            failed |= quant_matmul_f32(attn, q_size, layer->o, layer->o_type, layer->o_bias, attn_out, n, hidden,
-                                       q_size, num_threads);
+        failed |= weight_matmul_f32(attn, q_size, layer->o, layer->o_type, layer->o_bias, attn_out, n, hidden, q_size,
+                                    num_threads);
         failed |= rms_norm_packed_matmul_f32(attn_out, hidden, x, layer->post_norm, eps, layer->gate_up,
                                              layer->gate_up_type, NULL, gate_up, n, 2 * intermediate, hidden,
                                              num_threads);

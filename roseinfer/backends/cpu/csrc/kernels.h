@@ -34,6 +34,8 @@ int packed_matmul_steps_f32(const void *const *packed, const int64_t *types, con
                             float *out, int64_t m, int64_t steps, int num_threads);
 void packed_matmul_f32(const float *x, int64_t x_stride, const float *packed, const float *bias, float *out,
                        int64_t m, int64_t n, int64_t k, int num_threads);
+int weight_matmul_f32(const float *x, int64_t x_stride, const void *weight, int64_t weight_type, const float *bias,
+                      float *out, int64_t m, int64_t n, int64_t k, int num_threads);
 int rms_norm_packed_matmul_f32(const float *x, int64_t x_stride, float *residual, const float *norm_weight, float eps,
                                const void *packed, int64_t weight_type, const float *bias, float *out, int64_t m,
                                int64_t n, int64_t k, int num_threads);

@@ -129,6 +129,31 @@ void packed_matmul_f32(const float *x, int64_t x_stride, const float *packed, co
     matmul_tasks(x, x_stride, packed, bias, out, m, n, k);
 }
 
+/* Whether a weight of this layout (0 packed fp32, else a GGML type) takes rows of k floats. */
+static inline int weight_shape_ok(int64_t weight_type, int64_t k) {
+    return weight_type == 0 || quant_shape_ok(weight_type, k);
+}
+
+/* One matmul's tasks, W packed fp32 (weight_type 0) or GGUF blocks of that type (csrc/quant_matmul.c),
+ * shared over the enclosing parallel region; the caller checked weight_shape_ok. */
+static void weight_matmul_tasks(const float *x, int64_t x_stride, const void *weight, int64_t weight_type,
+                                const float *bias, float *out, int64_t m, int64_t n, int64_t k) {
+    if (weight_type == 0)
+        matmul_tasks(x, x_stride, weight, bias, out, m, n, k);
+    else
+        quant_matmul_tasks(x, x_stride, weight, weight_type, bias, out, m, n, k);
+}
+
+/* out [m, n] = x [m, k] W^T (+ bias), W packed fp32 (weight_type 0) or GGUF blocks of that type.
+ * Returns nonzero (nothing written) where the type is not handled or k is not whole blocks of it. */
+int weight_matmul_f32(const float *x, int64_t x_stride, const void *weight, int64_t weight_type, const float *bias,
+                      float *out, int64_t m, int64_t n, int64_t k, int num_threads) {
+    if (!weight_shape_ok(weight_type, k)) return 1;
+#pragma omp parallel num_threads(num_threads)
+    weight_matmul_tasks(x, x_stride, weight, weight_type, bias, out, m, n, k);
+    return 0;
+}
+
 enum prologue { NORM_ROWS, SILU_MUL_ROWS };
 
 /* The matmul on rows computed first from x, in one parallel region: the `omp for` over the rows
@@ -140,7 +165,7 @@ enum prologue { NORM_ROWS, SILU_MUL_ROWS };
 static int prologue_matmul(enum prologue kind, const float *x, int64_t x_stride, float *residual,
                            const float *norm_weight, float eps, const void *packed, int64_t weight_type,
                            const float *bias, float *out, int64_t m, int64_t n, int64_t k, int num_threads) {
-    if (weight_type != 0 && !quant_shape_ok(weight_type, k)) return 1;
+    if (!weight_shape_ok(weight_type, k)) return 1;
     float *rows = malloc((size_t)(m * k) * sizeof(float));
     if (rows == NULL) return 1;
 #pragma omp parallel num_threads(num_threads)
@@ -153,10 +178,7 @@ static int prologue_matmul(enum prologue kind, const float *x, int64_t x_stride,
             else
                 silu_mul_row(row, row + k, rows + i * k, k);
         }
-        if (weight_type == 0)
-            matmul_tasks(rows, k, packed, bias, out, m, n, k);
-        else
-            quant_matmul_tasks(rows, k, packed, weight_type, bias, out, m, n, k);
+        weight_matmul_tasks(rows, k, packed, weight_type, bias, out, m, n, k);
     }
     free(rows);
     return 0;
@@ -190,11 +212,7 @@ int packed_matmul_steps_f32(const void *const *packed, const int64_t *types, con
                             float *out, int64_t m, int64_t steps, int num_threads) {
     int failed = 0;
     for (int64_t s = 0; s < steps; s++)
-        for (int64_t i = 0; i < count; i++) {
-            if (types[i] == 0)
-                packed_matmul_f32(x, x_stride, packed[i], bias[i], out, m, n[i], k[i], num_threads);
-            else
-                failed |= quant_matmul_f32(x, x_stride, packed[i], types[i], bias[i], out, m, n[i], k[i], num_threads);
-        }
+        for (int64_t i = 0; i < count; i++)
+            failed |= weight_matmul_f32(x, x_stride, packed[i], types[i], bias[i], out, m, n[i], k[i], num_threads);
     return failed;
 }

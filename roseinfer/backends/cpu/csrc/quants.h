@@ -76,6 +76,20 @@ static inline float fp16_to_f32(const uint8_t *p) {
 #endif
 }
 
+/* The two fp16 values at p (Q4_1's d and m) as floats, converted together where F16C has it. */
+static inline void fp16_pair_to_f32(const uint8_t *p, float *first, float *second) {
+#if defined(__F16C__)
+    uint32_t bits;
+    memcpy(&bits, p, sizeof bits);
+    const __m128 pair = _mm_cvtph_ps(_mm_cvtsi32_si128((int)bits));
+    *first = _mm_cvtss_f32(pair);
+    *second = _mm_cvtss_f32(_mm_movehdup_ps(pair));
+#else
+    *first = fp16_to_f32(p);
+    *second = fp16_to_f32(p + 2);
+#endif
+}
+
 /* 8 bytes as floats (unsigned, or signed for bytes8). The bit fields are cut out of a 64-bit word
  * first, and on AVX2 the widening is written out: GCC 12 shifted byte vectors and widened them one
  * lane at a time (a third of the instructions of a Q4_1 chunk). */
@@ -136,23 +150,19 @@ static inline void q4_k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
 static inline __attribute__((always_inline)) void dequant_chunk(int type, const uint8_t *row, int64_t c, vec8 w[4]) {
     if (type == Q8_0 || type == Q4_0 || type == Q4_1) {
         const uint8_t *b = row + c * quant_block_bytes(type);
-        const float d = fp16_to_f32(b);
         if (type == Q8_0) {
+            const float d = fp16_to_f32(b);
             for (int i = 0; i < 4; i++) w[i] = d * bytes8(b + 2 + 8 * i);
             return;
         }
-        const uint8_t *q = b + (type == Q4_1 ? 4 : 2);
-#if defined(__AVX2__) && defined(__F16C__)
-        if (type == Q4_1) { /* d and m converted together and broadcast from a register */
-            uint32_t dm_bits;
-            memcpy(&dm_bits, b, sizeof dm_bits);
-            const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm_bits));
-            const vec8 d8 = (vec8)_mm256_broadcastss_ps(dm), m8 = (vec8)_mm256_broadcastss_ps(_mm_movehdup_ps(dm));
-            for (int i = 0; i < 4; i++) w[i] = d8 * nibbles8(q + 8 * (i & 1), i >> 1) + m8;
-            return;
+        float d, m;
+        if (type == Q4_1) {
+            fp16_pair_to_f32(b, &d, &m);
+        } else {
+            d = fp16_to_f32(b);
+            m = -8.0f * d;
         }
-#endif
-        const float m = type == Q4_1 ? fp16_to_f32(b + 2) : -8.0f * d;
+        const uint8_t *q = b + (type == Q4_1 ? 4 : 2);
         for (int i = 0; i < 4; i++) w[i] = d * nibbles8(q + 8 * (i & 1), i >> 1) + m;
         return;
     }
