@@ -8,7 +8,12 @@
  * keeps at least eight independent FMA chains where the registers allow (fewer stall on latency):
  * four accumulators a row for one or two rows, two for three or four, one from five (three rows
  * with four each spilled). x's group stays in L1 (GROUP rows of k floats), and the tile's weights
- * in L1/L2 while every group passes over them. */
+ * in L1/L2 while every group passes over them.
+ *
+ * A single row of x (one sequence decoding) times Q8_0/Q4_0/Q4_1 takes the block scale out of the
+ * sum instead, d * sum(q x) + m * sum(x) with x's chunk sums taken once: the same real weights and
+ * fp32 sums, in another order, and 6 multiplies a chunk in place of 8 (the one-row kernel is bound
+ * by its instructions, not by memory). */
 #include <stdint.h>
 #include <string.h>
 
@@ -18,6 +23,7 @@
 
 #define GROUP 8
 #define TILE 16
+#define MAX_SCALED_CHUNKS 2048 /* the one-row path's x chunk sums live on the stack: k <= 65536 */
 
 static inline vec8 load8(const float *p) {
     vec8 v;
@@ -52,12 +58,44 @@ static inline __attribute__((always_inline)) void group_times_row(int type, cons
     }
 }
 
+/* The one-row path: sum over chunks of d * (q . x) + m * sx, sx[c] = x's chunk c summed. */
+static inline __attribute__((always_inline)) float row_times_scaled_row(int type, const float *x, const float *sx,
+                                                                        const uint8_t *w, int64_t k) {
+    vec8 acc0 = {0}, acc1 = {0};
+    float offsets = 0.0f;
+    for (int64_t c = 0; c < k / 32; c++) {
+        vec8 q[4];
+        float d, m;
+        scaled_chunk(type, w, c, q, &d, &m);
+        const float *xc = x + 32 * c;
+        acc0 += d * (load8(xc) * q[0] + load8(xc + 16) * q[2]);
+        acc1 += d * (load8(xc + 8) * q[1] + load8(xc + 24) * q[3]);
+        if (type != Q8_0) offsets += m * sx[c];
+    }
+    return hsum8(acc0 + acc1) + offsets;
+}
+
+static inline void chunk_sums(const float *x, int64_t k, float *sx) {
+    for (int64_t c = 0; c < k / 32; c++) {
+        const float *xc = x + 32 * c;
+        sx[c] = hsum8((load8(xc) + load8(xc + 8)) + (load8(xc + 16) + load8(xc + 24)));
+    }
+}
+
 /* One type's tasks (type constant after inlining), shared over the enclosing parallel region. */
 static inline __attribute__((always_inline)) void matmul_tasks(int type, const float *x, int64_t x_stride,
                                                                const uint8_t *weight, const float *bias, float *out,
                                                                int64_t m, int64_t n, int64_t k) {
     const int64_t row_bytes = quant_row_bytes(type, k);
     const int64_t tiles = (n + TILE - 1) / TILE;
+    if (m == 1 && scaled_chunk_type(type) && k / 32 <= MAX_SCALED_CHUNKS) {
+        float sx[MAX_SCALED_CHUNKS];
+        chunk_sums(x, k, sx);
+#pragma omp for schedule(static)
+        for (int64_t j = 0; j < n; j++)
+            out[j] = row_times_scaled_row(type, x, sx, weight + j * row_bytes, k) + (bias != NULL ? bias[j] : 0.0f);
+        return;
+    }
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t end = (t + 1) * TILE < n ? (t + 1) * TILE : n;

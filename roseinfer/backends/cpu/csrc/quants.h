@@ -145,25 +145,37 @@ static inline void q4_k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
     }
 }
 
+/* Whether a type's chunk is one block of the form w = d * q + m with q integers (Q8_0, Q4_0, Q4_1). */
+static inline int scaled_chunk_type(int type) { return type == Q8_0 || type == Q4_0 || type == Q4_1; }
+
+/* Chunk c of a row of such blocks: its integers q as floats (exact), with the block's d and m (0 for
+ * Q8_0, -8 d for Q4_0). `type` is a constant where this is inlined. */
+static inline __attribute__((always_inline)) void scaled_chunk(int type, const uint8_t *row, int64_t c, vec8 q[4],
+                                                               float *d, float *m) {
+    const uint8_t *b = row + c * quant_block_bytes(type);
+    if (type == Q8_0) {
+        *d = fp16_to_f32(b);
+        *m = 0.0f;
+        for (int i = 0; i < 4; i++) q[i] = bytes8(b + 2 + 8 * i);
+        return;
+    }
+    if (type == Q4_1) {
+        fp16_pair_to_f32(b, d, m);
+    } else {
+        *d = fp16_to_f32(b);
+        *m = -8.0f * *d;
+    }
+    const uint8_t *nibbles = b + (type == Q4_1 ? 4 : 2);
+    for (int i = 0; i < 4; i++) q[i] = nibbles8(nibbles + 8 * (i & 1), i >> 1);
+}
+
 /* w[0..3] = weights 32 c .. 32 c + 31 of a row of blocks (c counts 32-weight chunks along the row).
  * `type` is a constant where this is inlined, so the switch folds away. */
 static inline __attribute__((always_inline)) void dequant_chunk(int type, const uint8_t *row, int64_t c, vec8 w[4]) {
-    if (type == Q8_0 || type == Q4_0 || type == Q4_1) {
-        const uint8_t *b = row + c * quant_block_bytes(type);
-        if (type == Q8_0) {
-            const float d = fp16_to_f32(b);
-            for (int i = 0; i < 4; i++) w[i] = d * bytes8(b + 2 + 8 * i);
-            return;
-        }
+    if (scaled_chunk_type(type)) {
         float d, m;
-        if (type == Q4_1) {
-            fp16_pair_to_f32(b, &d, &m);
-        } else {
-            d = fp16_to_f32(b);
-            m = -8.0f * d;
-        }
-        const uint8_t *q = b + (type == Q4_1 ? 4 : 2);
-        for (int i = 0; i < 4; i++) w[i] = d * nibbles8(q + 8 * (i & 1), i >> 1) + m;
+        scaled_chunk(type, row, c, w, &d, &m);
+        for (int i = 0; i < 4; i++) w[i] = type == Q8_0 ? d * w[i] : d * w[i] + m;
         return;
     }
     const uint8_t *b = row + (c / 8) * quant_block_bytes(type);
