@@ -28,22 +28,13 @@
 
 #define BLOCK 64
 #if defined(__AVX512F__)
-typedef vec16 vec_t;
 #define GROUP 6
 #else
-/* AVX2, and the portable build: GCC/clang lower 8-float vectors to what the target has */
-typedef vec8 vec_t;
-#define GROUP 3
+#define GROUP 3 /* AVX2, and the portable build */
 #endif
-#define LANES ((int)(sizeof(vec_t) / sizeof(float)))
+#define LANES VEC_FLOATS
 #define SLICE (4 * LANES) /* the block's columns one pass covers */
 #define ONE_ROW_BLOCKS (SLICE < BLOCK)
-
-static inline vec_t load_vec(const float *p) {
-    vec_t v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
 
 /* acc[r] = rows [0, m) of x (m <= GROUP) times the SLICE rows of W at w (within a block), over all k
  * columns */

@@ -24,9 +24,8 @@
 #include "simd.h"
 
 static inline void axpy(float *y, float a, const float *x, int64_t n) {
-    int64_t d = 0;
-    for (; d + 16 <= n; d += 16) store16(y + d, load16(y + d) + a * load16(x + d));
-    for (; d < n; d++) y[d] += a * x[d];
+#pragma omp simd
+    for (int64_t d = 0; d < n; d++) y[d] += a * x[d];
 }
 
 /* Rows this many tokens ahead are prefetched into L2 (prefetcht1): blocks lie anywhere in the pool,

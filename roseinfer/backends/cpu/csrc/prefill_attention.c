@@ -29,40 +29,53 @@
 #include "kernels.h"
 #include "simd.h"
 
-/* Query vectors of one task: four 16-float chunks. Six keys at a time make 24 accumulators, so each
- * step over head_dim does 24 FMAs for 4 loads and 6 broadcasts; four keys (16 FMAs a step) ran
- * 4-16 % slower, more at longer prompts (interleaved A/B, 64 x 32 to 1 x 2048 tokens). A task's
- * lanes hold at least one row's query heads: backends/cpu/ops.py (PREFILL_LANES) refuses more per KV head. */
+/* A task holds up to LANES query vectors side by side (at least one row's query heads:
+ * backends/cpu/ops.py (PREFILL_LANES) refuses more per KV head). The scores go PASS_LANES lanes and
+ * KEYS_AT_ONCE keys at a time, from registers: on AVX-512 all 64 lanes (4 vectors) by six keys, 24
+ * accumulators of 32 registers, 24 FMAs a step over head_dim for 4 loads and 6 broadcasts (four keys
+ * ran 4-16 % slower, more at longer prompts); with AVX2's 16 registers, 32 lanes by three keys, 12
+ * accumulators, in two passes. */
 #define LANES 64
+#if defined(__AVX512F__)
+#define PASS_LANES 64
 #define KEYS_AT_ONCE 6
+#else
+#define PASS_LANES 32
+#define KEYS_AT_ONCE 3
+#endif
+#define PASS_VECS (PASS_LANES / VEC_FLOATS)
 
 /* scores[t][lane] = q_lane . k_t for the task's keys 0 .. len - 1; qt: [head_dim][LANES], the
  * queries transposed (and already scaled) so that a lane's products accumulate in a vector lane. */
 static inline __attribute__((always_inline)) void score_keys(const float *qt, const float *k_cache,
                                                              const int64_t *rows, int64_t len, int64_t head_dim,
                                                              float *scores) {
-    int64_t t = 0;
-    for (; t + KEYS_AT_ONCE <= len; t += KEYS_AT_ONCE) {
-        const float *k[KEYS_AT_ONCE];
-        for (int j = 0; j < KEYS_AT_ONCE; j++) k[j] = k_cache + rows[t + j];
-        vec16 acc[KEYS_AT_ONCE][LANES / 16] = {{{0}}};
-        for (int64_t d = 0; d < head_dim; d++) {
-            vec16 qd[LANES / 16];
-            for (int c = 0; c < LANES / 16; c++) qd[c] = load16(qt + d * LANES + c * 16);
-            for (int j = 0; j < KEYS_AT_ONCE; j++) {
-                const float kd = k[j][d];
-                for (int c = 0; c < LANES / 16; c++) acc[j][c] += qd[c] * kd;
+    for (int pass = 0; pass < LANES; pass += PASS_LANES) {
+        const float *qp = qt + pass;
+        float *sp = scores + pass;
+        int64_t t = 0;
+        for (; t + KEYS_AT_ONCE <= len; t += KEYS_AT_ONCE) {
+            const float *k[KEYS_AT_ONCE];
+            for (int j = 0; j < KEYS_AT_ONCE; j++) k[j] = k_cache + rows[t + j];
+            vec_t acc[KEYS_AT_ONCE][PASS_VECS] = {{{0}}};
+            for (int64_t d = 0; d < head_dim; d++) {
+                vec_t qd[PASS_VECS];
+                for (int c = 0; c < PASS_VECS; c++) qd[c] = load_vec(qp + d * LANES + c * VEC_FLOATS);
+                for (int j = 0; j < KEYS_AT_ONCE; j++) {
+                    const float kd = k[j][d];
+                    for (int c = 0; c < PASS_VECS; c++) acc[j][c] += qd[c] * kd;
+                }
             }
+            for (int j = 0; j < KEYS_AT_ONCE; j++)
+                for (int c = 0; c < PASS_VECS; c++) store_vec(sp + (t + j) * LANES + c * VEC_FLOATS, acc[j][c]);
         }
-        for (int j = 0; j < KEYS_AT_ONCE; j++)
-            for (int c = 0; c < LANES / 16; c++) store16(scores + (t + j) * LANES + c * 16, acc[j][c]);
-    }
-    for (; t < len; t++) {
-        const float *k = k_cache + rows[t];
-        vec16 acc[LANES / 16] = {0};
-        for (int64_t d = 0; d < head_dim; d++)
-            for (int c = 0; c < LANES / 16; c++) acc[c] += load16(qt + d * LANES + c * 16) * k[d];
-        for (int c = 0; c < LANES / 16; c++) store16(scores + t * LANES + c * 16, acc[c]);
+        for (; t < len; t++) {
+            const float *k = k_cache + rows[t];
+            vec_t acc[PASS_VECS] = {0};
+            for (int64_t d = 0; d < head_dim; d++)
+                for (int c = 0; c < PASS_VECS; c++) acc[c] += load_vec(qp + d * LANES + c * VEC_FLOATS) * k[d];
+            for (int c = 0; c < PASS_VECS; c++) store_vec(sp + t * LANES + c * VEC_FLOATS, acc[c]);
+        }
     }
 }
 
@@ -88,26 +101,37 @@ static void softmax_lanes(float *scores, int64_t len, const int64_t *last, float
     for (int l = 0; l < LANES; l++) inv[l] = 1.0f / total[l];
 }
 
-/* out_rows[i] = inv[lane0 + i] * sum_t p[t][lane0 + i] * v_t for `block` lanes at once (block x
- * head_dim / 16 accumulators: 24 for head_dim 64 with 6 lanes). head_dim is a multiple of 16, at
- * most 128 (backends/cpu/ops.py checks). */
+/* Floats [first, first + chunks * VEC_FLOATS) of out_rows[i] = inv[lane0 + i] * sum_t p[t][lane0 + i] * v_t,
+ * for `block` lanes at once (block x chunks accumulators, at most 6 x 8). */
 static inline __attribute__((always_inline)) void weigh_values(const float *p, const float *v_cache,
                                                                const int64_t *rows, int64_t len, int lane0,
-                                                               const int block, const int64_t head_dim,
+                                                               const int block, int64_t first, const int64_t chunks,
                                                                const float *inv, float *const *out_rows) {
-    vec16 acc[6][8] = {{{0}}}; /* block <= 6; head_dim / 16 <= 8 */
-    const int64_t chunks = head_dim / 16;
+    vec_t acc[6][8] = {{{0}}};
     for (int64_t t = 0; t < len; t++) {
-        const float *v = v_cache + rows[t];
+        const float *v = v_cache + rows[t] + first;
         const float *pt = p + t * LANES + lane0;
         for (int64_t c = 0; c < chunks; c++) {
-            const vec16 vc = load16(v + c * 16);
+            const vec_t vc = load_vec(v + c * VEC_FLOATS);
             for (int i = 0; i < block; i++) acc[i][c] += pt[i] * vc;
         }
     }
     for (int i = 0; i < block; i++)
         if (out_rows[i] != NULL)
-            for (int64_t c = 0; c < chunks; c++) store16(out_rows[i] + c * 16, acc[i][c] * inv[lane0 + i]);
+            for (int64_t c = 0; c < chunks; c++)
+                store_vec(out_rows[i] + first + c * VEC_FLOATS, acc[i][c] * inv[lane0 + i]);
+}
+
+/* weigh_values over lanes lane_from .. lane_to - 1 and all of head_dim (a multiple of 16, at most
+ * 128: backends/cpu/ops.py checks), in blocks of `block` lanes by `chunks` vectors; a last block may
+ * reach past lane_to (those lanes have no output row). */
+static inline __attribute__((always_inline)) void weigh_lanes(const float *p, const float *v_cache, const int64_t *rows,
+                                                              int64_t len, int64_t lane_from, int64_t lane_to,
+                                                              const int block, const int64_t chunks, int64_t head_dim,
+                                                              const float *inv, float *const *out_rows) {
+    for (int64_t first = 0; first < head_dim; first += chunks * VEC_FLOATS)
+        for (int64_t lane0 = lane_from; lane0 < lane_to; lane0 += block)
+            weigh_values(p, v_cache, rows, len, (int)lane0, block, first, chunks, inv, out_rows + lane0);
 }
 
 /* One task: query rows row0 .. row0 + n_rows - 1 of a sequence (positions from pos0), the query
@@ -131,23 +155,24 @@ static void attend_tile(const float *q, int64_t q_row_stride, const float *k_cac
     score_keys(qt, k_cache + kv * head_dim, rows, len, head_dim, scores);
     softmax_lanes(scores, len, last, inv);
     const float *v_base = v_cache + kv * head_dim;
-    /* 24 sums in registers: six lanes of head_dim 64 (5-7 % faster than four at 256-2048 tokens),
-     * three of 128; the lanes left over go four (two) at a time */
-    int lane0 = 0;
+    /* 24 sums in registers on AVX-512: six lanes of head_dim 64 (5-7 % faster than four at 256-2048
+     * tokens), three of 128; on AVX2 12: three lanes by 32 floats */
+#if defined(__AVX512F__)
     if (head_dim == 64) {
-        for (; lane0 + 6 <= lanes; lane0 += 6)
-            weigh_values(scores, v_base, rows, len, lane0, 6, 64, inv, out_rows + lane0);
-        for (; lane0 < lanes; lane0 += 4)
-            weigh_values(scores, v_base, rows, len, lane0, 4, 64, inv, out_rows + lane0);
+        weigh_lanes(scores, v_base, rows, len, 0, lanes / 6 * 6, 6, 4, 64, inv, out_rows);
+        weigh_lanes(scores, v_base, rows, len, lanes / 6 * 6, lanes, 4, 4, 64, inv, out_rows);
     } else if (head_dim == 128) {
-        for (; lane0 + 3 <= lanes; lane0 += 3)
-            weigh_values(scores, v_base, rows, len, lane0, 3, 128, inv, out_rows + lane0);
-        for (; lane0 < lanes; lane0 += 2)
-            weigh_values(scores, v_base, rows, len, lane0, 2, 128, inv, out_rows + lane0);
+        weigh_lanes(scores, v_base, rows, len, 0, lanes / 3 * 3, 3, 8, 128, inv, out_rows);
+        weigh_lanes(scores, v_base, rows, len, lanes / 3 * 3, lanes, 2, 8, 128, inv, out_rows);
     } else {
-        for (; lane0 < lanes; lane0 += 2)
-            weigh_values(scores, v_base, rows, len, lane0, 2, head_dim, inv, out_rows + lane0);
+        weigh_lanes(scores, v_base, rows, len, 0, lanes, 2, head_dim / 16, head_dim, inv, out_rows);
     }
+#else
+    if (head_dim % 32 == 0)
+        weigh_lanes(scores, v_base, rows, len, 0, lanes, 3, 4, head_dim, inv, out_rows);
+    else
+        weigh_lanes(scores, v_base, rows, len, 0, lanes, 3, 2, head_dim, inv, out_rows);
+#endif
 }
 
 int paged_prefill_attention_f32(const float *q, int64_t q_row_stride, const float *k_cache, const float *v_cache,

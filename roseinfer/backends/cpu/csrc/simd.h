@@ -21,6 +21,25 @@ static inline void store16(float *p, vec16 v) { memcpy(p, &v, sizeof v); }
 typedef float vec8 __attribute__((vector_size(32)));
 typedef float vec4 __attribute__((vector_size(16)));
 
+/* The widest float vector the target keeps in registers: 16 floats with AVX-512, else 8 (AVX2; the
+ * portable build lowers it to what it has). Kernels tiled for the register file use it: GCC builds a
+ * vector wider than the target's through the stack, where a scalar times one became sixteen scalar
+ * stores and a reload. */
+#if defined(__AVX512F__)
+typedef vec16 vec_t;
+#else
+typedef vec8 vec_t;
+#endif
+#define VEC_FLOATS ((int)(sizeof(vec_t) / sizeof(float)))
+
+static inline vec_t load_vec(const float *p) {
+    vec_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store_vec(float *p, vec_t v) { memcpy(p, &v, sizeof v); }
+
 /* Halves added pairwise: summing the 16 lanes in order was a chain of 16 dependent adds, and with
  * one sum per head and cached token it was the slowest part of decode attention. The halves are
  * built from lanes, not copied out with memcpy: a copy out of `v` made GCC keep a loop's
