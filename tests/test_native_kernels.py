@@ -68,6 +68,15 @@ def test_paged_decode_attention_matches_gather_and_sdpa(heads: int, kv_heads: in
         ref = F.scaled_dot_product_attention(q[i].unsqueeze(1), keys, values, scale=scale,
                                              enable_gqa=heads != kv_heads).squeeze(1)
         torch.testing.assert_close(got[i], ref, rtol=1e-5, atol=1e-5)
+    # fewer rows than threads split each row's heads between them: the same bits however many
+    threads = torch.get_num_threads()
+    try:
+        for rows, count in ((1, 1), (1, 3), (2, 4), (5, 16)):
+            torch.set_num_threads(count)
+            alone = ops.paged_decode_attention(q[:rows], k_cache, v_cache, tables[:rows], kv_lens[:rows], 4, scale)
+            assert torch.equal(alone, got[:rows])
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _causal_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, start: int,

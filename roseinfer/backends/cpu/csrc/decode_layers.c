@@ -30,8 +30,8 @@ int decode_layers_f32(const decode_layer_t *layers, int64_t num_layers, float *x
     float *attn_out = malloc(sizeof(float) * (size_t)(n * hidden));
     float *gate_up = malloc(sizeof(float) * (size_t)(n * 2 * intermediate));
     int failed = qkv == NULL || attn == NULL || attn_out == NULL || gate_up == NULL;
-    /* one task per sequence in attention: waking idle threads only costs time */
-    const int attention_threads = n < num_threads ? (int)n : num_threads;
+    /* attention's tasks are whole heads of a row: waking threads with none only costs time */
+    const int attention_threads = n * num_heads < num_threads ? (int)(n * num_heads) : num_threads;
     for (int64_t l = 0; l < num_layers && !failed; l++) {
         const decode_layer_t *layer = &layers[l];
         /* the first layer normalises the embeddings, which then are the stream; later ones add the

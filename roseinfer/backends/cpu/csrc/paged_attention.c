@@ -52,40 +52,46 @@ static void softmax_inplace(float *s, int64_t len) {
     for (int64_t t = 0; t < len; t++) s[t] *= inv;
 }
 
-/* One sequence: scores for every head over its tokens, softmax, then the weighted sum of V. The
- * loops go KV head by KV head and then over the query heads that share it, because `h / group`
- * per head and `t / block_size` per token were 64-bit divisions in the inner loops (~10 % of the
- * kernel with the cache warm). slots: scratch for the tokens' row offsets (token_row_offsets).
+/* One sequence, query heads h0 .. h1 - 1: scores over its tokens, softmax, then the weighted sum
+ * of V. The loops go KV head by KV head and then over the query heads that share it, because
+ * `h / group` per head and `t / block_size` per token were 64-bit divisions in the inner loops (~10 %
+ * of the kernel with the cache warm). slots: scratch for the tokens' row offsets (token_row_offsets).
  * Always inlined, and called with head_dim a literal for the common head sizes: dot and axpy then
  * unroll into registers, with no tail loop. */
-static inline __attribute__((always_inline)) void attend_sequence(
+static inline __attribute__((always_inline)) void attend_heads(
     const float *qs, const float *k_cache, const float *v_cache, float *o, float *scores, int64_t *slots,
-    const int64_t *table, int64_t len, int64_t num_kv_heads, int64_t group, const int64_t head_dim,
-    int64_t block_size, float scale) {
-    const int64_t slot_stride = num_kv_heads * head_dim, num_heads = num_kv_heads * group;
+    const int64_t *table, int64_t len, int64_t num_kv_heads, int64_t group, int64_t h0, int64_t h1,
+    const int64_t head_dim, int64_t block_size, float scale) {
+    const int64_t slot_stride = num_kv_heads * head_dim, kv0 = h0 / group, kv1 = (h1 - 1) / group + 1;
+    const int64_t row_floats = (kv1 - kv0) * head_dim; /* of a token's row, the KV heads read here */
+    k_cache += kv0 * head_dim;
+    v_cache += kv0 * head_dim;
     token_row_offsets(table, len, block_size, slot_stride, slots);
-    for (int64_t t = 0; t < len && t < PREFETCH_TOKENS; t++) prefetch_floats(k_cache + slots[t], slot_stride);
+    for (int64_t t = 0; t < len && t < PREFETCH_TOKENS; t++) prefetch_floats(k_cache + slots[t], row_floats);
     for (int64_t t = 0; t < len; t++) {
         const float *k = k_cache + slots[t];
-        if (t + PREFETCH_TOKENS < len) prefetch_floats(k_cache + slots[t + PREFETCH_TOKENS], slot_stride);
-        for (int64_t kv = 0, h = 0; kv < num_kv_heads; kv++)
-            for (int64_t j = 0; j < group; j++, h++)
-                scores[h * len + t] = dot(qs + h * head_dim, k + kv * head_dim, head_dim) * scale;
+        if (t + PREFETCH_TOKENS < len) prefetch_floats(k_cache + slots[t + PREFETCH_TOKENS], row_floats);
+        for (int64_t kv = kv0, h = h0; kv < kv1; kv++)
+            for (; h < h1 && h < (kv + 1) * group; h++)
+                scores[h * len + t] = dot(qs + h * head_dim, k + (kv - kv0) * head_dim, head_dim) * scale;
     }
-    for (int64_t t = 0; t < len && t < PREFETCH_TOKENS; t++) prefetch_floats(v_cache + slots[t], slot_stride);
-    for (int64_t h = 0; h < num_heads; h++) softmax_inplace(scores + h * len, len);
-    memset(o, 0, sizeof(float) * (size_t)(num_heads * head_dim));
+    for (int64_t t = 0; t < len && t < PREFETCH_TOKENS; t++) prefetch_floats(v_cache + slots[t], row_floats);
+    for (int64_t h = h0; h < h1; h++) softmax_inplace(scores + h * len, len);
+    memset(o + h0 * head_dim, 0, sizeof(float) * (size_t)((h1 - h0) * head_dim));
     for (int64_t t = 0; t < len; t++) {
         const float *v = v_cache + slots[t];
-        if (t + PREFETCH_TOKENS < len) prefetch_floats(v_cache + slots[t + PREFETCH_TOKENS], slot_stride);
-        for (int64_t kv = 0, h = 0; kv < num_kv_heads; kv++)
-            for (int64_t j = 0; j < group; j++, h++)
-                axpy(o + h * head_dim, scores[h * len + t], v + kv * head_dim, head_dim);
+        if (t + PREFETCH_TOKENS < len) prefetch_floats(v_cache + slots[t + PREFETCH_TOKENS], row_floats);
+        for (int64_t kv = kv0, h = h0; kv < kv1; kv++)
+            for (; h < h1 && h < (kv + 1) * group; h++)
+                axpy(o + h * head_dim, scores[h * len + t], v + (kv - kv0) * head_dim, head_dim);
     }
 }
 
 /* One query per row. A row is a sequence's decode, or one row of a short chunk of a sequence (a
  * speculative verification): row i attends to the first kv_lens[i] tokens of its block table.
+ * With fewer rows than threads each row's query heads are split between them (one sequence
+ * decoding has every thread's share of its heads): a head's sums are the same whichever thread
+ * runs it, so the results do not depend on the split.
  * With `rope` set, q/k/v have just left the qkv projection: every row's q and k heads are rotated in
  * place (rotate_heads) and its new K and V rows written to `new_slots[row]`, all before any row
  * attends, so a chunk's rows see the rows before them. That is three ctypes calls and their tensor
@@ -99,6 +105,9 @@ int paged_decode_attention_f32(float *q, int64_t q_row_stride, const float *rope
                                int num_threads) {
     const int64_t group = num_heads / num_kv_heads, kv_floats = num_kv_heads * head_dim;
     const int64_t max_len = max_blocks * block_size;
+    /* tasks a row: enough for every thread, whole heads each */
+    const int64_t wanted = n < num_threads ? (num_threads + n - 1) / n : 1;
+    const int64_t parts = wanted < num_heads ? wanted : num_heads;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
@@ -116,14 +125,16 @@ int paged_decode_attention_f32(float *q, int64_t q_row_stride, const float *rope
             }
         } /* the loop's barrier: every new row is in the cache before any row attends */
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t seq = 0; seq < n; seq++) {
+        for (int64_t task = 0; task < n * parts; task++) {
             if (failed) continue;
+            const int64_t seq = task / parts, part = task % parts;
+            const int64_t h0 = part * num_heads / parts, h1 = (part + 1) * num_heads / parts;
             float *qs = q + seq * q_row_stride;
             float *o = out + seq * num_heads * head_dim;
             const int64_t *table = block_tables + seq * max_blocks;
 #define ATTEND(dim) \
-    attend_sequence(qs, k_cache, v_cache, o, scores, slots, table, kv_lens[seq], num_kv_heads, group, dim, \
-                    block_size, scale)
+    attend_heads(qs, k_cache, v_cache, o, scores, slots, table, kv_lens[seq], num_kv_heads, group, h0, h1, dim, \
+                 block_size, scale)
             if (head_dim == 64)
                 ATTEND(64);
             else if (head_dim == 128)
