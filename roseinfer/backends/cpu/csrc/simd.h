@@ -7,7 +7,8 @@
 #include <stdint.h>
 #include <string.h>
 
-/* 16 floats: GCC and clang lower it to whatever SIMD the target has (-march=native) */
+/* 16 floats: dot's accumulator, so that its sums go in the same order on every target (loops tiled
+ * for the register file take vec_t below) */
 typedef float vec16 __attribute__((vector_size(64)));
 
 static inline vec16 load16(const float *p) {
@@ -15,8 +16,6 @@ static inline vec16 load16(const float *p) {
     memcpy(&v, p, sizeof v);
     return v;
 }
-
-static inline void store16(float *p, vec16 v) { memcpy(p, &v, sizeof v); }
 
 typedef float vec8 __attribute__((vector_size(32)));
 typedef float vec4 __attribute__((vector_size(16)));
