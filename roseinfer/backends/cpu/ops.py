@@ -66,7 +66,7 @@ def _decode_attention(q_rows: torch.Tensor, angles: torch.Tensor | None, slots: 
         k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(), out=out.data_ptr(),
         block_tables=block_tables.data_ptr(), kv_lens=kv_lens.data_ptr(), n=n, num_heads=num_heads,
         num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, max_blocks=block_tables.shape[1],
-        scale=scale, num_threads=min(torch.get_num_threads(), n * num_heads))  # tasks: a row's whole heads
+        scale=scale, num_threads=torch.get_num_threads())
     if failed:
         raise MemoryError("paged attention could not allocate its scratch buffers")
     return out

@@ -30,8 +30,6 @@ int decode_layers_f32(const decode_layer_t *layers, int64_t num_layers, float *x
     float *attn_out = malloc(sizeof(float) * (size_t)(n * hidden));
     float *gate_up = malloc(sizeof(float) * (size_t)(n * 2 * intermediate));
     int failed = qkv == NULL || attn == NULL || attn_out == NULL || gate_up == NULL;
-    /* attention's tasks are whole heads of a row: waking threads with none only costs time */
-    const int attention_threads = n * num_heads < num_threads ? (int)(n * num_heads) : num_threads;
     for (int64_t l = 0; l < num_layers && !failed; l++) {
         const decode_layer_t *layer = &layers[l];
         /* the first layer normalises the embeddings, which then are the stream; later ones add the
@@ -41,7 +39,7 @@ int decode_layers_f32(const decode_layer_t *layers, int64_t num_layers, float *x
                                              num_threads);
         failed |= paged_decode_attention_f32(qkv, qkv_size, rope, new_slots, layer->k_cache, layer->v_cache, attn,
                                              block_tables, kv_lens, n, num_heads, num_kv_heads, head_dim, block_size,
-                                             max_blocks, scale, attention_threads);
+                                             max_blocks, scale, num_threads);
         failed |= weight_matmul_f32(attn, q_size, layer->o, layer->o_type, layer->o_bias, attn_out, n, hidden, q_size,
                                     num_threads);
         failed |= rms_norm_packed_matmul_f32(attn_out, hidden, x, layer->post_norm, eps, layer->gate_up,

@@ -32,8 +32,7 @@
 #else
 #define GROUP 3 /* AVX2, and the portable build */
 #endif
-#define LANES VEC_FLOATS
-#define SLICE (4 * LANES) /* the block's columns one pass covers */
+#define SLICE (4 * VEC_FLOATS) /* the block's columns one pass covers */
 #define ONE_ROW_BLOCKS (SLICE < BLOCK)
 
 /* acc[r] = rows [0, m) of x (m <= GROUP) times the SLICE rows of W at w (within a block), over all k
@@ -45,8 +44,8 @@ static inline __attribute__((always_inline)) void group_times_slice(const float 
         for (int q = 0; q < 4; q++) acc[r][q] = (vec_t){0};
     for (int64_t c = 0; c < k; c++) {
         const float *wc = w + c * BLOCK;
-        const vec_t w0 = load_vec(wc), w1 = load_vec(wc + LANES), w2 = load_vec(wc + 2 * LANES),
-                    w3 = load_vec(wc + 3 * LANES);
+        const vec_t w0 = load_vec(wc), w1 = load_vec(wc + VEC_FLOATS), w2 = load_vec(wc + 2 * VEC_FLOATS),
+                    w3 = load_vec(wc + 3 * VEC_FLOATS);
         for (int r = 0; r < m; r++) {
             const float xv = x[r * x_stride + c];
             acc[r][0] += xv * w0;
@@ -60,10 +59,10 @@ static inline __attribute__((always_inline)) void group_times_slice(const float 
 /* One row of x times a whole block in one pass, eight vectors: where a slice is narrower than the
  * block (AVX2), a single row has the registers for it, and streams each weight from memory once. */
 static inline void row_times_block(const float *x, const float *w, int64_t k, float sums[BLOCK]) {
-    vec_t acc[BLOCK / LANES] = {0};
+    vec_t acc[BLOCK / VEC_FLOATS] = {0};
     for (int64_t c = 0; c < k; c++) {
         const float xv = x[c];
-        for (int q = 0; q < BLOCK / LANES; q++) acc[q] += xv * load_vec(w + c * BLOCK + q * LANES);
+        for (int q = 0; q < BLOCK / VEC_FLOATS; q++) acc[q] += xv * load_vec(w + c * BLOCK + q * VEC_FLOATS);
     }
     memcpy(sums, acc, sizeof acc);
 }

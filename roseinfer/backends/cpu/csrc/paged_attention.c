@@ -105,9 +105,10 @@ int paged_decode_attention_f32(float *q, int64_t q_row_stride, const float *rope
                                int num_threads) {
     const int64_t group = num_heads / num_kv_heads, kv_floats = num_kv_heads * head_dim;
     const int64_t max_len = max_blocks * block_size;
-    /* tasks a row: enough for every thread, whole heads each */
-    const int64_t wanted = n < num_threads ? (num_threads + n - 1) / n : 1;
+    /* tasks a row: enough for every thread, whole heads each; a thread with no task is not woken */
+    const int64_t wanted = n > 0 && n < num_threads ? (num_threads + n - 1) / n : 1;
     const int64_t parts = wanted < num_heads ? wanted : num_heads;
+    if (n > 0 && n * parts < num_threads) num_threads = (int)(n * parts);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
