@@ -149,6 +149,12 @@ def _app(manager: SchedulerManager | ReplicaSet, served_model_name: str, options
             ids = await serving.run_blocking(engine.tokenizer.encode, body.prompt, body.add_special_tokens)
         return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=engine.max_model_len)
 
+    @app.get("/tokenizer_info", dependencies=guarded, responses=error_responses(*unauthorized))
+    async def tokenizer_info() -> dict[str, Any]:
+        """vLLM's: the tokenizer's configuration (tokenizer_config.json as transformers reads it), so
+        that a client (lm-evaluation-harness) can tokenize and template as the server does."""
+        return engine.tokenizer.info()
+
     @app.post("/detokenize", dependencies=guarded, responses=error_responses(*TOKENIZER_ERRORS))
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         serving.check_model(body.model)

@@ -5,15 +5,18 @@ structured-output fields (structured_outputs, guided_*) follow vLLM. A field ros
 implement is refused (400 naming it, with UNSUPPORTED_FIELDS' reason), never silently dropped;
 docs/server.md has the table of every OpenAI field and what happens to it.
 Numeric ranges come from SamplingParams' BOUNDS, so the OpenAPI document states the ranges that
-are enforced; non-finite floats and strings that are not valid Unicode (unpaired surrogates) are
-refused here, before anything reads them.
+are enforced; non-finite floats and strings that are not valid Unicode (unpaired surrogates, also
+as keys or values anywhere inside free-form JSON such as a tool's parameters) are refused here,
+before anything reads them. Rules that span fields (a tool message's tool_call_id, /tokenize's one
+of prompt or messages) are stated in the OpenAPI document too, so that it accepts what the server does.
 """
 from __future__ import annotations
 
 import json
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StrictStr, StringConstraints, model_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, Strict, StrictStr,
+                      StringConstraints, model_validator)
 
 from roseinfer.sampling_params import BOUNDS
 
@@ -35,13 +38,42 @@ UNSUPPORTED_FIELDS = {
 }
 
 
-def _valid_unicode(text: str) -> str:
+def _surrogate_at(text: str) -> int | None:
     # JSON may carry "\ud800" escapes: Python keeps them as lone surrogates, which no UTF-8 coder takes
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise ValueError(f"text holds an unpaired surrogate at index {exc.start} (not valid Unicode)") from None
+        return exc.start
+    return None
+
+
+def _valid_unicode(text: str) -> str:
+    at = _surrogate_at(text)
+    if at is not None:
+        raise ValueError(f"text holds an unpaired surrogate at index {at} (not valid Unicode)")
     return text
+
+
+def _valid_unicode_json(value: Any) -> Any:
+    """Every key and string inside a free-form JSON value checked as text is (iterative: no depth limit)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            at = _surrogate_at(item)
+            if at is not None:
+                raise ValueError(f"the string {item[:40]!r} holds an unpaired surrogate at index {at} "
+                                 "(not valid Unicode)")
+        elif isinstance(item, dict):
+            stack += [*item.keys(), *item.values()]
+        elif isinstance(item, list):
+            stack += item
+    return value
+
+
+def _integral(value: Any) -> Any:
+    # JSON Schema's "integer" takes 2.0 as well as 2 (the document says "integer"); 2.5, "2" and true stay refused
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
 def _bounded(name: str, **extra: Any) -> Any:
@@ -50,6 +82,7 @@ def _bounded(name: str, **extra: Any) -> Any:
 
 
 Text = Annotated[StrictStr, AfterValidator(_valid_unicode)]
+StrictInt = Annotated[int, BeforeValidator(_integral), Strict()]  # pydantic's, but 2.0 counts (see _integral)
 TokenId = Annotated[StrictInt, Field(ge=0)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 # ASCII digits only: str.isdigit() also takes "²", which int() then refuses
@@ -58,7 +91,8 @@ Bias = Annotated[float, Field(ge=-100, le=100)]
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]  # OpenAI's roles
 # OpenAI's rule for function names; it also keeps them safe inside the tool-call markup we parse
 FunctionName = Annotated[StrictStr, StringConstraints(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
-JsonSchema = dict[str, Any]
+JsonObject = Annotated[dict[str, Any], AfterValidator(_valid_unicode_json)]  # free-form JSON, keys included
+JsonSchema = JsonObject
 
 
 class StrictModel(BaseModel):
@@ -69,6 +103,7 @@ class StrictModel(BaseModel):
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
 class JsonSchemaSpec(StrictModel):
@@ -142,9 +177,18 @@ class SamplingRequest(StrictModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+# an empty prompt is refused whatever the tokenizer (one that adds no BOS would leave nothing to prompt with)
+PromptText = Annotated[StrictStr, StringConstraints(min_length=1), AfterValidator(_valid_unicode)]
+
 
 class CompletionRequest(SamplingRequest):
-    prompt: Union[Text, Annotated[list[Text], Field(min_length=1)], TokenIds, Annotated[list[TokenIds], Field(min_length=1)]]
+    prompt: Union[PromptText, Annotated[list[PromptText], Field(min_length=1)], TokenIds,
+                  Annotated[list[TokenIds], Field(min_length=1)]]
     echo: bool = False
     # alternatives per token; with echo, the prompt's too
     logprobs: StrictInt | None = _bounded("logprobs", le=MAX_LOGPROBS)
@@ -188,7 +232,19 @@ class ToolCall(StrictModel):
     function: ToolCallFunction
 
 
+def _required_with(role: str, field: str) -> dict[str, Any]:
+    """JSON Schema: a message with this role needs `field` as a non-empty string."""
+    return {"if": {"properties": {"role": {"const": role}}},
+            "then": {"required": [field], "properties": {field: {"type": "string", "minLength": 1}}}}
+
+
 class ChatMessage(StrictModel):
+    # _role_fields' rules, stated in the OpenAPI document too (the arguments' JSON excepted)
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        _required_with("tool", "tool_call_id"), _required_with("function", "name"),
+        {"if": {"properties": {"role": {"not": {"const": "assistant"}}}},
+         "then": {"properties": {"tool_calls": {"type": "null"}}}}]})
+
     role: Role
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
@@ -197,7 +253,7 @@ class ChatMessage(StrictModel):
     # The rest of an OpenAI response message, so that one dumped whole (message.model_dump()) can be
     # sent back: a refusal is that turn's text; citations and empty audio / function_call change nothing.
     refusal: Text | None = None
-    annotations: list[dict[str, Any]] | None = None
+    annotations: list[JsonObject] | None = None
     audio: None = None
     function_call: None = None
 
@@ -211,9 +267,13 @@ class ChatMessage(StrictModel):
             raise ValueError("only assistant messages carry tool_calls")
         for call in self.tool_calls or []:
             try:
-                json.loads(call.function.arguments)
+                arguments = json.loads(call.function.arguments)
             except ValueError:
                 raise ValueError(f"tool call {call.id!r}: function.arguments is not valid JSON") from None
+            try:  # a "\ud800" escape inside the JSON text decodes to a lone surrogate
+                _valid_unicode_json(arguments)
+            except ValueError as exc:
+                raise ValueError(f"tool call {call.id!r}: function.arguments: {exc}") from None
         return self
 
     @property
@@ -249,7 +309,7 @@ class ChatCompletionRequest(SamplingRequest):
     # Accepted and ignored, because ignoring them changes nothing a client can see: nothing is
     # stored (store true is refused), there is one service tier, the prefix cache needs no key,
     # and no response echoes these.
-    metadata: Annotated[dict[Annotated[str, StringConstraints(max_length=64)],
+    metadata: Annotated[dict[Annotated[Text, StringConstraints(max_length=64)],
                              Annotated[Text, StringConstraints(max_length=512)]], Field(max_length=16)] | None = None
     store: bool | None = None
     service_tier: Literal["auto", "default"] | None = None
@@ -258,6 +318,11 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class TokenizeRequest(StrictModel):
+    # exactly one of prompt and messages, stated in the OpenAPI document too
+    model_config = ConfigDict(json_schema_extra={"oneOf": [
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]})
+
     model: Text | None = None
     prompt: Text | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
