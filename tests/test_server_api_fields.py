@@ -300,6 +300,9 @@ def request_schemas(http: httpx.Client) -> dict[str, jsonschema.protocols.Valida
     ("/detokenize", {"tokens": [0.0, 5.0]}),
     ("/detokenize", {"tokens": [0.5]}),
     ("/detokenize", {"tokens": [True]}),
+    ("/detokenize", {"tokens": [-1.0]}),  # 2.0 taken, but the bounds still stated as the server enforces them
+    ("/v1/completions", {"prompt": [[-4]]}),
+    ("/v1/completions", {"prompt": [[4.0], [5]], "max_tokens": 1}),
     ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "42"}], "max_tokens": 1}),
     ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "42", "tool_call_id": ""}], "max_tokens": 1}),
     ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "42", "tool_call_id": "c"}], "max_tokens": 1}),
@@ -311,6 +314,8 @@ def request_schemas(http: httpx.Client) -> dict[str, jsonschema.protocols.Valida
     ("/v1/completions", {"prompt": "", "max_tokens": 0, "echo": True}),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0, "echo": True}),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 2.0}),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2.5}),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "2"}),
     ("/tokenize", {}),
     ("/tokenize", {"prompt": None}),
     ("/tokenize", {"prompt": "hi", "messages": MESSAGES}),

@@ -13,10 +13,11 @@ of prompt or messages) are stated in the OpenAPI document too, so that it accept
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal, Union
+from itertools import chain
+from typing import Annotated, Any, ClassVar, Literal, Union, get_args
 
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, Strict, StrictStr,
-                      StringConstraints, model_validator)
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StrictStr, StringConstraints,
+                      model_validator)
 
 from roseinfer.sampling_params import BOUNDS
 
@@ -72,8 +73,24 @@ def _valid_unicode_json(value: Any) -> Any:
 
 
 def _integral(value: Any) -> Any:
-    # JSON Schema's "integer" takes 2.0 as well as 2 (the document says "integer"); 2.5, "2" and true stay refused
-    return int(value) if isinstance(value, float) and value.is_integer() else value
+    """2.0 as 2, alone or in a list or a list of lists: JSON Schema's "integer" takes it (2.5, "2" and
+    true stay refused). The scans that find no float, as a request's token ids give, run in C."""
+    if type(value) is float:
+        return int(value) if value.is_integer() else value
+    if type(value) is not list:
+        return value
+    if list in map(type, value):
+        try:
+            if float not in map(type, chain.from_iterable(value)):
+                return value
+        except TypeError:  # lists mixed with numbers: validation refuses them
+            return value
+        return [_integral(row) for row in value]
+    return [_integral(v) for v in value] if float in map(type, value) else value
+
+
+def _takes_int(annotation: Any) -> bool:
+    return annotation is int or any(_takes_int(arg) for arg in get_args(annotation))
 
 
 def _bounded(name: str, **extra: Any) -> Any:
@@ -82,7 +99,6 @@ def _bounded(name: str, **extra: Any) -> Any:
 
 
 Text = Annotated[StrictStr, AfterValidator(_valid_unicode)]
-StrictInt = Annotated[int, BeforeValidator(_integral), Strict()]  # pydantic's, but 2.0 counts (see _integral)
 TokenId = Annotated[StrictInt, Field(ge=0)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 # ASCII digits only: str.isdigit() also takes "²", which int() then refuses
@@ -99,6 +115,21 @@ class StrictModel(BaseModel):
     # strict: a JSON value is taken only as the type the schema states (no false for a number,
     # no 1 or "true" for a boolean), so what the document says is what is accepted
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+    _int_keys: ClassVar[frozenset[str]] = frozenset()  # the fields whose type holds an int
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        cls._int_keys = frozenset(field.alias or name for name, field in cls.model_fields.items()
+                                  if _takes_int(field.annotation))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integers(cls, data: Any) -> Any:
+        # here rather than a validator on each int type: pydantic then writes a constraint as "ge", not "minimum"
+        if isinstance(data, dict) and not cls._int_keys.isdisjoint(data):
+            return {key: _integral(value) if key in cls._int_keys else value for key, value in data.items()}
+        return data
 
 
 class StreamOptions(StrictModel):
