@@ -43,7 +43,9 @@ class ServerMetrics:
                                       registry=r)
         self.prefix_hits = Counter("roseinfer_prefix_cache_hits", "Prompt tokens served by the prefix cache",
                                    registry=r)
-        self.requests = Counter("roseinfer_requests", "Finished requests", ["finish_reason"], registry=r)
+        self.requests = Counter("roseinfer_requests", "Finished requests, by how the engine ended them (a response "
+                                "that failed after that is a 5xx in roseinfer_http_responses)", ["finish_reason"],
+                                registry=r)
         self.rejected = rejected_counter(r)
         self.responses = responses_counter(r)
         self.kv_used = Gauge("roseinfer_kv_cache_used_blocks", "KV blocks held by requests", registry=r)
