@@ -13,13 +13,13 @@ of prompt or messages) are stated in the OpenAPI document too, so that it accept
 from __future__ import annotations
 
 import json
-from itertools import chain
-from typing import Annotated, Any, ClassVar, Literal, Union, get_args
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StrictStr, StringConstraints,
                       model_validator)
 
 from roseinfer.sampling_params import BOUNDS
+from roseinfer.server.json_values import integral, takes_int, valid_unicode, valid_unicode_json
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit; vLLM's default max_logprobs is 20 too
 MAX_N = 128  # OpenAI's limit on choices per request
@@ -39,66 +39,12 @@ UNSUPPORTED_FIELDS = {
 }
 
 
-def _surrogate_at(text: str) -> int | None:
-    # JSON may carry "\ud800" escapes: Python keeps them as lone surrogates, which no UTF-8 coder takes
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        return exc.start
-    return None
-
-
-def _valid_unicode(text: str) -> str:
-    at = _surrogate_at(text)
-    if at is not None:
-        raise ValueError(f"text holds an unpaired surrogate at index {at} (not valid Unicode)")
-    return text
-
-
-def _valid_unicode_json(value: Any) -> Any:
-    """Every key and string inside a free-form JSON value checked as text is (iterative: no depth limit)."""
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, str):
-            at = _surrogate_at(item)
-            if at is not None:
-                raise ValueError(f"the string {item[:40]!r} holds an unpaired surrogate at index {at} "
-                                 "(not valid Unicode)")
-        elif isinstance(item, dict):
-            stack += [*item.keys(), *item.values()]
-        elif isinstance(item, list):
-            stack += item
-    return value
-
-
-def _integral(value: Any) -> Any:
-    """2.0 as 2, alone or in a list or a list of lists: JSON Schema's "integer" takes it (2.5, "2" and
-    true stay refused). The scans that find no float, as a request's token ids give, run in C."""
-    if type(value) is float:
-        return int(value) if value.is_integer() else value
-    if type(value) is not list:
-        return value
-    if list in map(type, value):
-        try:
-            if float not in map(type, chain.from_iterable(value)):
-                return value
-        except TypeError:  # lists mixed with numbers: validation refuses them
-            return value
-        return [_integral(row) for row in value]
-    return [_integral(v) for v in value] if float in map(type, value) else value
-
-
-def _takes_int(annotation: Any) -> bool:
-    return annotation is int or any(_takes_int(arg) for arg in get_args(annotation))
-
-
 def _bounded(name: str, **extra: Any) -> Any:
     """Field(None) with SamplingParams' range for `name`."""
     return Field(None, **BOUNDS[name].field_kwargs(), **extra)
 
 
-Text = Annotated[StrictStr, AfterValidator(_valid_unicode)]
+Text = Annotated[StrictStr, AfterValidator(valid_unicode)]
 TokenId = Annotated[StrictInt, Field(ge=0)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 # ASCII digits only: str.isdigit() also takes "²", which int() then refuses
@@ -107,7 +53,7 @@ Bias = Annotated[float, Field(ge=-100, le=100)]
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]  # OpenAI's roles
 # OpenAI's rule for function names; it also keeps them safe inside the tool-call markup we parse
 FunctionName = Annotated[StrictStr, StringConstraints(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
-JsonObject = Annotated[dict[str, Any], AfterValidator(_valid_unicode_json)]  # free-form JSON, keys included
+JsonObject = Annotated[dict[str, Any], AfterValidator(valid_unicode_json)]  # free-form JSON, keys included
 JsonSchema = JsonObject
 
 
@@ -121,14 +67,14 @@ class StrictModel(BaseModel):
     def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
         super().__pydantic_init_subclass__(**kwargs)
         cls._int_keys = frozenset(field.alias or name for name, field in cls.model_fields.items()
-                                  if _takes_int(field.annotation))
+                                  if takes_int(field.annotation))
 
     @model_validator(mode="before")
     @classmethod
     def _integers(cls, data: Any) -> Any:
         # here rather than a validator on each int type: pydantic then writes a constraint as "ge", not "minimum"
         if isinstance(data, dict) and not cls._int_keys.isdisjoint(data):
-            return {key: _integral(value) if key in cls._int_keys else value for key, value in data.items()}
+            return {key: integral(value) if key in cls._int_keys else value for key, value in data.items()}
         return data
 
 
@@ -214,7 +160,7 @@ class SamplingRequest(StrictModel):
 
 
 # an empty prompt is refused whatever the tokenizer (one that adds no BOS would leave nothing to prompt with)
-PromptText = Annotated[StrictStr, StringConstraints(min_length=1), AfterValidator(_valid_unicode)]
+PromptText = Annotated[StrictStr, StringConstraints(min_length=1), AfterValidator(valid_unicode)]
 
 
 class CompletionRequest(SamplingRequest):
@@ -302,7 +248,7 @@ class ChatMessage(StrictModel):
             except ValueError:
                 raise ValueError(f"tool call {call.id!r}: function.arguments is not valid JSON") from None
             try:  # a "\ud800" escape inside the JSON text decodes to a lone surrogate
-                _valid_unicode_json(arguments)
+                valid_unicode_json(arguments)
             except ValueError as exc:
                 raise ValueError(f"tool call {call.id!r}: function.arguments: {exc}") from None
         return self
