@@ -326,3 +326,20 @@ def test_the_openapi_document_accepts_what_the_server_accepts(http: httpx.Client
                                                              path: str, body: dict) -> None:
     accepted = http.post(path, json=body).status_code == 200
     assert request_schemas[path].is_valid(body) == accepted, (body, accepted)
+
+
+def test_with_replicas_responses_are_counted_once_at_the_ingress() -> None:
+    """A replica's own (never incremented) roseinfer_http_responses family is not merged in beside
+    the ingress's, as with roseinfer_requests_rejected."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from roseinfer.server.metrics import RouterMetrics, ServerMetrics
+
+    replica, router = ServerMetrics(), RouterMetrics()
+    replica.responses.labels("2xx").inc(7)  # what a replica would show if anything counted there
+    router.responses.labels("5xx").inc()
+    text = router.render([0], {0: generate_latest(replica.registry)}).decode()
+    samples = [s for family in text_string_to_metric_families(text) if family.name == "roseinfer_http_responses"
+               for s in family.samples if s.name.endswith("_total")]
+    assert [(s.labels, s.value) for s in samples] == [({"status": "5xx"}, 1.0)]
