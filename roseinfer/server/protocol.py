@@ -164,6 +164,11 @@ PromptText = Annotated[StrictStr, StringConstraints(min_length=1), AfterValidato
 
 
 class CompletionRequest(SamplingRequest):
+    # max_tokens 0 only with echo (serving.py's rule), stated in the OpenAPI document too
+    model_config = ConfigDict(json_schema_extra={
+        "if": {"properties": {"max_tokens": {"const": 0}}, "required": ["max_tokens"]},
+        "then": {"properties": {"echo": {"const": True}}, "required": ["echo"]}})
+
     prompt: Union[PromptText, Annotated[list[PromptText], Field(min_length=1)], TokenIds,
                   Annotated[list[TokenIds], Field(min_length=1)]]
     echo: bool = False
