@@ -15,6 +15,8 @@ from roseinfer.chat_template import compile_template, pick_template, template_me
 
 # transformers' named special tokens, in the order it adds missing ones to the vocabulary.
 _SPECIAL_ATTRS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# init kwargs that name files on the server's machine: no use to a client
+_PATH_KEYS = ("vocab_file", "merges_file", "tokenizer_file", "name_or_path")
 _ADDED_TOKEN_FIELDS = ("single_word", "lstrip", "rstrip", "normalized", "special")
 
 
@@ -25,6 +27,7 @@ class Tokenizer:
         self._tok: Any = None  # tokenizers.Tokenizer otherwise
         self._compiled: Any = None  # jinja2 template, compiled on first use
         self._clean_up_spaces = False
+        self._config: dict[str, Any] = {}  # tokenizer_config.json (without tokenizer.json: transformers' init kwargs)
         self.special_tokens: dict[str, str]  # name -> text (bos_token, ...), as templates see them
         self.chat_template: str | None
         self.vocab_size: int  # added tokens included, like len(hf_tokenizer)
@@ -34,6 +37,7 @@ class Tokenizer:
             if "added_tokens_decoder" not in cfg:  # legacy file; transformers reads it only then
                 cfg.update(_read_json(folder / "special_tokens_map.json"))
             self._tok, self.special_tokens = _load_backend(folder / "tokenizer.json", cfg)
+            self._config = cfg
             self.chat_template = template_source(folder, cfg)
             # transformers skips this cleanup for BPE models, where it would eat real spaces
             self._clean_up_spaces = bool(cfg.get("clean_up_tokenization_spaces")) and (
@@ -47,6 +51,7 @@ class Tokenizer:
             from transformers import AutoTokenizer
 
             self._hf = AutoTokenizer.from_pretrained(str(folder))
+            self._config = {"tokenizer_class": type(self._hf).__name__, **self._hf.init_kwargs}
             self.special_tokens = dict(self._hf.special_tokens_map)
             self.chat_template = pick_template(self._hf.chat_template)
             self.vocab_size = len(self._hf)
@@ -70,6 +75,17 @@ class Tokenizer:
         if backend is None:
             raise ValueError("structured output needs a fast tokenizer (tokenizer.json); this model has only a slow one")
         return backend.to_str()
+
+    def info(self) -> dict[str, Any]:
+        """The configuration as vLLM's /tokenizer_info gives it: tokenizer_config.json with added
+        tokens as their text and no file paths, every named special token (None where the model has
+        none), tokenizer_class, and the chat template this tokenizer renders."""
+        info = {key: _plain(value) for key, value in self._config.items() if key not in _PATH_KEYS}
+        info.update({key: None for key in _SPECIAL_ATTRS if key not in info}, **self.special_tokens)
+        info.setdefault("tokenizer_class", "PreTrainedTokenizerFast")  # what transformers builds from tokenizer.json
+        if self.chat_template:
+            info["chat_template"] = self.chat_template
+        return info
 
     # ---- text <-> ids ----
     @property
@@ -108,6 +124,17 @@ class Tokenizer:
         # The template writes the special tokens itself, so none are added (as in transformers).
         text = self.render_chat_template(messages, add_generation_prompt, **template_kwargs)
         return self.encode(text, add_special_tokens=False)
+
+
+def _plain(value: Any) -> Any:
+    """A config value as JSON: an added token (a dict with its content) as its text."""
+    if isinstance(value, dict):
+        return value["content"] if isinstance(value.get("content"), str) else {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if hasattr(value, "content"):  # transformers' AddedToken
+        return value.content
+    return value if value is None or isinstance(value, (str, int, float, bool)) else str(value)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

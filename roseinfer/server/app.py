@@ -26,7 +26,7 @@ from roseinfer.loader.default_model import DEFAULT_MODEL_NAME
 from roseinfer.server.args import ServerOptions, served_name, server_options
 from roseinfer.server.body_limit import BodyLimit
 from roseinfer.server.engine_loop import SchedulerManager
-from roseinfer.server.metrics import RouterMetrics, ServerMetrics
+from roseinfer.server.metrics import CountResponses, RouterMetrics, ServerMetrics
 from roseinfer.server.openapi import GENERATION_ERRORS, GENERATION_OK, TOKENIZER_ERRORS, error_responses, install_openapi
 from roseinfer.server.protocol import (UNSUPPORTED_FIELDS, APIError, ChatCompletionRequest, CompletionRequest,
                                        DetokenizeRequest, TokenizeRequest, error_body)
@@ -107,6 +107,7 @@ def _app(manager: SchedulerManager | ReplicaSet, served_model_name: str, options
     if options.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=options.allowed_origins, allow_methods=["*"],
                            allow_headers=["*"])
+    app.add_middleware(CountResponses, counter=metrics.responses)  # added last: outermost, sees every response
     install_openapi(app)
     guarded = _api_key_check(options.api_key)
     unauthorized = (401,) if options.api_key else ()
@@ -147,6 +148,12 @@ def _app(manager: SchedulerManager | ReplicaSet, served_model_name: str, options
         else:
             ids = await serving.run_blocking(engine.tokenizer.encode, body.prompt, body.add_special_tokens)
         return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=engine.max_model_len)
+
+    @app.get("/tokenizer_info", dependencies=guarded, responses=error_responses(*unauthorized))
+    async def tokenizer_info() -> dict[str, Any]:
+        """vLLM's: the tokenizer's configuration (tokenizer_config.json as transformers reads it), so
+        that a client (lm-evaluation-harness) can tokenize and template as the server does."""
+        return engine.tokenizer.info()
 
     @app.post("/detokenize", dependencies=guarded, responses=error_responses(*TOKENIZER_ERRORS))
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:

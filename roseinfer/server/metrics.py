@@ -9,6 +9,8 @@ the prefix-cache counters are engine state, read from SchedulerManager.stats() a
 """
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
@@ -22,6 +24,9 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
 TOKEN_GAP_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                    50.0, 60.0, 120.0, 240.0, 480.0, 960.0)
+
+
+INGRESS_FAMILIES = ("roseinfer_requests_rejected", "roseinfer_http_responses")
 
 
 class ServerMetrics:
@@ -38,8 +43,11 @@ class ServerMetrics:
                                       registry=r)
         self.prefix_hits = Counter("roseinfer_prefix_cache_hits", "Prompt tokens served by the prefix cache",
                                    registry=r)
-        self.requests = Counter("roseinfer_requests", "Finished requests", ["finish_reason"], registry=r)
+        self.requests = Counter("roseinfer_requests", "Finished requests, by how the engine ended them (a response "
+                                "that failed after that is a 5xx in roseinfer_http_responses)", ["finish_reason"],
+                                registry=r)
         self.rejected = rejected_counter(r)
+        self.responses = responses_counter(r)
         self.kv_used = Gauge("roseinfer_kv_cache_used_blocks", "KV blocks held by requests", registry=r)
         self.kv_free = Gauge("roseinfer_kv_cache_free_blocks", "KV blocks free or only prefix-cached (evictable)",
                              registry=r)
@@ -107,6 +115,41 @@ def rejected_counter(registry: CollectorRegistry) -> Counter:
                    registry=registry)
 
 
+def responses_counter(registry: CollectorRegistry) -> Counter:
+    """Counted where HTTP requests arrive, as rejected_counter; status is the class: 2xx, 4xx, 5xx."""
+    return Counter("roseinfer_http_responses", "HTTP responses sent, by status class (a 5xx is a server fault)",
+                   ["status"], registry=registry)
+
+
+class CountResponses:
+    """ASGI middleware counting every HTTP response by its status class as it starts. An exception
+    that escapes before any response counts as the 500 that Starlette then sends; a stream that
+    fails after its 200 has begun ends with an error event and stays a 2xx."""
+
+    def __init__(self, app: Any, counter: Counter) -> None:
+        self.app, self.counter = app, counter
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def counted(message: dict[str, Any]) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start" and not started:
+                started = True
+                self.counter.labels(f"{message['status'] // 100}xx").inc()
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counted)
+        except Exception:
+            if not started:
+                self.counter.labels("5xx").inc()
+            raise
+
+
 class RouterMetrics:
     """The ingress's metrics in front of engine replicas: rejections, routing, and the replicas' own."""
 
@@ -114,6 +157,7 @@ class RouterMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.rejected = rejected_counter(r)
+        self.responses = responses_counter(r)
         self.routed = Counter("roseinfer_router_requests", "Requests sent to each replica (a retry counts again)",
                               ["replica"], registry=r)
         self.prefix_hits = Counter("roseinfer_router_prefix_affinity_hits", "Requests sent to the replica that got "
@@ -135,7 +179,7 @@ class RouterMetrics:
         for replica, text in replica_texts.items():
             self.up.labels(str(replica)).set(text is not None)
             for family in text_string_to_metric_families((text or b"").decode()):
-                if family.name == "roseinfer_requests_rejected":  # counted here, at the ingress
+                if family.name in INGRESS_FAMILIES:  # counted here, at the ingress
                     continue
                 out = merged.setdefault(family.name, Metric(family.name, family.documentation, family.type))
                 out.samples += [s._replace(labels={**s.labels, "replica": str(replica)}) for s in family.samples]

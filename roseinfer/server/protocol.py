@@ -5,17 +5,21 @@ structured-output fields (structured_outputs, guided_*) follow vLLM. A field ros
 implement is refused (400 naming it, with UNSUPPORTED_FIELDS' reason), never silently dropped;
 docs/server.md has the table of every OpenAI field and what happens to it.
 Numeric ranges come from SamplingParams' BOUNDS, so the OpenAPI document states the ranges that
-are enforced; non-finite floats and strings that are not valid Unicode (unpaired surrogates) are
-refused here, before anything reads them.
+are enforced; non-finite floats and strings that are not valid Unicode (unpaired surrogates, also
+as keys or values anywhere inside free-form JSON such as a tool's parameters) are refused here,
+before anything reads them. Rules that span fields (a tool message's tool_call_id, /tokenize's one
+of prompt or messages) are stated in the OpenAPI document too, so that it accepts what the server does.
 """
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StrictStr, StringConstraints, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StrictStr, StringConstraints,
+                      model_validator)
 
 from roseinfer.sampling_params import BOUNDS
+from roseinfer.server.json_values import integral, takes_int, valid_unicode, valid_unicode_json
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit; vLLM's default max_logprobs is 20 too
 MAX_N = 128  # OpenAI's limit on choices per request
@@ -35,21 +39,12 @@ UNSUPPORTED_FIELDS = {
 }
 
 
-def _valid_unicode(text: str) -> str:
-    # JSON may carry "\ud800" escapes: Python keeps them as lone surrogates, which no UTF-8 coder takes
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"text holds an unpaired surrogate at index {exc.start} (not valid Unicode)") from None
-    return text
-
-
 def _bounded(name: str, **extra: Any) -> Any:
     """Field(None) with SamplingParams' range for `name`."""
     return Field(None, **BOUNDS[name].field_kwargs(), **extra)
 
 
-Text = Annotated[StrictStr, AfterValidator(_valid_unicode)]
+Text = Annotated[StrictStr, AfterValidator(valid_unicode)]
 TokenId = Annotated[StrictInt, Field(ge=0)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 # ASCII digits only: str.isdigit() also takes "²", which int() then refuses
@@ -58,17 +53,34 @@ Bias = Annotated[float, Field(ge=-100, le=100)]
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]  # OpenAI's roles
 # OpenAI's rule for function names; it also keeps them safe inside the tool-call markup we parse
 FunctionName = Annotated[StrictStr, StringConstraints(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
-JsonSchema = dict[str, Any]
+JsonObject = Annotated[dict[str, Any], AfterValidator(valid_unicode_json)]  # free-form JSON, keys included
+JsonSchema = JsonObject
 
 
 class StrictModel(BaseModel):
     # strict: a JSON value is taken only as the type the schema states (no false for a number,
     # no 1 or "true" for a boolean), so what the document says is what is accepted
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+    _int_keys: ClassVar[frozenset[str]] = frozenset()  # the fields whose type holds an int
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        cls._int_keys = frozenset(field.alias or name for name, field in cls.model_fields.items()
+                                  if takes_int(field.annotation))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integers(cls, data: Any) -> Any:
+        # here rather than a validator on each int type: pydantic then writes a constraint as "ge", not "minimum"
+        if isinstance(data, dict) and not cls._int_keys.isdisjoint(data):
+            return {key: integral(value) if key in cls._int_keys else value for key, value in data.items()}
+        return data
 
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
 class JsonSchemaSpec(StrictModel):
@@ -142,9 +154,23 @@ class SamplingRequest(StrictModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+# an empty prompt is refused whatever the tokenizer (one that adds no BOS would leave nothing to prompt with)
+PromptText = Annotated[StrictStr, StringConstraints(min_length=1), AfterValidator(valid_unicode)]
+
 
 class CompletionRequest(SamplingRequest):
-    prompt: Union[Text, Annotated[list[Text], Field(min_length=1)], TokenIds, Annotated[list[TokenIds], Field(min_length=1)]]
+    # max_tokens 0 only with echo (serving.py's rule), stated in the OpenAPI document too
+    model_config = ConfigDict(json_schema_extra={
+        "if": {"properties": {"max_tokens": {"const": 0}}, "required": ["max_tokens"]},
+        "then": {"properties": {"echo": {"const": True}}, "required": ["echo"]}})
+
+    prompt: Union[PromptText, Annotated[list[PromptText], Field(min_length=1)], TokenIds,
+                  Annotated[list[TokenIds], Field(min_length=1)]]
     echo: bool = False
     # alternatives per token; with echo, the prompt's too
     logprobs: StrictInt | None = _bounded("logprobs", le=MAX_LOGPROBS)
@@ -188,7 +214,19 @@ class ToolCall(StrictModel):
     function: ToolCallFunction
 
 
+def _required_with(role: str, field: str) -> dict[str, Any]:
+    """JSON Schema: a message with this role needs `field` as a non-empty string."""
+    return {"if": {"properties": {"role": {"const": role}}},
+            "then": {"required": [field], "properties": {field: {"type": "string", "minLength": 1}}}}
+
+
 class ChatMessage(StrictModel):
+    # _role_fields' rules, stated in the OpenAPI document too (the arguments' JSON excepted)
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        _required_with("tool", "tool_call_id"), _required_with("function", "name"),
+        {"if": {"properties": {"role": {"not": {"const": "assistant"}}}},
+         "then": {"properties": {"tool_calls": {"type": "null"}}}}]})
+
     role: Role
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
@@ -197,7 +235,7 @@ class ChatMessage(StrictModel):
     # The rest of an OpenAI response message, so that one dumped whole (message.model_dump()) can be
     # sent back: a refusal is that turn's text; citations and empty audio / function_call change nothing.
     refusal: Text | None = None
-    annotations: list[dict[str, Any]] | None = None
+    annotations: list[JsonObject] | None = None
     audio: None = None
     function_call: None = None
 
@@ -211,9 +249,13 @@ class ChatMessage(StrictModel):
             raise ValueError("only assistant messages carry tool_calls")
         for call in self.tool_calls or []:
             try:
-                json.loads(call.function.arguments)
+                arguments = json.loads(call.function.arguments)
             except ValueError:
                 raise ValueError(f"tool call {call.id!r}: function.arguments is not valid JSON") from None
+            try:  # a "\ud800" escape inside the JSON text decodes to a lone surrogate
+                valid_unicode_json(arguments)
+            except ValueError as exc:
+                raise ValueError(f"tool call {call.id!r}: function.arguments: {exc}") from None
         return self
 
     @property
@@ -249,7 +291,7 @@ class ChatCompletionRequest(SamplingRequest):
     # Accepted and ignored, because ignoring them changes nothing a client can see: nothing is
     # stored (store true is refused), there is one service tier, the prefix cache needs no key,
     # and no response echoes these.
-    metadata: Annotated[dict[Annotated[str, StringConstraints(max_length=64)],
+    metadata: Annotated[dict[Annotated[Text, StringConstraints(max_length=64)],
                              Annotated[Text, StringConstraints(max_length=512)]], Field(max_length=16)] | None = None
     store: bool | None = None
     service_tier: Literal["auto", "default"] | None = None
@@ -258,6 +300,11 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class TokenizeRequest(StrictModel):
+    # exactly one of prompt and messages, stated in the OpenAPI document too
+    model_config = ConfigDict(json_schema_extra={"oneOf": [
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]})
+
     model: Text | None = None
     prompt: Text | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None

@@ -47,6 +47,7 @@ class Reply:
     object: str  # "text_completion" | "chat.completion"
     prompt_lens: list[int]  # one per prompt, counted once however many choices (OpenAI's usage)
     include_usage: bool
+    continuous_usage: bool = False  # vLLM's continuous_usage_stats: every chunk carries the usage so far
     completion_tokens: dict[int, int] = field(default_factory=dict)  # per choice, totals
 
     def record(self, index: int, delta: StreamDelta) -> None:
@@ -63,7 +64,7 @@ class Reply:
     def chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
         chunk = {**self._head(stream=True), "choices": [choice]}
         if self.include_usage:
-            chunk["usage"] = None
+            chunk["usage"] = self.usage() if self.continuous_usage else None
         return chunk
 
     def tail(self) -> list[str]:

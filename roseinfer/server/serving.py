@@ -92,7 +92,7 @@ class OpenAIServing:
                   for ids, text in prompts for _ in range(body.n)]
         prompt_ids = [ids if echo_logprobs else [] for ids, _ in prompts for _ in range(body.n)]
         reply = Reply(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name, "text_completion",
-                      [len(ids) for ids, _ in prompts], body.include_usage)
+                      [len(ids) for ids, _ in prompts], body.include_usage, body.continuous_usage)
         if body.stream:
             return EventStream(self._stream_completion(streams, reply, echoes, prompt_ids, body.logprobs, prompt_only),
                                lambda: self.abort_unfinished(streams))
@@ -128,7 +128,7 @@ class OpenAIServing:
                                  body.prompt_logprobs, constraint.params if constraint else None)
         streams = self._submit([ids], body, params, start)
         reply = Reply(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name, "chat.completion",
-                      [len(ids)], body.include_usage)
+                      [len(ids)], body.include_usage, body.continuous_usage)
         parsers = [tools.parser() if tools.parser else None for _ in streams]
         if body.stream:
             return EventStream(self._stream_chat(streams, reply, body.logprobs, parsers),
@@ -212,12 +212,12 @@ class OpenAIServing:
             logprobs = self.logprobs.completion(entries, offsets[index], num_logprobs) if num_logprobs is not None else None
             if logprobs is not None and logprobs["tokens"]:
                 offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+            reply.record(index, delta)
             if delta.error:
                 yield sse(error_body(delta.error_status, delta.error))
             elif text or delta.finished or (logprobs is not None and logprobs["tokens"]):
                 yield sse(reply.chunk({"index": index, "text": text, "logprobs": logprobs,
                                        "finish_reason": delta.finish_reason}))
-            reply.record(index, delta)
         for line in reply.tail():
             yield line
 
