@@ -205,3 +205,65 @@ def _listening(port: int) -> bool:
     except ConnectionRefusedError:
         return False
     return True
+
+
+# ---- item 7: Ray's ports under --data-parallel-size ------------------------------------------------
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads the listening sockets from Linux's /proc")
+def test_ray_listens_only_on_loopback_when_the_server_does(model_dir: Path) -> None:
+    """All but one port per replica: Ray Serve binds each replica's inter-deployment gRPC server to
+    [::] in its code (Ray's token authentication guards it; docs/distributed.md says so)."""
+    pytest.importorskip("ray")
+    with served_process(model_dir, "--data-parallel-size", "2", "--log-level", "warning", timeout=120) as (proc, c):
+        assert c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).status_code == 200
+        sockets = _listening_sockets(_descendants(proc.pid))
+    names = {name for name, _, _ in sockets}
+    assert {"gcs_server", "raylet"} <= names, sockets  # Ray's own servers are among those seen
+    exposed = [name for name, address, _ in sockets if not _loopback(address)]
+    assert exposed == ["ray::ServeRepli"] * 2, sockets
+
+
+def _descendants(root: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:  # it exited meanwhile
+                continue
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    found, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        found.add(pid)
+        todo += children.get(pid, [])
+    return found
+
+
+def _listening_sockets(pids: set[int]) -> list[tuple[str, str, int]]:
+    """(process name, address, port) of every TCP socket in LISTEN state that `pids` hold."""
+    owners: dict[str, str] = {}
+    for pid in pids:
+        try:
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    owners[link[8:-1]] = name
+        except OSError:  # it exited, or an fd closed meanwhile
+            continue
+    found = []
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" or fields[9] not in owners:  # 0A: LISTEN
+                continue
+            address, port = fields[1].split(":")
+            raw = bytes.fromhex(address)  # 32-bit words in host (little-endian) order
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            found.append((owners[fields[9]], socket.inet_ntop(family, raw), int(port, 16)))
+    return found
+
+
+def _loopback(address: str) -> bool:
+    return address.startswith("127.") or address in ("::1", "::ffff:127.0.0.1") or \
+        address.startswith("::ffff:127.")

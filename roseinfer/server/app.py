@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
+import os
 import secrets
 import signal
 import socket
@@ -41,6 +43,8 @@ if TYPE_CHECKING:  # Ray is imported only when replicas are asked for
 logger = logging.getLogger(__name__)
 # uvicorn waits this much longer than --shutdown-timeout, so the error chunks that end cut streams go out
 SHUTDOWN_MARGIN_S = 5.0
+# Ray's switch between a cluster (its node address is the machine's) and one machine (loopback)
+RAY_SINGLE_MACHINE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 class ModelCard(BaseModel):
@@ -279,7 +283,7 @@ def run_server(args: argparse.Namespace) -> int:
     name = served_name(args)
     replicas = None
     if options.data_parallel_size > 1:
-        replicas = start_replicas(engine_config_from_args(args), options)
+        replicas = start_replicas(engine_config_from_args(args), options, args.host)
         app = build_replicated_app(replicas, name, options)
         logger.info("%d engine replicas of %s on Ray (router: %s); serving it as %r on http://%s:%d",
                     options.data_parallel_size, replicas.engine.model_folder, options.router, name, args.host,
@@ -302,8 +306,14 @@ def run_server(args: argparse.Namespace) -> int:
     return server.exit_code
 
 
-def start_replicas(config: EngineConfig, options: ServerOptions) -> ReplicaSet:
-    """Deploy the engine replicas on Ray; a clear error when Ray is not installed."""
+def start_replicas(config: EngineConfig, options: ServerOptions, host: str) -> ReplicaSet:
+    """Deploy the engine replicas on Ray; a clear error when Ray is not installed. A Ray this
+    process starts listens only on loopback when the server does (docs/distributed.md)."""
+    if options.ray_address is None and is_loopback(host):
+        # Ray's servers (GCS, raylet, workers, agents, metrics exporter) listen on every interface
+        # unless its node address is loopback, which Ray allows only in its single-machine mode. Ray
+        # reads this as it is imported, and its processes take their address from this one.
+        os.environ.setdefault(RAY_SINGLE_MACHINE_ENV, "0")
     try:
         from roseinfer.server.replicas import ReplicaSet
     except ImportError as exc:
@@ -313,6 +323,13 @@ def start_replicas(config: EngineConfig, options: ServerOptions) -> ReplicaSet:
                          "which is not installed: pip install 'roseinfer[ray]'") from None
     return ReplicaSet(config, options.data_parallel_size, options.router, options.stream_interval,
                       options.max_inflight_requests, options.ray_address)
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        return False
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
