@@ -25,11 +25,9 @@ from roseinfer.server.args import ServerOptions
 
 @contextmanager
 def serve_app(app: FastAPI, options: ServerOptions | None = None) -> Iterator[str]:
-    """Yields the base URL of `app` served on a free loopback port (lifespan included); with
-    `options`, under the uvicorn configuration `roseinfer serve` runs (its connection limits)."""
-    config = server_config(app, options, "127.0.0.1", 0, "warning") if options is not None else \
-        uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
-    server = uvicorn.Server(config)
+    """Yields the base URL of `app` served on a free loopback port (lifespan included), under the
+    uvicorn configuration `roseinfer serve` runs with `options` (its connection limits)."""
+    server = uvicorn.Server(server_config(app, options or ServerOptions(), "127.0.0.1", 0, "warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
