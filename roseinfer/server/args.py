@@ -82,7 +82,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                             "(default: none, no CORS headers)")
     group.add_argument("--shutdown-timeout", type=float, default=defaults.shutdown_timeout,
                        help="on SIGINT/SIGTERM, seconds running requests get to finish before their streams are "
-                            "ended with an error (default: %(default)s)")
+                            "ended with an error; a second signal ends them at once, and the server then exits "
+                            "128 + its number (default: %(default)s)")
     group.add_argument("--max-header-kb", type=int, default=defaults.max_header_kb,
                        help="a request line + headers larger than this is answered 431 and the connection closed, "
                             "before authentication (default: %(default)s)")
