@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
+import subprocess
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -16,11 +19,15 @@ import uvicorn
 from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 
+from roseinfer.server.app import server_config
+from roseinfer.server.args import ServerOptions
+
 
 @contextmanager
-def serve_app(app: FastAPI) -> Iterator[str]:
-    """Yields the base URL of `app` served on a free loopback port (lifespan included)."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+def serve_app(app: FastAPI, options: ServerOptions | None = None) -> Iterator[str]:
+    """Yields the base URL of `app` served on a free loopback port (lifespan included), under the
+    uvicorn configuration `roseinfer serve` runs with `options` (its connection limits)."""
+    server = uvicorn.Server(server_config(app, options or ServerOptions(), "127.0.0.1", 0, "warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -34,6 +41,32 @@ def serve_app(app: FastAPI) -> Iterator[str]:
         server.should_exit = True
         thread.join(timeout=30)
         assert not thread.is_alive(), "server did not stop"
+
+
+@contextmanager
+def served_process(model_dir: Path, *flags: str, timeout: float) -> Iterator[tuple[subprocess.Popen, httpx.Client]]:
+    """`roseinfer serve` in its own process (output captured), once /health answers, with a client;
+    killed on the way out if it is still running."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "roseinfer.cli", "serve", "--model", str(model_dir),
+                             "--port", str(port), *flags], env={**os.environ, "NO_PROXY": "127.0.0.1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", trust_env=False, timeout=timeout) as c:
+            assert wait_for(lambda: _up(c, proc), timeout=60)
+            yield proc, c
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _up(c: httpx.Client, proc: subprocess.Popen) -> bool:
+    assert proc.poll() is None, proc.stdout.read()
+    try:
+        return c.get("/health").status_code == 200
+    except httpx.TransportError:
+        return False
 
 
 def model_copy(model_dir: Path, out: Path, max_position_embeddings: int | None = None,

@@ -5,13 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import os
 import shutil
 import signal
-import subprocess
-import sys
 import threading
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
@@ -24,7 +20,7 @@ from roseinfer.config import EngineConfig
 from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.server.app import build_app
 from roseinfer.server.args import ServerOptions
-from server_helpers import free_port, metric, openai_client, serve_app, wait_for
+from server_helpers import metric, openai_client, serve_app, served_process, wait_for
 
 MODEL = "tiny-llama"
 PROMPT = "The cat sees a red apple"
@@ -316,7 +312,7 @@ def test_tokenize_detokenize_models_metrics(http: httpx.Client, llm: LLM) -> Non
 
 
 def test_sigterm_past_the_shutdown_timeout_ends_every_request_with_an_error_and_exits_0(model_dir: Path) -> None:
-    with _served(model_dir, "--shutdown-timeout", "0", timeout=60) as (proc, c):
+    with served_process(model_dir, "--shutdown-timeout", "0", timeout=60) as (proc, c):
         body = {"prompt": PROMPT, "max_tokens": 230, "ignore_eos": True}
         lines: list[str] = []
         answers: list[httpx.Response] = []
@@ -341,34 +337,8 @@ def test_sigterm_past_the_shutdown_timeout_ends_every_request_with_an_error_and_
     assert answers[0].status_code == 503 and answers[0].json()["error"]["message"] == "the server is shutting down"
 
 
-@contextmanager
-def _served(model_dir: Path, *flags: str, timeout: float) -> Iterator[tuple[subprocess.Popen, httpx.Client]]:
-    """`roseinfer serve` in its own process (output captured), once /health answers, with a client;
-    killed on the way out if it is still running."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "roseinfer.cli", "serve", "--model", str(model_dir),
-                             "--port", str(port), *flags], env={**os.environ, "NO_PROXY": "127.0.0.1"},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", trust_env=False, timeout=timeout) as c:
-            assert wait_for(lambda: _up(c, proc), timeout=60)
-            yield proc, c
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-
-
-def _up(c: httpx.Client, proc: subprocess.Popen) -> bool:
-    assert proc.poll() is None, proc.stdout.read()
-    try:
-        return c.get("/health").status_code == 200
-    except httpx.TransportError:
-        return False
-
-
 def test_sigterm_stops_roseinfer_serve_cleanly(model_dir: Path) -> None:
-    with _served(model_dir, "--log-level", "warning", timeout=30) as (proc, c):
+    with served_process(model_dir, "--log-level", "warning", timeout=30) as (proc, c):
         assert [m["id"] for m in c.get("/v1/models").json()["data"]] == [model_dir.name]
         chunks: list[str] = []
         body = {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True}

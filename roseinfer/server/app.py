@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
+import os
 import secrets
 import signal
 import socket
 import time
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 
 import uvicorn
@@ -25,6 +28,7 @@ from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.loader.default_model import DEFAULT_MODEL_NAME
 from roseinfer.server.args import ServerOptions, served_name, server_options
 from roseinfer.server.body_limit import BodyLimit
+from roseinfer.server.connections import GuardedH11Protocol
 from roseinfer.server.engine_loop import SchedulerManager
 from roseinfer.server.metrics import CountResponses, RouterMetrics, ServerMetrics
 from roseinfer.server.openapi import GENERATION_ERRORS, GENERATION_OK, TOKENIZER_ERRORS, error_responses, install_openapi
@@ -39,6 +43,8 @@ if TYPE_CHECKING:  # Ray is imported only when replicas are asked for
 logger = logging.getLogger(__name__)
 # uvicorn waits this much longer than --shutdown-timeout, so the error chunks that end cut streams go out
 SHUTDOWN_MARGIN_S = 5.0
+# Ray's switch between a cluster (its node address is the machine's) and one machine (loopback)
+RAY_SINGLE_MACHINE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 class ModelCard(BaseModel):
@@ -98,7 +104,12 @@ def _app(manager: SchedulerManager | ReplicaSet, served_model_name: str, options
             manager.shutdown()
             serving.close()
 
-    app = FastAPI(title="roseinfer", summary="OpenAI-compatible LLM server", lifespan=lifespan)
+    # under --api-key the document is served behind the key, and the /docs and /redoc pages, which
+    # fetch it from a browser that cannot send the key, are off
+    keyless = not options.api_key
+    app = FastAPI(title="roseinfer", summary="OpenAI-compatible LLM server", lifespan=lifespan,
+                  openapi_url="/openapi.json" if keyless else None, docs_url="/docs" if keyless else None,
+                  redoc_url="/redoc" if keyless else None)
     app.state.manager = manager
     app.state.metrics = metrics
     _add_error_handlers(app, metrics)
@@ -111,6 +122,11 @@ def _app(manager: SchedulerManager | ReplicaSet, served_model_name: str, options
     install_openapi(app)
     guarded = _api_key_check(options.api_key)
     unauthorized = (401,) if options.api_key else ()
+
+    if not keyless:
+        @app.get("/openapi.json", dependencies=guarded, include_in_schema=False)
+        async def openapi_document() -> JSONResponse:
+            return JSONResponse(app.openapi())
 
     @app.post("/v1/completions", dependencies=guarded, responses={**GENERATION_OK, **error_responses(*GENERATION_ERRORS)})
     async def completions(body: CompletionRequest, raw: Request) -> Response:
@@ -176,7 +192,7 @@ def _api_key_check(api_key: str | None) -> list[Any]:
         given = credentials.credentials.encode() if credentials is not None else b""
         if not secrets.compare_digest(given, api_key.encode()):  # constant time: no timing oracle on the key
             raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
-                           code="invalid_api_key")
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})  # RFC 6750
 
     return [Depends(check)]
 
@@ -228,15 +244,40 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics | RouterMetrics) ->
 class DrainingServer(uvicorn.Server):
     """uvicorn's server, with the engine drained first on the first SIGINT/SIGTERM: the manager
     takes no new requests and ends what still runs after --shutdown-timeout with an error event, so
-    uvicorn, which waits SHUTDOWN_MARGIN_S longer, never has to cut a response off."""
+    uvicorn, which waits SHUTDOWN_MARGIN_S longer, never has to cut a response off. A second signal
+    cuts the drain short the same way, at once (uvicorn's own second Ctrl-C would cancel the
+    handlers mid-response: torn streams, plain-text 500s, CancelledError tracebacks)."""
 
     def __init__(self, config: uvicorn.Config, manager: SchedulerManager | ReplicaSet, timeout: float) -> None:
         super().__init__(config)
         self.manager, self.timeout = manager, timeout
+        self.cut_by: int | None = None  # the signal that cut the drain short
 
     def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.should_exit:
+            self.cut_by = sig
+            self.manager.drain(0)
+            return
         self.manager.drain(self.timeout)
         super().handle_exit(sig, frame)
+
+    @property
+    def exit_code(self) -> int:
+        """0 after a clean stop, 128 + the signal's number (a shell's convention) after a drain cut
+        short, 1 when the server never started."""
+        if self.cut_by is not None:
+            return 128 + self.cut_by
+        return 0 if self.started else 1
+
+
+def server_config(app: FastAPI, options: ServerOptions, host: str, port: int, log_level: str) -> uvicorn.Config:
+    """uvicorn as `roseinfer serve` runs it: h11 with the head's size and time limits
+    (server/connections.py), the keep-alive timeout, and room for the drain."""
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                          http=partial(GuardedH11Protocol, header_timeout=options.header_timeout),
+                          h11_max_incomplete_event_size=options.max_header_bytes,
+                          timeout_keep_alive=options.timeout_keep_alive,  # type: ignore[arg-type]
+                          timeout_graceful_shutdown=options.shutdown_timeout + SHUTDOWN_MARGIN_S)
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -249,7 +290,7 @@ def run_server(args: argparse.Namespace) -> int:
     name = served_name(args)
     replicas = None
     if options.data_parallel_size > 1:
-        replicas = start_replicas(engine_config_from_args(args), options)
+        replicas = start_replicas(engine_config_from_args(args), options, args.host)
         app = build_replicated_app(replicas, name, options)
         logger.info("%d engine replicas of %s on Ray (router: %s); serving it as %r on http://%s:%d",
                     options.data_parallel_size, replicas.engine.model_folder, options.router, name, args.host,
@@ -259,22 +300,27 @@ def run_server(args: argparse.Namespace) -> int:
         logger.info("loaded %s in %.1fs (%d KV blocks); serving it as %r on http://%s:%d", engine.model_folder,
                     engine.load_seconds, engine.num_kv_blocks, name, args.host, args.port)
         app = build_app(engine, name, options)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=options.shutdown_timeout + SHUTDOWN_MARGIN_S)
-    server = DrainingServer(config, app.state.manager, options.shutdown_timeout)
+    server = DrainingServer(server_config(app, options, args.host, args.port, args.log_level), app.state.manager,
+                            options.shutdown_timeout)
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal into whatever
-    # handler was there before; a do-nothing one lets the process exit 0 after a clean stop.
+    # handler was there before; a do-nothing one lets the process exit with our own code.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     server.run(sockets=[sock])
     app.state.manager.shutdown()  # no-op after the lifespan did it; needed after a forced exit
     if replicas is not None:
         replicas.close()
-    return 0 if server.started else 1
+    return server.exit_code
 
 
-def start_replicas(config: EngineConfig, options: ServerOptions) -> ReplicaSet:
-    """Deploy the engine replicas on Ray; a clear error when Ray is not installed."""
+def start_replicas(config: EngineConfig, options: ServerOptions, host: str) -> ReplicaSet:
+    """Deploy the engine replicas on Ray; a clear error when Ray is not installed. A Ray this
+    process starts listens only on loopback when the server does (docs/distributed.md)."""
+    if options.ray_address is None and is_loopback(host):
+        # Ray's servers (GCS, raylet, workers, agents, metrics exporter) listen on every interface
+        # unless its node address is loopback, which Ray allows only in its single-machine mode. Ray
+        # reads this as it is imported, and its processes take their address from this one.
+        os.environ.setdefault(RAY_SINGLE_MACHINE_ENV, "0")
     try:
         from roseinfer.server.replicas import ReplicaSet
     except ImportError as exc:
@@ -284,6 +330,13 @@ def start_replicas(config: EngineConfig, options: ServerOptions) -> ReplicaSet:
                          "which is not installed: pip install 'roseinfer[ray]'") from None
     return ReplicaSet(config, options.data_parallel_size, options.router, options.stream_interval,
                       options.max_inflight_requests, options.ray_address)
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        return False
 
 
 def listening_socket(host: str, port: int) -> socket.socket:

@@ -25,6 +25,9 @@ class ServerOptions:
     api_key: str | None = None  # Bearer token required on /v1/*, /tokenize and /detokenize
     allowed_origins: list[str] = field(default_factory=list)  # CORS; empty = no CORS headers
     shutdown_timeout: float = 5.0  # seconds running requests get to finish on SIGINT/SIGTERM
+    max_header_kb: int = 32  # a larger request line + headers gets a 431 (nginx's 4 x 8 KB)
+    header_timeout: float = 30.0  # a connection gets this long to send a request's head, then 408 / close
+    timeout_keep_alive: float = 5.0  # an idle connection between requests is closed after this long
     tool_call_parser: str = "auto"  # the format tool calls are read in; auto: from the chat template
     data_parallel_size: int = 1  # engine replicas; more than one runs them on Ray (docs/distributed.md)
     ray_address: str | None = None  # join this Ray cluster; None starts a local Ray instance
@@ -38,6 +41,8 @@ class ServerOptions:
             raise ValueError("--max-inflight-requests must be >= 1")
         if not self.max_request_body_mb > 0 or self.shutdown_timeout < 0:
             raise ValueError("--max-request-body-mb must be > 0 and --shutdown-timeout >= 0")
+        if self.max_header_kb < 1 or not (self.header_timeout > 0 and self.timeout_keep_alive > 0):
+            raise ValueError("--max-header-kb must be >= 1, --header-timeout and --timeout-keep-alive > 0")
         if self.data_parallel_size < 1:
             raise ValueError("--data-parallel-size must be >= 1")
         if self.router not in ROUTER_POLICIES:
@@ -48,6 +53,10 @@ class ServerOptions:
     @property
     def max_request_body_bytes(self) -> int:
         return int(self.max_request_body_mb * 2**20)
+
+    @property
+    def max_header_bytes(self) -> int:
+        return self.max_header_kb * 2**10
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -73,7 +82,17 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                             "(default: none, no CORS headers)")
     group.add_argument("--shutdown-timeout", type=float, default=defaults.shutdown_timeout,
                        help="on SIGINT/SIGTERM, seconds running requests get to finish before their streams are "
-                            "ended with an error (default: %(default)s)")
+                            "ended with an error; a second signal ends them at once, and the server then exits "
+                            "128 + its number (default: %(default)s)")
+    group.add_argument("--max-header-kb", type=int, default=defaults.max_header_kb,
+                       help="a request line + headers larger than this is answered 431 and the connection closed, "
+                            "before authentication (default: %(default)s)")
+    group.add_argument("--header-timeout", type=float, default=defaults.header_timeout,
+                       help="seconds a connection gets to send a request's line and headers; a partial one is "
+                            "answered 408, an idle one closed (slow-header clients) (default: %(default)s)")
+    group.add_argument("--timeout-keep-alive", type=float, default=defaults.timeout_keep_alive,
+                       help="close a keep-alive connection idle this many seconds after a response "
+                            "(default: %(default)s)")
     group.add_argument("--tool-call-parser", default=defaults.tool_call_parser, choices=TOOL_CALL_PARSERS,
                        help="the format tool calls are read in: hermes (<tool_call>{...}</tool_call>), llama3_json "
                             "({\"name\": ..., \"parameters\": ...}); auto picks it from the chat template, hermes "
@@ -96,6 +115,8 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
                          max_sequences_per_request=args.max_sequences_per_request,
                          max_request_body_mb=args.max_request_body_mb, api_key=args.api_key or None,
                          allowed_origins=list(args.allowed_origins), shutdown_timeout=args.shutdown_timeout,
+                         max_header_kb=args.max_header_kb, header_timeout=args.header_timeout,
+                         timeout_keep_alive=args.timeout_keep_alive,
                          tool_call_parser=args.tool_call_parser, data_parallel_size=args.data_parallel_size,
                          ray_address=args.ray_address, router=args.router)
 

@@ -175,9 +175,8 @@ class SchedulerManager:
         """Take no new requests; give the running ones `timeout` seconds to finish, then end each
         with SHUTDOWN_MESSAGE (HTTP 503) so that every client gets a terminal event."""
         with self._cond:
-            if self._draining:
-                return
             self._draining = True
+        # a second call (a second signal) with a shorter timeout ends the drain sooner
         timer = threading.Timer(timeout, self._pass_deadline)
         timer.daemon = True
         timer.start()
@@ -230,8 +229,11 @@ class SchedulerManager:
         return stream
 
     def abort(self, request_id: str) -> None:
-        """Abort a request (its blocks free at the worker's next turn); unknown ids are ignored."""
+        """Abort a request; unknown ids are ignored. Its slot under max_inflight_requests frees now,
+        so that a client reconnecting right after a disconnect is admitted; its KV blocks free at
+        the worker's next turn, before any new request is scheduled."""
         with self._cond:
+            self._inflight.discard(request_id)
             self._aborts.append(request_id)
             self._cond.notify()
 
