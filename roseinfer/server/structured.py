@@ -1,13 +1,24 @@
 """The output constraint a request asks for, from whichever field it came in: OpenAI's
-response_format, vLLM's structured_outputs or its older guided_* fields. One per request."""
+response_format, vLLM's structured_outputs or its older guided_* fields. One per request.
+It is compiled here, in a worker thread, under a size and a time limit, before the request is
+submitted: a mistake is a 400 before anything is generated, and the engine takes the compiled
+grammar as it is instead of compiling it again in its step loop."""
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
-from roseinfer.engine.structured_output import constraint_error
+from roseinfer.engine.structured_output import CompiledGrammar, ConstraintTooLarge
 from roseinfer.sampling_params import StructuredOutputsParams
 from roseinfer.server.protocol import APIError, JsonObjectFormat, JsonSchemaFormat, SamplingRequest
+
+if TYPE_CHECKING:
+    from roseinfer.engine.llm_engine import LLMEngine
+    from roseinfer.server.replicas import EngineView
+
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}
@@ -38,14 +49,34 @@ def requested_constraint(body: SamplingRequest) -> Constraint | None:
 
 
 def constraint(field: str, **kwargs: Any) -> Constraint:
-    """StructuredOutputsParams(**kwargs), checked now: a 400 naming `field` if it cannot be enforced."""
+    """StructuredOutputsParams(**kwargs): a 400 naming `field` if its values are wrong."""
     try:
         params = StructuredOutputsParams(**kwargs)
     except ValueError as exc:
         raise APIError(400, str(exc) if field == "structured_outputs" else f"{field}: {exc}", field) from None
-    # the engine compiles it again at add_request, in its worker thread, where a mistake could no
-    # longer be a 400 before a stream has begun
-    error = constraint_error(params)
-    if error:
-        raise APIError(400, f"{field} cannot be enforced: {error}", field)
     return Constraint(params, field)
+
+
+@dataclass(frozen=True)
+class ConstraintLimits:
+    max_bytes: int  # --max-constraint-bytes
+    compile_timeout: float  # --constraint-compile-timeout, seconds
+
+
+async def compile_constraint(constraint: Constraint, engine: LLMEngine | EngineView, pool: Executor,
+                             limits: ConstraintLimits) -> CompiledGrammar:
+    """The constraint compiled in `pool` (llguidance drops the GIL meanwhile); a 400 naming the field
+    if it is too large, takes too long, or cannot be enforced. A compile that runs out of time is
+    left to finish in its thread (it cannot be stopped) and is cached for the next request."""
+    field = constraint.field
+    work = asyncio.get_running_loop().run_in_executor(
+        pool, partial(engine.compile_grammar, constraint.params, limits.max_bytes))
+    try:
+        return await asyncio.wait_for(work, limits.compile_timeout)
+    except asyncio.TimeoutError:
+        raise APIError(400, f"{field} took longer than {limits.compile_timeout:g} s to compile, the server's "
+                            "limit (--constraint-compile-timeout)", field) from None
+    except ConstraintTooLarge as exc:
+        raise APIError(400, f"{field} is too large: {exc} (--max-constraint-bytes)", field) from None
+    except ValueError as exc:
+        raise APIError(400, f"{field} cannot be enforced: {exc}", field) from None
