@@ -116,8 +116,10 @@ class GrammarMatcher:
 
     def accept(self, token: int) -> bool:
         """Advance by a sampled token; False if the grammar refuses it: llguidance gave up on the
-        grammar (a limit on its work per token), or the mask failed to hold (`error` says which)."""
-        if self.matcher.consume_token(token):
+        grammar (a limit on its work per token), or the mask failed to hold (`error` says which).
+        A grammar's lexer is shared by its copies, so one that gave up fails the others too: their
+        mask then allows only end-of-sequence, which is accepted in the error state, hence is_error."""
+        if self.matcher.consume_token(token) and not self.matcher.is_error():
             return True
         logger.warning("the grammar refused token %d: %s", token, self.error[:MAX_LOGGED_ERROR])
         return False

@@ -4,9 +4,9 @@ FastAPI parses and validates a body on the event loop, where 3.4 million one-tok
 16 MB) held every other request for 9 s. Here a handler hands the raw bytes to a worker thread,
 which parses them, counts what the limits below cap (prompts, messages, choices, stop strings, ...)
 before pydantic walks anything, and only then validates. The C JSON parser holds the GIL for the
-whole body, so a body with more arrays and objects than any request needs goes through the
-stdlib's pure-Python scanner instead, which gives the GIL back between values and stops at the
-budget.
+whole body, so a body that may hold more values than any request needs (counted from its commas
+and brackets, which strings may hold too) goes through the stdlib's pure-Python scanner instead,
+which gives the GIL back between values and stops at the budget.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from roseinfer.server.protocol import MAX_TOOLS, APIError
 from roseinfer.server.request_params import check_sequences
 
 MAX_JSON_CONTAINERS = 100_000  # arrays and objects in one body: far more than any request needs
+MAX_JSON_VALUES = 1_000_000  # arrays, objects, strings and numbers: 256 prompts of 4,096 token ids
 MAX_MESSAGES = 2048  # chat messages, and content parts and tool calls in all of them
 MAX_CHOICES = 1000  # guided_choice entries; llguidance gives up on a grammar row of 2,000 alternatives
 MAX_STOP = 16  # stop strings; each is searched for in every step's text
@@ -47,10 +48,11 @@ def parse_body(model: type[M], raw: bytes, limits: BodyLimits) -> M:
 
 
 def _load(raw: bytes) -> Any:
+    containers = raw.count(b"[") + raw.count(b"{")  # upper bounds: strings may hold some of these
     try:
-        if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_CONTAINERS:  # an upper bound: strings may hold some
+        if containers <= MAX_JSON_CONTAINERS and containers + raw.count(b",") < MAX_JSON_VALUES:
             return json.loads(raw)
-        return _BudgetDecoder(MAX_JSON_CONTAINERS).decode(raw.decode("utf-8"))
+        return _BudgetDecoder().decode(raw.decode("utf-8"))
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
         raise APIError(400, f"malformed JSON body: {getattr(exc, 'msg', exc)}") from None
     except RecursionError:
@@ -58,22 +60,28 @@ def _load(raw: bytes) -> Any:
 
 
 class _BudgetDecoder(json.JSONDecoder):
-    """The stdlib decoder on its pure-Python scanner, refusing the body past `budget` arrays and objects."""
+    """The stdlib decoder on its pure-Python scanner, refusing the body past MAX_JSON_CONTAINERS
+    arrays and objects or MAX_JSON_VALUES values (true, false and null are not counted)."""
 
-    def __init__(self, budget: int) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        left = [budget]
+        left = {"arrays and objects": MAX_JSON_CONTAINERS, "values": MAX_JSON_VALUES}
 
-        def counted(parse: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(parse: Callable[..., Any], *budgets: str) -> Callable[..., Any]:
             def parse_counted(*args: Any) -> Any:
-                left[0] -= 1
-                if left[0] < 0:
-                    raise APIError(400, f"the body holds more than {budget} JSON arrays and objects")
+                for budget in budgets:
+                    left[budget] -= 1
+                    if left[budget] < 0:
+                        limit = MAX_JSON_CONTAINERS if budget == "arrays and objects" else MAX_JSON_VALUES
+                        raise APIError(400, f"the body holds more than {limit} JSON {budget}")
                 return parse(*args)
             return parse_counted
 
-        self.parse_array = counted(self.parse_array)
-        self.parse_object = counted(self.parse_object)
+        self.parse_array = counted(self.parse_array, "arrays and objects", "values")
+        self.parse_object = counted(self.parse_object, "arrays and objects", "values")
+        self.parse_string = counted(self.parse_string, "values")
+        self.parse_int = counted(self.parse_int, "values")
+        self.parse_float = counted(self.parse_float, "values")
         self.scan_once = json.scanner.py_make_scanner(self)
 
 
