@@ -136,6 +136,9 @@ STALLERS = [  # (path, raw JSON body, param, words in the message)
      "structured_outputs.choice", f"at most {MAX_CHOICES}"),
     ("/v1/completions", json.dumps({"prompt": "a", "guided_grammar": "start: " + " | ".join(
         f'"w{i}"' for i in range(100_000))}), "guided_grammar", "--max-constraint-bytes"),
+    ("/v1/completions", json.dumps({"prompt": "a", "guided_json": json.dumps(
+        {"type": "object", "properties": {f"k{i}": {"type": "integer"} for i in range(20_000)}})}), "guided_json",
+     "--max-constraint-bytes"),
     ("/v1/completions", '{"prompt": %s}' % _many("[5]", 3_400_000), None,
      f"more than {MAX_JSON_CONTAINERS} JSON arrays and objects"),
     ("/v1/completions", '{"prompt": %s}' % _many("[5]", 50_000), "prompt", "--max-sequences-per-request"),
@@ -161,7 +164,7 @@ STALLERS = [  # (path, raw JSON body, param, words in the message)
 
 
 @pytest.mark.parametrize("path,raw,param,words", STALLERS,
-                         ids=["choices", "so-choices", "grammar", "prompts-3.4M", "prompts", "token-ids",
+                         ids=["choices", "so-choices", "grammar", "json-text", "prompts-3.4M", "prompts", "token-ids",
                               "messages-490k", "messages", "content-parts", "stop", "logit-bias", "stop-token-ids",
                               "detokenize-16MB", "detokenize", "tokenize", "deep"])
 def test_a_request_that_stalled_the_server_is_a_400_naming_its_limit(base_url: str, http: httpx.Client, path: str,

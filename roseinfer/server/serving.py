@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from jinja2 import TemplateError
-
 from pydantic import BaseModel
 
 from roseinfer.chat_template import template_variables
@@ -86,7 +85,7 @@ class OpenAIServing:
         texts = [body.prompt] if isinstance(body.prompt, str) or isinstance(body.prompt[0], int) else body.prompt
         check_request(body, len(texts), self.max_sequences, self.manager.max_inflight_requests)
         check_completion_fields(body)
-        constraint = requested_constraint(body)
+        constraint = await self.run_blocking(requested_constraint, body, self.constraint_limits.max_bytes)
         grammar = await self._compile(constraint)
         prompts = [(await self.run_blocking(self.tokenizer.encode, p), p) if isinstance(p, str) else (list(p), None)
                    for p in texts]
@@ -124,8 +123,9 @@ class OpenAIServing:
             raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
         check_request(body, 1, self.max_sequences, self.manager.max_inflight_requests)
         check_chat_fields(body)
-        constraint = requested_constraint(body)
-        tools = plan_tools(body, self.tool_parser, output_constrained=constraint is not None)
+        # in the pool: a schema or tools' parameters may be large to copy or parse
+        constraint = await self.run_blocking(requested_constraint, body, self.constraint_limits.max_bytes)
+        tools = await self.run_blocking(plan_tools, body, self.tool_parser, constraint is not None)
         constraint = constraint or tools.constraint
         grammar = await self._compile(constraint)
         ids = await self.chat_prompt(body.messages, tools.shown)

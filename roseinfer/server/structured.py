@@ -19,7 +19,6 @@ if TYPE_CHECKING:
     from roseinfer.engine.llm_engine import LLMEngine
     from roseinfer.server.replicas import EngineView
 
-
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}
 
@@ -30,8 +29,9 @@ class Constraint:
     field: str  # the request field it came from, which errors name
 
 
-def requested_constraint(body: SamplingRequest) -> Constraint | None:
-    """The constraint of response_format, structured_outputs or guided_*; a 400 if two are given."""
+def requested_constraint(body: SamplingRequest, max_bytes: int | None = None) -> Constraint | None:
+    """The constraint of response_format, structured_outputs or guided_*; a 400 if two are given,
+    or if a schema sent as JSON text is longer than `max_bytes` (it is parsed here)."""
     found: list[tuple[str, dict[str, Any]]] = []
     if isinstance(body.response_format, JsonObjectFormat):
         found.append(("response_format", {"json_object": True}))
@@ -45,7 +45,12 @@ def requested_constraint(body: SamplingRequest) -> Constraint | None:
         return None
     if len(found) > 1:
         raise APIError(400, f"{found[0][0]} and {found[1][0]} both constrain the output; give one", found[1][0])
-    return constraint(found[0][0], **found[0][1])
+    field, kwargs = found[0]
+    text = kwargs.get("json")
+    if isinstance(text, str) and max_bytes is not None and len(text.encode()) > max_bytes:
+        raise APIError(400, f"{field} is too large: its schema is {len(text.encode())} bytes of JSON text, over the "
+                            f"limit of {max_bytes} (--max-constraint-bytes)", field)
+    return constraint(field, **kwargs)
 
 
 def constraint(field: str, **kwargs: Any) -> Constraint:
