@@ -210,6 +210,14 @@ def test_a_constraint_that_cannot_compile_is_a_400_naming_the_field(http: httpx.
     assert error["param"] == param and "cannot be enforced" in error["message"]
 
 
+def test_a_grammar_nested_deeper_than_a_threads_default_stack_compiles(http: httpx.Client) -> None:
+    """A 6,000-rule chain (100 KB) crashed the process compiling on an 8 MB stack (SIGSEGV)."""
+    grammar = "\n".join(["start: r0"] + [f'r{i}: "a" r{i + 1}' for i in range(6000)] + ['r6000: "y"'])
+    resp = http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 4, "guided_grammar": grammar})
+    assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == "aaaa", resp.text[:300]
+    assert http.get("/health").status_code == 200
+
+
 # ---- item 6: a constraint llguidance gives up on while generating -----------------------------------
 GIVES_UP = ["a{1000000}", "((a{100}){100}){100}", "a{1000000}" + "b" * 5000]
 

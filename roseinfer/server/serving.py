@@ -2,8 +2,8 @@
 
 Everything here runs on the HTTP event loop and never waits on a forward pass: it submits, and
 awaits the deltas the engine worker pushes. Parsing and validating bodies, tokenizing, chat
-templating and compiling output constraints run in a small thread pool (the tokenizer and
-llguidance release the GIL), so a large or slow request delays only itself. A request
+templating run in a small thread pool, and output constraints compile in another (the tokenizer
+and llguidance release the GIL), so a large or slow request delays only itself. A request
 is aborted in the engine as soon as its client is gone, streamed or not, so its KV blocks free
 at once.
 """
@@ -33,7 +33,8 @@ from roseinfer.server.request_params import (bad_value, check_chat_fields, check
                                              sampling_params)
 from roseinfer.server.responses import (Choice, EventStream, Reply, prompt_entries, sse, wait_disconnect,
                                         without_output)
-from roseinfer.server.structured import Constraint, ConstraintLimits, compile_constraint, requested_constraint
+from roseinfer.server.structured import (Constraint, ConstraintLimits, compile_constraint, compile_pool,
+                                         requested_constraint)
 from roseinfer.server.tool_calls import chat_inputs, pick_parser, plan_tools
 from roseinfer.server.tool_parsers import NamedCallParser, ToolParser
 
@@ -63,6 +64,7 @@ class OpenAIServing:
         # what one request can hold: the context, or the whole KV pool if that is smaller
         self.context_limit = min(engine.max_model_len, engine.num_kv_blocks * engine.config.block_size)
         self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="roseinfer-tokenize")
+        self._compile_pool = compile_pool()
         template = engine.tokenizer.chat_template
         self.tool_parser = pick_parser(template, tool_call_parser)
         try:  # templates that never read `tools` get them as a system prompt (server/tool_calls.py)
@@ -182,10 +184,11 @@ class OpenAIServing:
     async def _compile(self, constraint: Constraint | None) -> CompiledGrammar | None:
         if constraint is None:
             return None
-        return await compile_constraint(constraint, self.manager.engine, self._pool, self.constraint_limits)
+        return await compile_constraint(constraint, self.manager.engine, self._compile_pool, self.constraint_limits)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._compile_pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- request -> engine -------------------------------------------------------------------
     def _submit(self, prompts: list[list[int]], body: SamplingRequest, params: SamplingParams,

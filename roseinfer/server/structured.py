@@ -6,7 +6,8 @@ grammar as it is instead of compiling it again in its step loop."""
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import Executor
+import threading
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -18,6 +19,12 @@ from roseinfer.server.protocol import APIError, JsonObjectFormat, JsonSchemaForm
 if TYPE_CHECKING:
     from roseinfer.engine.llm_engine import LLMEngine
     from roseinfer.server.replicas import EngineView
+
+COMPILE_THREADS = 2
+# llguidance recurses once per nested rule as it compiles: a 6,000-rule chain (100 KB) overflowed a
+# thread's default 8 MB stack and crashed the process; 256 MB covers --max-constraint-bytes' default
+# with room to spare (the stack is reserved address space, used only as deep as a compile goes)
+COMPILE_STACK_BYTES = 256 << 20
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}
@@ -66,6 +73,20 @@ def constraint(field: str, **kwargs: Any) -> Constraint:
 class ConstraintLimits:
     max_bytes: int  # --max-constraint-bytes
     compile_timeout: float  # --constraint-compile-timeout, seconds
+
+
+def compile_pool() -> ThreadPoolExecutor:
+    """The threads constraints compile in: their own, so that a slow compile holds no other request's
+    parsing or tokenizing, and with a deep stack. Both are started here, while the stack size is set."""
+    previous = threading.stack_size(COMPILE_STACK_BYTES)
+    try:
+        pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="roseinfer-grammar")
+        started = threading.Barrier(COMPILE_THREADS)  # each waits for the other: two threads, not one reused
+        for waiting in [pool.submit(started.wait) for _ in range(COMPILE_THREADS)]:
+            waiting.result()
+    finally:
+        threading.stack_size(previous)
+    return pool
 
 
 async def compile_constraint(constraint: Constraint, engine: LLMEngine | EngineView, pool: Executor,
