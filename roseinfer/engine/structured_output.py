@@ -49,6 +49,7 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: set[int]) -> None:
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=sorted(eos_token_ids))
+        self.vocab_size = vocab_size
         self._compiled: OrderedDict[str, CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -77,12 +78,30 @@ class GrammarCompiler:
             raise _compile_error(params, str(exc)) from None
         if matcher.is_error():
             raise _compile_error(params, matcher.get_error())
+        error = _first_token_error(matcher, self.vocab_size)
+        if error:
+            raise ValueError(f"structured_outputs.{params.kind}: llguidance gives up on it at its first token: "
+                             f"{_one_line(error)}")
         compiled = CompiledGrammar(matcher)
         with self._lock:
             self._compiled[key] = compiled
             if len(self._compiled) > MAX_CACHED_GRAMMARS:
                 self._compiled.popitem(last=False)
         return compiled
+
+
+def _first_token_error(matcher: llguidance.LLMatcher, vocab: int) -> str | None:
+    """Why llguidance gives up on a grammar as soon as its first allowed token is taken, if it does.
+    Some grammars compile and fail only then (a{1000000}: its lexer needs more states than its
+    limits allow), which a copy finds here, before a request is queued; what the lexer builds on
+    the way is shared with the copies requests get, so their first step costs no more."""
+    probe = matcher.deep_copy()
+    bitmask = torch.zeros(1, (vocab + 31) // 32, dtype=torch.int32)
+    llguidance.torch.fill_next_token_bitmask(probe, bitmask)  # drops the GIL, as compiling does
+    allowed = allowed_tokens(bitmask, vocab)[0].nonzero()
+    if not probe.is_error() and len(allowed):
+        probe.consume_token(int(allowed[0]))
+    return probe.get_error() if probe.is_error() else None
 
 
 def _compile_error(params: StructuredOutputsParams, error: str) -> ValueError:
