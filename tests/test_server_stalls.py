@@ -149,6 +149,9 @@ STALLERS = [  # (path, raw JSON body, param, words in the message)
      "messages", f"at most {MAX_MESSAGES}"),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": %s}]}' % _many(
         '{"type": "text", "text": "a"}', MAX_MESSAGES + 1), "messages", "content parts and tool calls"),
+    ("/v1/chat/completions", json.dumps({"messages": [{"role": "assistant", "tool_calls": [{
+        "id": "c", "type": "function", "function": {"name": "f", "arguments": _many("[5]", 200_000)}}]}]}),
+     "messages", "a tool call's arguments"),
     ("/v1/completions", json.dumps({"prompt": "a", "stop": [f"s{i}" for i in range(MAX_STOP + 1)]}), "stop",
      f"at most {MAX_STOP}"),
     ("/v1/completions", json.dumps({"prompt": "a", "logit_bias": {str(i): 1 for i in range(MAX_LOGIT_BIAS + 1)}}),
@@ -165,7 +168,7 @@ STALLERS = [  # (path, raw JSON body, param, words in the message)
 
 @pytest.mark.parametrize("path,raw,param,words", STALLERS,
                          ids=["choices", "so-choices", "grammar", "json-text", "prompts-3.4M", "prompts", "token-ids",
-                              "messages-490k", "messages", "content-parts", "stop", "logit-bias", "stop-token-ids",
+                              "messages-490k", "messages", "content-parts", "arguments", "stop", "logit-bias", "stop-token-ids",
                               "detokenize-16MB", "detokenize", "tokenize", "deep"])
 def test_a_request_that_stalled_the_server_is_a_400_naming_its_limit(base_url: str, http: httpx.Client, path: str,
                                                                      raw: str, param: str | None, words: str) -> None:

@@ -93,8 +93,8 @@ class GrammarCompiler:
 def _first_token_error(matcher: llguidance.LLMatcher, vocab: int) -> str | None:
     """Why llguidance gives up on a grammar as soon as its first allowed token is taken, if it does.
     Some grammars compile and fail only then (a{1000000}: its lexer needs more states than its
-    limits allow), which a copy finds here, before a request is queued; what the lexer builds on
-    the way is shared with the copies requests get, so their first step costs no more."""
+    limits allow), which a copy finds here, before a request is queued; the lexer states it builds
+    on the way are shared with the copies requests get."""
     probe = matcher.deep_copy()
     bitmask = torch.zeros(1, (vocab + 31) // 32, dtype=torch.int32)
     llguidance.torch.fill_next_token_bitmask(probe, bitmask)  # drops the GIL, as compiling does

@@ -48,15 +48,23 @@ def parse_body(model: type[M], raw: bytes, limits: BodyLimits) -> M:
 
 
 def _load(raw: bytes) -> Any:
-    containers = raw.count(b"[") + raw.count(b"{")  # upper bounds: strings may hold some of these
     try:
-        if containers <= MAX_JSON_CONTAINERS and containers + raw.count(b",") < MAX_JSON_VALUES:
+        if _surely_small(raw):
             return json.loads(raw)
         return _BudgetDecoder().decode(raw.decode("utf-8"))
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
         raise APIError(400, f"malformed JSON body: {getattr(exc, 'msg', exc)}") from None
     except RecursionError:
         raise APIError(400, "malformed JSON body: nested too deeply") from None
+
+
+def _surely_small(text: bytes | str) -> bool:
+    """JSON text within both budgets by its brackets and commas (upper bounds: strings may hold some)."""
+    brackets, comma = ("[", "{"), ","
+    if isinstance(text, bytes):
+        brackets, comma = (b"[", b"{"), b","
+    containers = text.count(brackets[0]) + text.count(brackets[1])
+    return containers <= MAX_JSON_CONTAINERS and containers + text.count(comma) < MAX_JSON_VALUES
 
 
 class _BudgetDecoder(json.JSONDecoder):
@@ -101,9 +109,15 @@ def check_counts(data: dict[str, Any], limits: BodyLimits) -> None:
     ]
     messages = data.get("messages")
     if isinstance(messages, list):
-        parts = sum(len(m.get(key) or ()) for m in messages if isinstance(m, dict) for key in ("content", "tool_calls")
-                    if isinstance(m.get(key), list))
-        caps.append(("messages", range(parts), MAX_MESSAGES, " content parts and tool calls in all"))
+        lists = [m[key] for m in messages if isinstance(m, dict) for key in ("content", "tool_calls")
+                 if isinstance(m.get(key), list)]
+        caps.append(("messages", range(sum(map(len, lists))), MAX_MESSAGES, " content parts and tool calls in all"))
+        # tool-call arguments are JSON text that validation parses, with the C parser: the same budgets
+        if not all(_surely_small(call["function"]["arguments"]) for calls in lists for call in calls
+                   if isinstance(call, dict) and isinstance(call.get("function"), dict)
+                   and isinstance(call["function"].get("arguments"), str)):
+            raise APIError(400, "messages: a tool call's arguments may hold more than "
+                                f"{MAX_JSON_CONTAINERS} JSON arrays and objects or {MAX_JSON_VALUES} values", "messages")
     prompt = data.get("prompt")
     if isinstance(prompt, list):
         if prompt and isinstance(prompt[0], int):

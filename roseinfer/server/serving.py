@@ -167,9 +167,12 @@ class OpenAIServing:
 
     async def chat_prompt(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The conversation's prompt ids, with `tools` shown to the model (server/tool_calls.py)."""
-        rendered, variables = chat_inputs(messages, tools, self.tool_parser, self.template_reads_tools)
+        def render() -> list[int]:  # in the pool: messages are copied, tool-call arguments parsed
+            rendered, variables = chat_inputs(messages, tools, self.tool_parser, self.template_reads_tools)
+            return self.tokenizer.apply_chat_template(rendered, **variables)
+
         try:
-            return await self.run_blocking(partial(self.tokenizer.apply_chat_template, rendered, **variables))
+            return await self.run_blocking(render)
         except (ValueError, TemplateError) as exc:
             raise APIError(400, f"could not apply the chat template: {exc}", "messages") from None
 
