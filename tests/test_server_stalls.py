@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import httpx
@@ -110,9 +109,10 @@ def test_a_constraint_is_compiled_off_the_event_loop_once(base_url: str, http: h
     assert gate.calls == 1
 
 
-def test_a_constraint_that_compiles_too_long_is_a_400_naming_the_limit(engine: LLMEngine,
+def test_a_constraint_that_compiles_too_long_is_a_400_naming_the_limit(tiny_model_factory,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """The compile is held until the answer is in: over the limit by construction, however fast the machine."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_factory("llama")), num_kv_blocks=16))
     gate = Gate(engine.compile_grammar)
     monkeypatch.setattr(engine, "compile_grammar", gate)
     with serve_app(build_app(engine, MODEL, ServerOptions(constraint_compile_timeout=0.2))) as url, \

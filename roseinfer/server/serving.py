@@ -14,7 +14,6 @@ import dataclasses
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, TypeVar
 
 from fastapi import Request
