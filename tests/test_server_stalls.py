@@ -4,8 +4,10 @@ Where a request used to hold the event loop, the work it does now is held open b
 gate that opens only once /health has answered), so the test fails, rather than hangs forever, if
 that work ever runs on the loop again. The requests that stalled the server (100,000 choices, 3.4
 million one-token prompts, 490,000 messages, a 16 MB /detokenize, ...) each get a 400 that names
-their limit while a stream keeps going; a constraint llguidance gives up on while generating ends
-with an error in OpenAI's shape instead of a 200 with finish_reason "abort"."""
+their limit while a stream keeps going. A constraint llguidance gives up on at its first token is a
+400 before generation, one it gives up on later ends with an error in OpenAI's shape instead of a
+200 with finish_reason "abort", and one nested deeper than a thread's stack compiles without
+crashing the server."""
 from __future__ import annotations
 
 import json
