@@ -38,7 +38,9 @@ def engine(tiny_model_factory) -> LLMEngine:
 
 @pytest.fixture(scope="module")
 def base_url(engine: LLMEngine) -> Iterator[str]:
-    with serve_app(build_app(engine, MODEL, ServerOptions())) as url:
+    # compiles that llguidance gives up on take seconds on a busy machine: no time limit to race here
+    # (the limit has its own test, slow by construction)
+    with serve_app(build_app(engine, MODEL, ServerOptions(constraint_compile_timeout=600))) as url:
         yield url
 
 
