@@ -123,6 +123,14 @@ def test_concurrent_requests_are_spread_and_equal_one_engines_greedy_output(http
     assert bad.status_code == 400 and "context length" in bad.json()["error"]["message"]
 
 
+def test_a_constraint_is_checked_at_the_ingress_and_enforced_by_the_replica(http: httpx.Client) -> None:
+    choices = ["left turn", "right turn"]
+    resp = http.post("/v1/completions", json={"prompt": "Go", "max_tokens": 8, "guided_choice": choices})
+    assert resp.status_code == 200 and resp.json()["choices"][0]["text"] in choices, resp.text
+    bad = http.post("/v1/completions", json={"prompt": "Go", "guided_regex": "(("})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "guided_regex"
+
+
 def test_requests_sharing_a_prefix_go_to_the_replica_that_caches_it(http: httpx.Client) -> None:
     shared = [(7 * i) % 300 + 3 for i in range(80)]  # 5 blocks, unlike any other test's prompt
     hits = [metric(http, "roseinfer_prefix_cache_hits_total", replica=str(i)) for i in (0, 1)]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 
 import torch
@@ -22,11 +23,11 @@ from roseinfer.engine.request import Request, RequestOutput
 from roseinfer.engine.sampler import Sampler
 from roseinfer.engine.scheduler import Scheduler
 from roseinfer.engine.speculative import SpecStats
-from roseinfer.engine.structured_output import GrammarCompiler, GrammarMatcher
+from roseinfer.engine.structured_output import CompiledGrammar, GrammarCompiler
 from roseinfer.loader.generation_config import sampling_defaults
 from roseinfer.loader.model_loader import load_model, load_model_config, resolve_model_folder
 from roseinfer.models.config import ModelConfig
-from roseinfer.sampling_params import SamplingParams
+from roseinfer.sampling_params import SamplingParams, StructuredOutputsParams
 from roseinfer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -73,7 +74,9 @@ class LLMEngine:
             self.shutdown()
             raise
         self.requests: dict[str, Request] = {}
-        self.grammar_compiler: GrammarCompiler | None = None  # built on the first constrained request
+        # built on the first constrained request: wrapping the tokenizer takes a moment for a large vocabulary
+        self._grammar_compiler: GrammarCompiler | None = None
+        self._grammar_lock = threading.Lock()
         self._ids = itertools.count()
         self.load_seconds = time.perf_counter() - start
 
@@ -116,7 +119,8 @@ class LLMEngine:
 
     # ---- lifecycle -----------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, grammar: CompiledGrammar | None = None) -> str:
+        """`grammar`: the request's structured_outputs already compiled (compile_grammar), else compiled here."""
         params = sampling_params or self.default_sampling_params()
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate(prompt_ids, params)
@@ -126,7 +130,10 @@ class LLMEngine:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        req = Request(request_id, prompt_ids, params, generator=generator, grammar=self._grammar(params))
+        if grammar is None and params.structured_outputs is not None:
+            grammar = self.compile_grammar(params.structured_outputs)
+        req = Request(request_id, prompt_ids, params, generator=generator,
+                      grammar=grammar.matcher() if grammar is not None else None)
         self.requests[request_id] = req
         self.scheduler.add_request(req)
         return request_id
@@ -135,13 +142,18 @@ class LLMEngine:
         validate_request(prompt_ids, params, self.model_config.vocab_size, self.max_model_len, self.num_kv_blocks,
                          self.config.block_size)
 
-    def _grammar(self, params: SamplingParams) -> GrammarMatcher | None:
-        if params.structured_outputs is None:
-            return None
-        if self.grammar_compiler is None:
-            self.grammar_compiler = GrammarCompiler(self.tokenizer.backend_json(), self.model_config.vocab_size,
-                                             self.tokenizer.eos_token_ids)
-        return self.grammar_compiler.matcher(params.structured_outputs)
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                self._grammar_compiler = GrammarCompiler(self.tokenizer.backend_json(), self.model_config.vocab_size,
+                                                         self.tokenizer.eos_token_ids)
+            return self._grammar_compiler
+
+    def compile_grammar(self, params: StructuredOutputsParams, max_bytes: int | None = None) -> CompiledGrammar:
+        """A constraint compiled for add_request; safe from any thread (a server compiles in its own).
+        ValueError says why it cannot be enforced; ConstraintTooLarge, that its grammar is over `max_bytes`."""
+        return self.grammar_compiler.compile(params, max_bytes)
 
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()

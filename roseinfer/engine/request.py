@@ -48,6 +48,7 @@ class Request:
     last_block_key: int | None = None
     step_count: int = 0  # engine steps this request was part of
     finish_reason: str | None = None  # "stop" | "length" | "abort"
+    error: str | None = None  # why the engine ended it early, for the caller ("abort")
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     # with prompt_logprobs: one entry per prompt token taken so far, the first None (no context)
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)

@@ -211,7 +211,9 @@ class Scheduler:
                 req.token_ids.append(token)
                 emitted.append(token)
                 if req.grammar is not None and not req.grammar.accept(token):
-                    reason = "abort"  # cannot happen while the mask holds; never emit past a broken grammar
+                    # llguidance gave up on the grammar (a limit on its work per token): never emit past it
+                    reason = "abort"
+                    req.error = f"the output constraint failed while generating: {req.grammar.error}"
                 else:
                     reason = self._stop_reason(req, token)
                 if reason is not None:

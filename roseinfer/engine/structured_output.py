@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import llguidance
 import llguidance.torch
@@ -23,47 +25,83 @@ logger = logging.getLogger(__name__)
 # "key": value spacing models are trained on. A schema's own "x-guidance" options override it.
 JSON_WHITESPACE = r"(?: |\n[ \t]{0,20})?"
 MAX_CACHED_GRAMMARS = 256
+MAX_LOGGED_ERROR = 300  # characters of a grammar error in the log: a message may quote the grammar
+
+
+class ConstraintTooLarge(ValueError):
+    """The constraint's grammar text is longer than the caller's limit (refused before compiling)."""
+
+
+@dataclass(frozen=True)
+class CompiledGrammar:
+    """A compiled constraint, shared by every request that asks for it: each sequence follows its own copy."""
+
+    template: llguidance.LLMatcher
+
+    def matcher(self) -> GrammarMatcher:
+        return GrammarMatcher(self.template.deep_copy())
 
 
 class GrammarCompiler:
-    """Compiles each distinct constraint once (an LRU of ready matchers); every request gets a
-    copy of the compiled one. Built on the first constrained request: wrapping the tokenizer
-    takes a moment for a large vocabulary."""
+    """Compiles each distinct constraint once (an LRU of compiled grammars). Thread-safe, so a
+    server compiles in its own threads (llguidance drops the GIL meanwhile) and hands the result
+    to the engine; the engine compiles only what reaches it uncompiled."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: set[int]) -> None:
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=sorted(eos_token_ids))
-        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self.vocab_size = vocab_size
+        self._compiled: OrderedDict[str, CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()
 
     @property
     def num_compiled(self) -> int:
         return len(self._compiled)
 
-    def matcher(self, params: StructuredOutputsParams) -> GrammarMatcher:
-        """A fresh matcher for one sequence; ValueError names what is wrong with the constraint."""
+    def compile(self, params: StructuredOutputsParams, max_bytes: int | None = None) -> CompiledGrammar:
+        """The compiled constraint; ValueError names what is wrong with it, ConstraintTooLarge that its
+        grammar text is over `max_bytes` (None: no limit)."""
         key = json.dumps([params.kind, getattr(params, params.kind)], sort_keys=True)
-        compiled = self._compiled.get(key)
-        if compiled is None:
-            try:
-                compiled = llguidance.LLMatcher(self.tokenizer, _grammar(params), log_level=0)
-            except ValueError as exc:  # a JSON schema llguidance cannot even read
-                raise _compile_error(params, str(exc)) from None
-            if compiled.is_error():
-                raise _compile_error(params, compiled.get_error())
+        with self._lock:
+            compiled = self._compiled.get(key)
+            if compiled is not None:
+                self._compiled.move_to_end(key)
+                return compiled
+        grammar = _grammar(params)
+        size = len(grammar.encode())
+        if max_bytes is not None and size > max_bytes:
+            raise ConstraintTooLarge(f"its grammar is {size} bytes, over the limit of {max_bytes}")
+        try:
+            # verbose_errors off: llguidance's verbose messages quote the whole grammar
+            matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0,
+                                           limits=llguidance.LLParserLimits(verbose_errors=False))
+        except ValueError as exc:  # a JSON schema llguidance cannot even read
+            raise _compile_error(params, str(exc)) from None
+        if matcher.is_error():
+            raise _compile_error(params, matcher.get_error())
+        error = _first_token_error(matcher, self.vocab_size)
+        if error:
+            raise ValueError(f"structured_outputs.{params.kind}: llguidance gives up on it at its first token: "
+                             f"{_one_line(error)}")
+        compiled = CompiledGrammar(matcher)
+        with self._lock:
             self._compiled[key] = compiled
             if len(self._compiled) > MAX_CACHED_GRAMMARS:
                 self._compiled.popitem(last=False)
-        self._compiled.move_to_end(key)
-        return GrammarMatcher(compiled.deep_copy())
+        return compiled
 
 
-def constraint_error(params: StructuredOutputsParams) -> str | None:
-    """Why GrammarCompiler.matcher would refuse the constraint, in one line, found without a
-    tokenizer: the server asks before it answers, where the answer can still be a 400."""
-    try:
-        error = llguidance.LLMatcher.validate_grammar(_grammar(params))
-    except ValueError as exc:  # a JSON schema llguidance cannot even read
-        return str(exc)
-    return _one_line(error) if error else None
+def _first_token_error(matcher: llguidance.LLMatcher, vocab: int) -> str | None:
+    """Why llguidance gives up on a grammar as soon as its first allowed token is taken, if it does.
+    Some grammars compile and fail only then (a{1000000}: its lexer needs more states than its
+    limits allow), which a copy finds here, before a request is queued; the lexer states it builds
+    on the way are shared with the copies requests get."""
+    probe = matcher.deep_copy()
+    bitmask = torch.zeros(1, (vocab + 31) // 32, dtype=torch.int32)
+    llguidance.torch.fill_next_token_bitmask(probe, bitmask)  # drops the GIL, as compiling does
+    allowed = allowed_tokens(bitmask, vocab)[0].nonzero()
+    if not probe.is_error() and len(allowed):
+        probe.consume_token(int(allowed[0]))
+    return probe.get_error() if probe.is_error() else None
 
 
 def _compile_error(params: StructuredOutputsParams, error: str) -> ValueError:
@@ -96,11 +134,19 @@ class GrammarMatcher:
         self.matcher = matcher
 
     def accept(self, token: int) -> bool:
-        """Advance by a sampled token; False if the grammar refuses it (the mask should have)."""
-        if self.matcher.consume_token(token):
+        """Advance by a sampled token; False if the grammar refuses it: llguidance gave up on the
+        grammar (a limit on its work per token), or the mask failed to hold (`error` says which).
+        A grammar's lexer is shared by its copies, so one that gave up fails the others too: their
+        mask then allows only end-of-sequence, which is accepted in the error state, hence is_error."""
+        if self.matcher.consume_token(token) and not self.matcher.is_error():
             return True
-        logger.error("the grammar refused token %d that its mask allowed: %s", token, self.matcher.get_error())
+        logger.warning("the grammar refused token %d: %s", token, self.error[:MAX_LOGGED_ERROR])
         return False
+
+    @property
+    def error(self) -> str:
+        """llguidance's reason for its error state, in one line."""
+        return _one_line(self.matcher.get_error() or "the grammar refused the sampled token")
 
     @property
     def is_complete(self) -> bool:

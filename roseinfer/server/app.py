@@ -31,10 +31,12 @@ from roseinfer.server.body_limit import BodyLimit
 from roseinfer.server.connections import GuardedH11Protocol
 from roseinfer.server.engine_loop import SchedulerManager
 from roseinfer.server.metrics import CountResponses, RouterMetrics, ServerMetrics
-from roseinfer.server.openapi import GENERATION_ERRORS, GENERATION_OK, TOKENIZER_ERRORS, error_responses, install_openapi
+from roseinfer.server.openapi import (GENERATION_ERRORS, GENERATION_OK, TOKENIZER_ERRORS, error_responses,
+                                      install_openapi, request_body)
 from roseinfer.server.protocol import (UNSUPPORTED_FIELDS, APIError, ChatCompletionRequest, CompletionRequest,
                                        DetokenizeRequest, TokenizeRequest, error_body)
 from roseinfer.server.serving import OpenAIServing
+from roseinfer.server.structured import ConstraintLimits
 from roseinfer.server.tool_calls import shown_tools
 
 if TYPE_CHECKING:  # Ray is imported only when replicas are asked for
@@ -93,7 +95,8 @@ def _app(manager: SchedulerManager | ReplicaSet, served_model_name: str, options
          metrics: ServerMetrics | RouterMetrics, render_metrics: Callable[[], Awaitable[bytes]]) -> FastAPI:
     engine = manager.engine
     started = int(time.time())  # /v1/models reports when this server started serving the model
-    serving = OpenAIServing(manager, served_model_name, options.max_sequences_per_request, options.tool_call_parser)
+    serving = OpenAIServing(manager, served_model_name, options.max_sequences_per_request, options.tool_call_parser,
+                            ConstraintLimits(options.max_constraint_bytes, options.constraint_compile_timeout))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -119,7 +122,7 @@ def _app(manager: SchedulerManager | ReplicaSet, served_model_name: str, options
         app.add_middleware(CORSMiddleware, allow_origins=options.allowed_origins, allow_methods=["*"],
                            allow_headers=["*"])
     app.add_middleware(CountResponses, counter=metrics.responses)  # added last: outermost, sees every response
-    install_openapi(app)
+    install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
     guarded = _api_key_check(options.api_key)
     unauthorized = (401,) if options.api_key else ()
 
@@ -128,14 +131,17 @@ def _app(manager: SchedulerManager | ReplicaSet, served_model_name: str, options
         async def openapi_document() -> JSONResponse:
             return JSONResponse(app.openapi())
 
-    @app.post("/v1/completions", dependencies=guarded, responses={**GENERATION_OK, **error_responses(*GENERATION_ERRORS)})
-    async def completions(body: CompletionRequest, raw: Request) -> Response:
-        return await serving.completions(body, raw)
+    # bodies are parsed and validated off the event loop (server/request_body.py), not by FastAPI
+    @app.post("/v1/completions", dependencies=guarded, responses={**GENERATION_OK, **error_responses(*GENERATION_ERRORS)},
+              openapi_extra=request_body(CompletionRequest))
+    async def completions(raw: Request) -> Response:
+        return await serving.completions(await serving.parse(CompletionRequest, raw), raw)
 
     @app.post("/v1/chat/completions", dependencies=guarded,
-              responses={**GENERATION_OK, **error_responses(*GENERATION_ERRORS)})
-    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
-        return await serving.chat(body, raw)
+              responses={**GENERATION_OK, **error_responses(*GENERATION_ERRORS)},
+              openapi_extra=request_body(ChatCompletionRequest))
+    async def chat_completions(raw: Request) -> Response:
+        return await serving.chat(await serving.parse(ChatCompletionRequest, raw), raw)
 
     @app.get("/v1/models", dependencies=guarded, responses=error_responses(*unauthorized))
     async def models() -> ModelList:
@@ -154,8 +160,10 @@ def _app(manager: SchedulerManager | ReplicaSet, served_model_name: str, options
     async def prometheus() -> Response:
         return Response(await render_metrics(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/tokenize", dependencies=guarded, responses=error_responses(*TOKENIZER_ERRORS))
-    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+    @app.post("/tokenize", dependencies=guarded, responses=error_responses(*TOKENIZER_ERRORS),
+              openapi_extra=request_body(TokenizeRequest))
+    async def tokenize(raw: Request) -> TokenizeResponse:
+        body = await serving.parse(TokenizeRequest, raw)
         serving.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", "prompt")
@@ -171,13 +179,15 @@ def _app(manager: SchedulerManager | ReplicaSet, served_model_name: str, options
         that a client (lm-evaluation-harness) can tokenize and template as the server does."""
         return engine.tokenizer.info()
 
-    @app.post("/detokenize", dependencies=guarded, responses=error_responses(*TOKENIZER_ERRORS))
-    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+    @app.post("/detokenize", dependencies=guarded, responses=error_responses(*TOKENIZER_ERRORS),
+              openapi_extra=request_body(DetokenizeRequest))
+    async def detokenize(raw: Request) -> DetokenizeResponse:
+        body = await serving.parse(DetokenizeRequest, raw)  # at most the context's length of ids
         serving.check_model(body.model)
         vocab = engine.model_config.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
             raise APIError(400, f"tokens must be ids in [0, {vocab})", "tokens")
-        return DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens))
+        return DetokenizeResponse(prompt=await serving.run_blocking(engine.tokenizer.decode, body.tokens))
 
     return app
 

@@ -32,6 +32,9 @@ class ServerOptions:
     data_parallel_size: int = 1  # engine replicas; more than one runs them on Ray (docs/distributed.md)
     ray_address: str | None = None  # join this Ray cluster; None starts a local Ray instance
     router: str = "prefix-affinity"  # which replica gets a request (server/router.py)
+    # an output constraint's grammar text: OpenAI caps a schema's strings near 120,000 characters
+    max_constraint_bytes: int = 128 * 1024
+    constraint_compile_timeout: float = 10.0  # seconds; longer is a 400
 
     def __post_init__(self) -> None:
         for name in ("stream_interval", "max_sequences_per_request"):
@@ -43,6 +46,8 @@ class ServerOptions:
             raise ValueError("--max-request-body-mb must be > 0 and --shutdown-timeout >= 0")
         if self.max_header_kb < 1 or not (self.header_timeout > 0 and self.timeout_keep_alive > 0):
             raise ValueError("--max-header-kb must be >= 1, --header-timeout and --timeout-keep-alive > 0")
+        if self.max_constraint_bytes < 1 or not self.constraint_compile_timeout > 0:
+            raise ValueError("--max-constraint-bytes must be >= 1 and --constraint-compile-timeout > 0")
         if self.data_parallel_size < 1:
             raise ValueError("--data-parallel-size must be >= 1")
         if self.router not in ROUTER_POLICIES:
@@ -74,6 +79,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                        help="most sequences (prompts x n) one request may ask for; more is a 400 (default: %(default)s)")
     group.add_argument("--max-request-body-mb", type=float, default=defaults.max_request_body_mb,
                        help="larger request bodies are answered 413 before they are read (default: %(default)s)")
+    group.add_argument("--max-constraint-bytes", type=int, default=defaults.max_constraint_bytes,
+                       help="largest output constraint (guided_*, response_format, structured_outputs, forced tool "
+                            "calls) as llguidance grammar text; larger is a 400 before compiling (default: %(default)s)")
+    group.add_argument("--constraint-compile-timeout", type=float, default=defaults.constraint_compile_timeout,
+                       help="seconds an output constraint may take to compile; longer is a 400 (default: %(default)s)")
     group.add_argument("--api-key", default=os.environ.get("ROSEINFER_API_KEY"),
                        help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize (default: "
                             "$ROSEINFER_API_KEY, else none); /health and /metrics stay open")
@@ -118,7 +128,9 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
                          max_header_kb=args.max_header_kb, header_timeout=args.header_timeout,
                          timeout_keep_alive=args.timeout_keep_alive,
                          tool_call_parser=args.tool_call_parser, data_parallel_size=args.data_parallel_size,
-                         ray_address=args.ray_address, router=args.router)
+                         ray_address=args.ray_address, router=args.router,
+                         max_constraint_bytes=args.max_constraint_bytes,
+                         constraint_compile_timeout=args.constraint_compile_timeout)
 
 
 def served_name(args: argparse.Namespace) -> str:

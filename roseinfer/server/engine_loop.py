@@ -33,6 +33,7 @@ from typing import AsyncIterator, Callable
 
 from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.engine.request import Request, RequestOutput, TokenLogprobs
+from roseinfer.engine.structured_output import CompiledGrammar
 from roseinfer.sampling_params import SamplingParams
 from roseinfer.server.stop_strings import StopStringMatcher
 from roseinfer.tokenizer import IncrementalDetokenizer
@@ -114,6 +115,7 @@ class _Submission:
     prompt_ids: list[int]
     params: SamplingParams
     stop: StopStringMatcher | None
+    grammar: CompiledGrammar | None
 
 
 @dataclass
@@ -201,8 +203,11 @@ class SchedulerManager:
         return self._thread is not None and self._thread.is_alive() and not (self._stopping or self._draining)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-               stop: list[str] | None = None, submit_start: float | None = None) -> RequestStream:
+               stop: list[str] | None = None, submit_start: float | None = None,
+               grammar: CompiledGrammar | None = None) -> RequestStream:
         """Queue a request; raises ValueError on bad input and OverloadedError past the limit.
+        `grammar`: params.structured_outputs compiled by the caller (engine.compile_grammar), so that
+        the worker, which would otherwise compile it, never stalls a step on it.
 
         Submitting before start() is fine: the worker picks the request up once it runs.
         """
@@ -224,7 +229,7 @@ class SchedulerManager:
                                       "retry shortly")
             self._inflight.add(request_id)
             timings["submit_end"] = time.perf_counter()
-            self._new.append(_Submission(stream, prompt_ids, params, matcher))
+            self._new.append(_Submission(stream, prompt_ids, params, matcher, grammar))
             self._cond.notify()
         return stream
 
@@ -292,13 +297,16 @@ class SchedulerManager:
         now = time.perf_counter()
         for request_id in engine.pop_finished_ids():
             tr = self._tracked.pop(request_id, None)
-            if tr is not None:  # None: already failed by _fail_all
-                self._finalize(tr, "stop" if tr.stopped else tr.request.finish_reason, now, deltas)
+            if tr is None:  # already failed by _fail_all
+                continue
+            if tr.request.error is not None and not tr.stopped:  # e.g. its grammar failed: the request's fault
+                tr.error, tr.error_status = tr.request.error, 400
+            self._finalize(tr, "stop" if tr.stopped else tr.request.finish_reason, now, deltas)
 
     def _add(self, sub: _Submission, deltas: list[tuple[RequestStream, StreamDelta]]) -> None:
         stream = sub.stream
         try:
-            self.engine.add_request(sub.prompt_ids, sub.params, stream.request_id)
+            self.engine.add_request(sub.prompt_ids, sub.params, stream.request_id, sub.grammar)
             request = self.engine.get_request(stream.request_id)
         except Exception as exc:  # noqa: BLE001 -- validated in submit(); whatever slips through fails one request
             logger.exception("could not add request %s", stream.request_id)

@@ -1,12 +1,15 @@
 """The OpenAPI document as the server behaves: each route lists the error statuses it really sends,
 all with OpenAI's error schema, and FastAPI's 422, which this server never sends (validation
-errors are OpenAI's 400s), is taken out."""
+errors are OpenAI's 400s), is taken out. Routes that parse their own body (server/request_body.py)
+state it through `request_body`, so the document still describes it."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
 
 from roseinfer.server.protocol import ErrorResponse
 
@@ -34,10 +37,21 @@ GENERATION_OK: dict[int | str, dict[str, Any]] = {
 }
 
 
-def install_openapi(app: FastAPI) -> None:
+REF = "#/components/schemas/{model}"
+
+
+def request_body(model: type[BaseModel]) -> dict[str, Any]:
+    """A route's openapi_extra stating its JSON body (install_openapi adds the model's schema)."""
+    return {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": {"$ref": REF.format(model=model.__name__)}}}}}
+
+
+def install_openapi(app: FastAPI, body_models: Sequence[type[BaseModel]] = ()) -> None:
     def document() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+            _, bodies = models_json_schema([(model, "validation") for model in body_models], ref_template=REF)
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(bodies.get("$defs", {}))
             for operations in schema.get("paths", {}).values():
                 for operation in operations.values():
                     operation.get("responses", {}).pop("422", None)

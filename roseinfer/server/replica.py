@@ -8,6 +8,7 @@ whose actor died or whose engine worker stopped.
 """
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import AsyncIterator
 
@@ -18,6 +19,7 @@ from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.sampling_params import SamplingParams
 from roseinfer.server.engine_loop import SchedulerManager, StreamDelta
 from roseinfer.server.metrics import ServerMetrics
+from roseinfer.server.structured import compile_pool
 
 
 @serve.deployment
@@ -27,13 +29,18 @@ class EngineReplica:
         self.metrics = ServerMetrics()
         self.manager = SchedulerManager(self.engine, stream_interval, on_finished=self.metrics.observe_finished)
         self.manager.start()
+        self.compile_pool = compile_pool()
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        stop: list[str] | None) -> AsyncIterator[StreamDelta]:
         """The request's deltas, the last one `finished`. Serve cancels this generator when the
         ingress cancels the call (the client went away): the request is then aborted here, which
         frees its KV blocks at the worker's next turn."""
-        stream = self.manager.submit(prompt_ids, params, request_id, stop)
+        grammar = None
+        if params.structured_outputs is not None:  # as the ingress does: not in the engine's step loop, deep stack
+            grammar = await asyncio.get_running_loop().run_in_executor(
+                self.compile_pool, self.engine.compile_grammar, params.structured_outputs)
+        stream = self.manager.submit(prompt_ids, params, request_id, stop, grammar=grammar)
         try:
             async for delta in stream:
                 yield delta

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,10 +29,11 @@ from ray import serve
 
 from roseinfer.config import EngineConfig
 from roseinfer.engine.llm_engine import validate_request
+from roseinfer.engine.structured_output import CompiledGrammar, GrammarCompiler
 from roseinfer.loader.generation_config import sampling_defaults
 from roseinfer.loader.model_loader import load_model_config, resolve_model_folder
 from roseinfer.models.config import ModelConfig
-from roseinfer.sampling_params import SamplingParams
+from roseinfer.sampling_params import SamplingParams, StructuredOutputsParams
 from roseinfer.server.engine_loop import SHUTDOWN_MESSAGE, OverloadedError, ShuttingDownError, StreamDelta
 from roseinfer.server.metrics import RouterMetrics
 from roseinfer.server.replica import EngineReplica
@@ -57,10 +59,21 @@ class EngineView:
     sampling_defaults: dict[str, Any]
     max_model_len: int
     num_kv_blocks: int
+    _grammar_compiler: GrammarCompiler | None = field(default=None, init=False, repr=False)
+    _grammar_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         validate_request(prompt_ids, params, self.model_config.vocab_size, self.max_model_len, self.num_kv_blocks,
                          self.config.block_size)
+
+    def compile_grammar(self, params: StructuredOutputsParams, max_bytes: int | None = None) -> CompiledGrammar:
+        """As LLMEngine's, to refuse a constraint with a 400 here; a compiled grammar cannot travel to a
+        replica's process, which compiles its own copy."""
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                self._grammar_compiler = GrammarCompiler(self.tokenizer.backend_json(), self.model_config.vocab_size,
+                                                         self.tokenizer.eos_token_ids)
+        return self._grammar_compiler.compile(params, max_bytes)
 
 
 @dataclass
@@ -128,7 +141,8 @@ class ReplicaSet:
         return not (self._draining or self._stopping)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str, stop: list[str] | None = None,
-               submit_start: float | None = None) -> ReplicaStream:
+               submit_start: float | None = None, grammar: CompiledGrammar | None = None) -> ReplicaStream:
+        """`grammar` is not sent: the replica compiles the constraint again (EngineView.compile_grammar)."""
         prompt_ids = list(prompt_ids)
         self.engine.validate(prompt_ids, params)
         if not self.is_alive:

@@ -10,12 +10,17 @@ from roseinfer.sampling_params import SEED_MAX, SamplingParams, StructuredOutput
 from roseinfer.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest
 
 
+def check_sequences(num_prompts: int, n: int, max_sequences: int) -> None:
+    sequences = num_prompts * n
+    if sequences > max_sequences:
+        raise APIError(400, f"{num_prompts} prompt(s) x n={n} = {sequences} sequences; this server takes at "
+                            f"most {max_sequences} per request (--max-sequences-per-request)", "n" if n > 1 else "prompt")
+
+
 def check_request(body: SamplingRequest, num_prompts: int, max_sequences: int, max_inflight: int | None) -> None:
+    check_sequences(num_prompts, body.n, max_sequences)
     sequences = num_prompts * body.n
     param = "n" if body.n > 1 else "prompt"
-    if sequences > max_sequences:
-        raise APIError(400, f"{num_prompts} prompt(s) x n={body.n} = {sequences} sequences; this server takes at "
-                            f"most {max_sequences} per request (--max-sequences-per-request)", param)
     if max_inflight is not None and sequences > max_inflight:
         # a 429 here would send clients that honour Retry-After round forever: it can never fit
         raise APIError(400, f"{sequences} sequences in one request can never run: the server holds at most "

@@ -1,8 +1,9 @@
 """The OpenAI completions and chat APIs over a SchedulerManager: requests in, JSON or SSE out.
 
 Everything here runs on the HTTP event loop and never waits on a forward pass: it submits, and
-awaits the deltas the engine worker pushes. Tokenizing and chat templating run in a small thread
-pool (the tokenizer releases the GIL), so a long prompt delays only its own request. A request
+awaits the deltas the engine worker pushes. Parsing and validating bodies, tokenizing, chat
+templating run in a small thread pool, and output constraints compile in another (the tokenizer
+and llguidance release the GIL), so a large or slow request delays only itself. A request
 is aborted in the engine as soon as its client is gone, streamed or not, so its KV blocks free
 at once.
 """
@@ -13,23 +14,26 @@ import dataclasses
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from jinja2 import TemplateError
+from pydantic import BaseModel
 
 from roseinfer.chat_template import template_variables
+from roseinfer.engine.structured_output import CompiledGrammar
 from roseinfer.sampling_params import SamplingParams
 from roseinfer.server.engine_loop import OverloadedError, RequestStream, SchedulerManager, ShuttingDownError, StreamDelta
 from roseinfer.server.logprobs import LogprobsFormatter
 from roseinfer.server.protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest, error_body
+from roseinfer.server.request_body import BodyLimits, parse_body
 from roseinfer.server.request_params import (bad_value, check_chat_fields, check_completion_fields, check_request,
                                              sampling_params)
 from roseinfer.server.responses import (Choice, EventStream, Reply, prompt_entries, sse, wait_disconnect,
                                         without_output)
-from roseinfer.server.structured import requested_constraint
+from roseinfer.server.structured import (Constraint, ConstraintLimits, compile_constraint, compile_pool,
+                                         requested_constraint)
 from roseinfer.server.tool_calls import chat_inputs, pick_parser, plan_tools
 from roseinfer.server.tool_parsers import NamedCallParser, ToolParser
 
@@ -37,27 +41,29 @@ if TYPE_CHECKING:  # Ray is imported only when replicas are asked for
     from roseinfer.server.replicas import ReplicaSet
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-DEFAULT_MAX_SEQUENCES_PER_REQUEST = 256  # prompts x n in one request
 CLIENT_CLOSED = 499  # nginx's "client closed request": logged, never seen by anyone
 RETRY_AFTER_S = "1"
 TOKENIZER_THREADS = 2  # the machine's cores go to the engine; a queue of long prompts waits here
 T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
 
 
 class OpenAIServing:
-    def __init__(self, manager: SchedulerManager | ReplicaSet, model_name: str,
-                 max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST,
-                 tool_call_parser: str = "auto") -> None:
+    def __init__(self, manager: SchedulerManager | ReplicaSet, model_name: str, max_sequences_per_request: int,
+                 tool_call_parser: str, constraint_limits: ConstraintLimits) -> None:
         engine = manager.engine
         self.manager = manager
         self.model_name = model_name
         self.max_sequences = max_sequences_per_request
+        self.body_limits = BodyLimits(max_sequences_per_request, engine.max_model_len)
+        self.constraint_limits = constraint_limits
         self.tokenizer = engine.tokenizer
         self.defaults = engine.sampling_defaults  # the model's generation config, for fields a request leaves unset
         self.logprobs = LogprobsFormatter(engine.tokenizer)
         # what one request can hold: the context, or the whole KV pool if that is smaller
         self.context_limit = min(engine.max_model_len, engine.num_kv_blocks * engine.config.block_size)
         self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="roseinfer-tokenize")
+        self._compile_pool = compile_pool()
         template = engine.tokenizer.chat_template
         self.tool_parser = pick_parser(template, tool_call_parser)
         try:  # templates that never read `tools` get them as a system prompt (server/tool_calls.py)
@@ -80,14 +86,15 @@ class OpenAIServing:
         texts = [body.prompt] if isinstance(body.prompt, str) or isinstance(body.prompt[0], int) else body.prompt
         check_request(body, len(texts), self.max_sequences, self.manager.max_inflight_requests)
         check_completion_fields(body)
-        constraint = requested_constraint(body)
+        constraint = await self.run_blocking(requested_constraint, body, self.constraint_limits.max_bytes)
+        grammar = await self._compile(constraint)
         prompts = [(await self.run_blocking(self.tokenizer.encode, p), p) if isinstance(p, str) else (list(p), None)
                    for p in texts]
         max_tokens = self.defaults.get("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS) if body.max_tokens is None \
             else body.max_tokens
         params = sampling_params(body, self.defaults, 1 if prompt_only else max_tokens, body.logprobs, prompt_logprobs,
                                  constraint.params if constraint else None)
-        streams = self._submit([ids for ids, _ in prompts], body, params, start)
+        streams = self._submit([ids for ids, _ in prompts], body, params, start, grammar)
         echoes = [(text if text is not None else self.tokenizer.decode(ids)) if body.echo else ""
                   for ids, text in prompts for _ in range(body.n)]
         prompt_ids = [ids if echo_logprobs else [] for ids, _ in prompts for _ in range(body.n)]
@@ -117,16 +124,18 @@ class OpenAIServing:
             raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
         check_request(body, 1, self.max_sequences, self.manager.max_inflight_requests)
         check_chat_fields(body)
-        constraint = requested_constraint(body)
-        tools = plan_tools(body, self.tool_parser, output_constrained=constraint is not None)
+        # in the pool: a schema or tools' parameters may be large to copy or parse
+        constraint = await self.run_blocking(requested_constraint, body, self.constraint_limits.max_bytes)
+        tools = await self.run_blocking(plan_tools, body, self.tool_parser, constraint is not None)
         constraint = constraint or tools.constraint
+        grammar = await self._compile(constraint)
         ids = await self.chat_prompt(body.messages, tools.shown)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_tokens is None:  # OpenAI's chat default: whatever room the context has left
             max_tokens = min(max(1, self.context_limit - len(ids)), self.defaults.get("max_tokens", self.context_limit))
         params = sampling_params(body, self.defaults, max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
                                  body.prompt_logprobs, constraint.params if constraint else None)
-        streams = self._submit([ids], body, params, start)
+        streams = self._submit([ids], body, params, start, grammar)
         reply = Reply(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name, "chat.completion",
                       [len(ids)], body.include_usage, body.continuous_usage)
         parsers = [tools.parser() if tools.parser else None for _ in streams]
@@ -157,9 +166,12 @@ class OpenAIServing:
 
     async def chat_prompt(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The conversation's prompt ids, with `tools` shown to the model (server/tool_calls.py)."""
-        rendered, variables = chat_inputs(messages, tools, self.tool_parser, self.template_reads_tools)
+        def render() -> list[int]:  # in the pool: messages are copied, tool-call arguments parsed
+            rendered, variables = chat_inputs(messages, tools, self.tool_parser, self.template_reads_tools)
+            return self.tokenizer.apply_chat_template(rendered, **variables)
+
         try:
-            return await self.run_blocking(partial(self.tokenizer.apply_chat_template, rendered, **variables))
+            return await self.run_blocking(render)
         except (ValueError, TemplateError) as exc:
             raise APIError(400, f"could not apply the chat template: {exc}", "messages") from None
 
@@ -167,12 +179,22 @@ class OpenAIServing:
         """Run tokenizer work off the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
+    async def parse(self, model: type[M], raw: Request) -> M:
+        """The request's body as `model`, parsed, counted and validated off the event loop (request_body.py)."""
+        return await self.run_blocking(parse_body, model, await raw.body(), self.body_limits)
+
+    async def _compile(self, constraint: Constraint | None) -> CompiledGrammar | None:
+        if constraint is None:
+            return None
+        return await compile_constraint(constraint, self.manager.engine, self._compile_pool, self.constraint_limits)
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._compile_pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- request -> engine -------------------------------------------------------------------
     def _submit(self, prompts: list[list[int]], body: SamplingRequest, params: SamplingParams,
-                start: float) -> list[RequestStream]:
+                start: float, grammar: CompiledGrammar | None) -> list[RequestStream]:
         """n engine requests per prompt; with a seed, choice i draws from seed + i."""
         stop = [body.stop] if isinstance(body.stop, str) else body.stop
         base_id = uuid.uuid4().hex
@@ -182,7 +204,8 @@ class OpenAIServing:
                 for i in range(body.n):
                     choice_params = params if params.seed is None or i == 0 else \
                         dataclasses.replace(params, seed=params.seed + i)
-                    streams.append(self.manager.submit(ids, choice_params, f"{base_id}-{len(streams)}", stop, start))
+                    streams.append(self.manager.submit(ids, choice_params, f"{base_id}-{len(streams)}", stop, start,
+                                                       grammar))
         except BaseException as exc:
             for stream in streams:  # all or nothing: no half-submitted choice sets
                 self.manager.abort(stream.request_id)

@@ -1,13 +1,30 @@
 """The output constraint a request asks for, from whichever field it came in: OpenAI's
-response_format, vLLM's structured_outputs or its older guided_* fields. One per request."""
+response_format, vLLM's structured_outputs or its older guided_* fields. One per request.
+It is compiled here, in a worker thread, under a size and a time limit, before the request is
+submitted: a mistake is a 400 before anything is generated, and the engine takes the compiled
+grammar as it is instead of compiling it again in its step loop."""
 from __future__ import annotations
 
+import asyncio
+import threading
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
-from roseinfer.engine.structured_output import constraint_error
+from roseinfer.engine.structured_output import CompiledGrammar, ConstraintTooLarge
 from roseinfer.sampling_params import StructuredOutputsParams
 from roseinfer.server.protocol import APIError, JsonObjectFormat, JsonSchemaFormat, SamplingRequest
+
+if TYPE_CHECKING:
+    from roseinfer.engine.llm_engine import LLMEngine
+    from roseinfer.server.replicas import EngineView
+
+COMPILE_THREADS = 2
+# llguidance recurses once per nested rule as it compiles: a 6,000-rule chain (100 KB) overflowed a
+# thread's default 8 MB stack and crashed the process; 256 MB covers --max-constraint-bytes' default
+# with room to spare (the stack is reserved address space, used only as deep as a compile goes)
+COMPILE_STACK_BYTES = 256 << 20
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}
@@ -19,8 +36,9 @@ class Constraint:
     field: str  # the request field it came from, which errors name
 
 
-def requested_constraint(body: SamplingRequest) -> Constraint | None:
-    """The constraint of response_format, structured_outputs or guided_*; a 400 if two are given."""
+def requested_constraint(body: SamplingRequest, max_bytes: int | None = None) -> Constraint | None:
+    """The constraint of response_format, structured_outputs or guided_*; a 400 if two are given,
+    or if a schema sent as JSON text is longer than `max_bytes` (it is parsed here)."""
     found: list[tuple[str, dict[str, Any]]] = []
     if isinstance(body.response_format, JsonObjectFormat):
         found.append(("response_format", {"json_object": True}))
@@ -34,18 +52,57 @@ def requested_constraint(body: SamplingRequest) -> Constraint | None:
         return None
     if len(found) > 1:
         raise APIError(400, f"{found[0][0]} and {found[1][0]} both constrain the output; give one", found[1][0])
-    return constraint(found[0][0], **found[0][1])
+    field, kwargs = found[0]
+    text = kwargs.get("json")
+    if isinstance(text, str) and max_bytes is not None and len(text.encode()) > max_bytes:
+        raise APIError(400, f"{field} is too large: its schema is {len(text.encode())} bytes of JSON text, over the "
+                            f"limit of {max_bytes} (--max-constraint-bytes)", field)
+    return constraint(field, **kwargs)
 
 
 def constraint(field: str, **kwargs: Any) -> Constraint:
-    """StructuredOutputsParams(**kwargs), checked now: a 400 naming `field` if it cannot be enforced."""
+    """StructuredOutputsParams(**kwargs): a 400 naming `field` if its values are wrong."""
     try:
         params = StructuredOutputsParams(**kwargs)
     except ValueError as exc:
         raise APIError(400, str(exc) if field == "structured_outputs" else f"{field}: {exc}", field) from None
-    # the engine compiles it again at add_request, in its worker thread, where a mistake could no
-    # longer be a 400 before a stream has begun
-    error = constraint_error(params)
-    if error:
-        raise APIError(400, f"{field} cannot be enforced: {error}", field)
     return Constraint(params, field)
+
+
+@dataclass(frozen=True)
+class ConstraintLimits:
+    max_bytes: int  # --max-constraint-bytes
+    compile_timeout: float  # --constraint-compile-timeout, seconds
+
+
+def compile_pool() -> ThreadPoolExecutor:
+    """The threads constraints compile in: their own, so that a slow compile holds no other request's
+    parsing or tokenizing, and with a deep stack. Both are started here, while the stack size is set."""
+    previous = threading.stack_size(COMPILE_STACK_BYTES)
+    try:
+        pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="roseinfer-grammar")
+        started = threading.Barrier(COMPILE_THREADS)  # each waits for the other: two threads, not one reused
+        for waiting in [pool.submit(started.wait) for _ in range(COMPILE_THREADS)]:
+            waiting.result()
+    finally:
+        threading.stack_size(previous)
+    return pool
+
+
+async def compile_constraint(constraint: Constraint, engine: LLMEngine | EngineView, pool: Executor,
+                             limits: ConstraintLimits) -> CompiledGrammar:
+    """The constraint compiled in `pool` (llguidance drops the GIL meanwhile); a 400 naming the field
+    if it is too large, takes too long, or cannot be enforced. A compile that runs out of time is
+    left to finish in its thread (it cannot be stopped) and is cached for the next request."""
+    field = constraint.field
+    work = asyncio.get_running_loop().run_in_executor(
+        pool, partial(engine.compile_grammar, constraint.params, limits.max_bytes))
+    try:
+        return await asyncio.wait_for(work, limits.compile_timeout)
+    except asyncio.TimeoutError:
+        raise APIError(400, f"{field} took longer than {limits.compile_timeout:g} s to compile, the server's "
+                            "limit (--constraint-compile-timeout)", field) from None
+    except ConstraintTooLarge as exc:
+        raise APIError(400, f"{field} is too large: {exc} (--max-constraint-bytes)", field) from None
+    except ValueError as exc:
+        raise APIError(400, f"{field} cannot be enforced: {exc}", field) from None
