@@ -21,10 +21,11 @@ TOP_P = [1.0, 0.9, 0.5, 1e-6]
 MIN_P = [0.0, 0.05, 0.5, 1.0]
 
 
-def _settings(top_k: list[int], top_p: list[float], min_p: list[float], vocab: int) -> FilterSettings:
+def _settings(top_k: list[int], top_p: list[float], min_p: list[float], vocab: int,
+              temperature: float = 1.0) -> FilterSettings:
     host_k = [k if 0 < k < vocab else 0 for k in top_k]
     col = lambda xs: torch.tensor(xs, dtype=torch.float32).unsqueeze(1)  # noqa: E731
-    return FilterSettings(host_k, col([k or vocab for k in host_k]), col([p if p < 1 else math.inf for p in top_p]),
+    return FilterSettings(col([temperature] * len(top_k)), host_k, col([k or vocab for k in host_k]), col([p if p < 1 else math.inf for p in top_p]),
                           col(min_p))
 
 
@@ -66,16 +67,19 @@ def _near_threshold(scaled: torch.Tensor, token: int, top_p: float, min_p: float
     return abs(before - top_p) < 1e-6 or abs(float(probs[token]) - min_p * float(probs.max())) < 1e-6
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("kind", ["smooth", "ties", "equal", "masked", "peaked"])
-def test_kept_set_and_probabilities_equal_the_sort(kind):
+def test_kept_set_and_probabilities_equal_the_sort(kind, temperature):
     generator = torch.Generator().manual_seed(len(kind))
     settings = [(k, p, m) for k in TOP_K for p in TOP_P for m in MIN_P]
-    scaled = _rows(kind, len(settings), generator)
+    logits = _rows(kind, len(settings), generator)
+    scaled = logits / torch.tensor(temperature, dtype=torch.float32)
     top_k, top_p, min_p = (list(column) for column in zip(*settings))
-    s = _settings(top_k, top_p, min_p, VOCAB)
-    want = sort_filter(scaled, s)
-    cands = candidate_filter(scaled, s)
-    got = torch.where(cands.exact.unsqueeze(1), cands.masked(VOCAB), want)
+    s = _settings(top_k, top_p, min_p, VOCAB, temperature)
+    want = sort_filter(logits, s)
+    cands = candidate_filter(logits, s)
+    masked = torch.stack([cands.masked(VOCAB, row) for row in range(len(settings))])
+    got = torch.where(cands.exact.unsqueeze(1), masked, want)
     assert torch.equal(got, want)
     assert torch.equal(got.softmax(dim=-1), want.softmax(dim=-1))
     # the candidates decide most rows; never a row that keeps more than PROBE tokens without a top_k
@@ -97,7 +101,7 @@ def test_kept_set_and_probabilities_equal_the_sort(kind):
 
 def test_top_p_1_keeps_a_tail_whose_mass_before_rounds_above_1():
     scaled = _rows("peaked", 1, torch.Generator().manual_seed(0))
-    kept = sort_filter(scaled, _settings([63], [1.0], [0.0], VOCAB))
+    kept = sort_filter(scaled, _settings([63], [1.0], [0.0], VOCAB))  # temperature 1: the logits are scaled
     assert int((kept > NEG_INF).sum()) == 63
     sorted_probs = scaled.topk(63).values.softmax(dim=-1)
     assert float((sorted_probs.cumsum(dim=-1) - sorted_probs).max()) > 1.0  # what dropped tokens before

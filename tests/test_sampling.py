@@ -88,9 +88,9 @@ def test_penalties_follow_their_definitions():
 def test_top_p_and_min_p_keep_only_the_nucleus():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     col = lambda x: torch.tensor([[x]])  # noqa: E731
-    kept = candidate_filter(logits, FilterSettings([0], col(4.0), col(0.7), col(0.0))).logits > float("-inf")
+    kept = candidate_filter(logits, FilterSettings(col(1.0), [0], col(4.0), col(0.7), col(0.0))).logits > float("-inf")
     assert kept.tolist() == [[True, True, False, False]]  # the mass before the third is 0.8
-    kept = candidate_filter(logits, FilterSettings([0], col(4.0), col(math.inf), col(0.4))).logits > float("-inf")
+    kept = candidate_filter(logits, FilterSettings(col(1.0), [0], col(4.0), col(math.inf), col(0.4))).logits > float("-inf")
     assert kept.tolist() == [[True, True, False, False]]  # keeps p >= 0.2
 
 

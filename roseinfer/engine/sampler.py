@@ -39,7 +39,7 @@ class _Retry:
 
     exact: torch.Tensor  # [F] bool, one per filtered row
     rows: list[int]  # each filtered row's row in the batch
-    scaled: torch.Tensor  # [F, V] logits over temperature
+    logits: torch.Tensor  # [F, V]
     settings: FilterSettings
     generators: list[torch.Generator | None]
     drawn: dict[int, torch.Tensor]  # a seeded filtered row's draws this step, over the vocabulary
@@ -192,21 +192,25 @@ class Sampler:
             return logits.argmax(dim=-1), None
         rows = ints.get("sampled_rows")
         vocab = logits.shape[1]
-        scaled = (logits if rows is None else logits[rows]) / floats["temperature"].unsqueeze(1)
+        picked = logits if rows is None else logits[rows]
         params = [requests[i].sampling_params for i in sampled]
         generators = [requests[i].generator for i in sampled]
         filtered = [j for j, p in enumerate(params) if _filters(p, vocab)]
         plain = [j for j, p in enumerate(params) if not _filters(p, vocab)]
+        temperature = floats["temperature"].unsqueeze(1)
         parts: list[tuple[str, torch.Tensor]] = []
         retry = None
         if filtered:
-            sub = scaled if not plain else scaled[ints["filtered"]]
-            settings = FilterSettings([_top_k(params[j], vocab) for j in filtered], floats["top_k"].unsqueeze(1),
+            sub = picked if not plain else picked[ints["filtered"]]
+            settings = FilterSettings(temperature if not plain else temperature[ints["filtered"]],
+                                      [_top_k(params[j], vocab) for j in filtered], floats["top_k"].unsqueeze(1),
                                       floats["top_p"].unsqueeze(1), floats["min_p"].unsqueeze(1))
             cands = candidate_filter(sub, settings)
-            # the softmax of the whole masked rows: the same floats as a sort's masked rows give
-            probs = cands.masked(vocab).softmax(dim=-1).gather(1, cands.ids)
             gens = [generators[j] for j in filtered]
+            probs = cands.logits.softmax(dim=1)
+            for j, generator in enumerate(gens):
+                if generator is not None:  # a seeded row's floats as its whole masked row gives them, as before
+                    probs[j] = cands.masked(vocab, j).softmax(dim=0)[cands.ids[j]]
             q, drawn = self._draws(gens, cands.ids, vocab)
             ratio = probs / q
             # the race's argmax over the vocabulary: among equal ratios the lowest id
@@ -214,9 +218,10 @@ class Sampler:
             parts.append(("filtered", torch.where(ratio == best, cands.ids, vocab).min(dim=1).values))
             retry = _Retry(cands.exact, [sampled[j] for j in filtered], sub, settings, gens, drawn)
         if plain:
-            sub = scaled if not filtered else scaled[ints["plain"]]
+            sub = picked if not filtered else picked[ints["plain"]]
             q, _ = self._draws([generators[j] for j in plain], None, vocab)
-            parts.append(("plain", (sub.softmax(dim=-1) / q).argmax(dim=-1)))
+            scaled = sub / (temperature if not filtered else temperature[ints["plain"]])
+            parts.append(("plain", (scaled.softmax(dim=-1) / q).argmax(dim=-1)))
         if len(parts) == 1 and rows is None:
             return parts[0][1], retry
         tokens = logits.argmax(dim=-1)
@@ -228,7 +233,7 @@ class Sampler:
         """The undecided filtered rows sampled over their whole sorted rows, with the draws a seeded
         row already took this step."""
         at = torch.tensor(undecided, device=tokens.device)
-        probs = sort_filter(retry.scaled[at], retry.settings.rows(undecided)).softmax(dim=-1)
+        probs = sort_filter(retry.logits[at], retry.settings.rows(undecided)).softmax(dim=-1)
         q, _ = self._draws([retry.generators[j] for j in undecided], None, probs.shape[1],
                            {i: retry.drawn[j] for i, j in enumerate(undecided) if j in retry.drawn})
         tokens = tokens.clone()

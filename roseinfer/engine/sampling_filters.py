@@ -30,6 +30,7 @@ MIN_WIDTH = 64
 class FilterSettings:
     """The filtered rows' settings: top_k as host ints (0: none) and device columns [n, 1]."""
 
+    temperature: torch.Tensor
     top_k: list[int]  # 0 where the row has none, or one as wide as the vocabulary
     top_k_col: torch.Tensor  # float; the vocabulary size where top_k is 0
     top_p: torch.Tensor  # inf where it is 1: the whole mass, whatever a sum's last bit says
@@ -37,7 +38,8 @@ class FilterSettings:
 
     def rows(self, index: list[int]) -> FilterSettings:
         at = torch.tensor(index, device=self.top_p.device)
-        return FilterSettings([self.top_k[i] for i in index], self.top_k_col[at], self.top_p[at], self.min_p[at])
+        return FilterSettings(self.temperature[at], [self.top_k[i] for i in index], self.top_k_col[at], self.top_p[at],
+                              self.min_p[at])
 
 
 @dataclass
@@ -46,9 +48,9 @@ class Candidates:
     logits: torch.Tensor  # [n, W] their logits, -inf where the filters drop them
     exact: torch.Tensor  # [n] bool: the kept set lies among the candidates (else sort_filter decides)
 
-    def masked(self, vocab: int) -> torch.Tensor:
-        """The whole [n, V] rows: the candidates' logits in place, -inf elsewhere."""
-        return self.logits.new_full((self.logits.shape[0], vocab), NEG_INF).scatter_(1, self.ids, self.logits)
+    def masked(self, vocab: int, row: int) -> torch.Tensor:
+        """A row over the whole vocabulary: its candidates' logits in place, -inf elsewhere."""
+        return self.logits.new_full((vocab,), NEG_INF).scatter_(0, self.ids[row], self.logits[row])
 
 
 def width(settings: FilterSettings, vocab: int) -> int:
@@ -56,12 +58,15 @@ def width(settings: FilterSettings, vocab: int) -> int:
     return min(max(widest, MIN_WIDTH), vocab)
 
 
-def candidate_filter(scaled: torch.Tensor, settings: FilterSettings) -> Candidates:
-    """scaled: [n, V] logits over temperature."""
-    vocab = scaled.shape[1]
+def candidate_filter(logits: torch.Tensor, settings: FilterSettings) -> Candidates:
+    """logits: [n, V]; the candidates' logits come back over temperature, as the filters see them."""
+    vocab = logits.shape[1]
     w = width(settings, vocab)
-    # one past the candidates: whether the last candidate value's ties continue outside them
-    values, ids = scaled.topk(min(w + 1, vocab), dim=1)
+    # the first W + 1 by logit are the first by logit over temperature, up to ties that the
+    # division makes, which the re-sort below orders and the check of the last value catches;
+    # one past the candidates says whether the last candidate value's ties continue outside them
+    values, ids = logits.topk(min(w + 1, vocab), dim=1)
+    values = values / settings.temperature
     nxt = values[:, w:w + 1]
     values, ids = values[:, :w], ids[:, :w]
     # topk leaves ties in any order: by id, then stably by value, is the sort's order
@@ -69,8 +74,8 @@ def candidate_filter(scaled: torch.Tensor, settings: FilterSettings) -> Candidat
     values, by_value = values.gather(1, by_id).sort(dim=1, descending=True, stable=True)
     ids = ids.gather(1, by_value)
     has_k = settings.top_k_col < vocab
-    ranks = torch.arange(w, device=scaled.device)
-    probs = _sorted_probs(values.masked_fill(ranks >= settings.top_k_col, NEG_INF), scaled, ids, settings)
+    ranks = torch.arange(w, device=logits.device)
+    probs = _sorted_probs(values.masked_fill(ranks >= settings.top_k_col, NEG_INF), logits, ids, settings)
     kept = keep_prefix(probs, settings.top_p, settings.min_p) & (ranks < settings.top_k_col)
     if w == vocab:
         exact = torch.ones_like(has_k)
@@ -82,17 +87,19 @@ def candidate_filter(scaled: torch.Tensor, settings: FilterSettings) -> Candidat
     return Candidates(ids, values.masked_fill(~kept, NEG_INF), exact.squeeze(1))
 
 
-def sort_filter(scaled: torch.Tensor, settings: FilterSettings) -> torch.Tensor:
-    """The definition over the whole sorted rows: [n, V] with -inf where the filters drop a token."""
-    vocab = scaled.shape[1]
+def sort_filter(logits: torch.Tensor, settings: FilterSettings) -> torch.Tensor:
+    """The definition over the whole sorted rows: [n, V] logits over temperature, -inf where the
+    filters drop a token."""
+    vocab = logits.shape[1]
+    scaled = logits / settings.temperature
     sorted_logits, order = scaled.sort(dim=1, descending=True, stable=True)
     ranks = torch.arange(vocab, device=scaled.device)
     sorted_logits = sorted_logits.masked_fill(ranks >= settings.top_k_col, NEG_INF)  # exact in fp32: V < 2**24
-    kept = keep_prefix(_sorted_probs(sorted_logits, scaled, order, settings), settings.top_p, settings.min_p)
+    kept = keep_prefix(_sorted_probs(sorted_logits, logits, order, settings), settings.top_p, settings.min_p)
     return torch.empty_like(scaled).scatter_(1, order, sorted_logits.masked_fill(~kept, NEG_INF))
 
 
-def _sorted_probs(sorted_logits: torch.Tensor, scaled: torch.Tensor, order: torch.Tensor,
+def _sorted_probs(sorted_logits: torch.Tensor, logits: torch.Tensor, order: torch.Tensor,
                   settings: FilterSettings) -> torch.Tensor:
     """The probabilities the filters compare, in the sorted order: a row with top_k takes the
     softmax of its sorted first top_k (any width of at least MIN_WIDTH sums them alike); one
@@ -100,8 +107,8 @@ def _sorted_probs(sorted_logits: torch.Tensor, scaled: torch.Tensor, order: torc
     probs = sorted_logits.softmax(dim=1)
     if all(settings.top_k):
         return probs
-    has_k = settings.top_k_col < scaled.shape[1]
-    return torch.where(has_k, probs, scaled.softmax(dim=1).gather(1, order))
+    has_k = settings.top_k_col < logits.shape[1]
+    return torch.where(has_k, probs, (logits / settings.temperature).softmax(dim=1).gather(1, order))
 
 
 def keep_prefix(probs: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
