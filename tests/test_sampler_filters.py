@@ -217,3 +217,19 @@ def test_penalties_equal_the_history_after_preemption_and_speculative_rejections
     stats = llm.speculative_stats()
     assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"], "no draft was both kept and rejected"
     assert len(checked) == 3 and min(checked.values()) >= 24
+
+
+@pytest.mark.parametrize("kind, reads", [("peaked", 1), ("equal", 2)])
+def test_a_step_reads_twice_only_when_the_candidates_cannot_decide(kind, reads, monkeypatch):
+    from test_batched_sampler import SYNCS, _count
+
+    logits = _rows(kind, 4, torch.Generator().manual_seed(1))
+    params = SamplingParams(temperature=1.0, top_p=0.5, logprobs=2)  # a flat row's nucleus: 500 tokens
+    sampler = Sampler({0}, CPU, seed=0)
+    with monkeypatch.context() as patch:
+        calls = _count(patch)
+        tokens, logprobs = sampler(logits, [Request(f"r{i}", [1], params) for i in range(4)])
+    assert sum(calls[name] for name in SYNCS) == reads, calls
+    kept = sort_filter(logits, _settings([0] * 4, [0.5] * 4, [0.0] * 4, VOCAB)) > NEG_INF
+    assert all(kept[i, t] for i, t in enumerate(tokens))
+    assert [lp.token_id for lp in logprobs] == tokens
