@@ -25,8 +25,8 @@ def _settings(top_k: list[int], top_p: list[float], min_p: list[float], vocab: i
               temperature: float = 1.0) -> FilterSettings:
     host_k = [k if 0 < k < vocab else 0 for k in top_k]
     col = lambda xs: torch.tensor(xs, dtype=torch.float32).unsqueeze(1)  # noqa: E731
-    return FilterSettings(col([temperature] * len(top_k)), host_k, col([k or vocab for k in host_k]), col([p if p < 1 else math.inf for p in top_p]),
-                          col(min_p))
+    return FilterSettings(col([temperature] * len(top_k)), host_k, col([k or vocab for k in host_k]),
+                          col([p if p < 1 else math.inf for p in top_p]), col(min_p))
 
 
 def _reference(scaled: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:

@@ -45,7 +45,7 @@ class FilterSettings:
 @dataclass
 class Candidates:
     ids: torch.Tensor  # [n, W] token ids in the sorted order
-    logits: torch.Tensor  # [n, W] their logits, -inf where the filters drop them
+    logits: torch.Tensor  # [n, W] their logits over temperature, -inf where the filters drop them
     exact: torch.Tensor  # [n] bool: the kept set lies among the candidates (else sort_filter decides)
 
     def masked(self, vocab: int, row: int) -> torch.Tensor:
