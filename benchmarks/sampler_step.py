@@ -3,9 +3,9 @@ the one at a git revision, called alternately in one process (the machines are n
 
 Usage: python benchmarks/sampler_step.py [--against REV] [--batch-size 64] [--vocab 49152]
        [--prompt-len 32] [--output-len 64] [--logprobs N] [--seeded] [--greedy] [--no-penalties]
-       [--calls 30] [--num-threads N]
+       [--top-p 0.9] [--top-k K] [--calls 30] [--num-threads N]
 Each request has a prompt of --prompt-len and --output-len generated tokens; by default it samples
-(temperature 0.8, top_p 0.9) with repetition 1.1, frequency 0.5 and presence 0.3 penalties.
+(temperature 0.8, top_p 0.9, no top_k) with repetition 1.1, frequency 0.5 and presence 0.3 penalties.
 """
 from __future__ import annotations
 
@@ -46,7 +46,8 @@ def requests(args: argparse.Namespace) -> list[Request]:
                                               "presence_penalty": 0.3}
     out = []
     for i in range(args.batch_size):
-        params = SamplingParams(temperature=0.0 if args.greedy else 0.8, top_p=1.0 if args.greedy else 0.9,
+        params = SamplingParams(temperature=0.0 if args.greedy else 0.8, top_p=1.0 if args.greedy else args.top_p,
+                                top_k=-1 if args.greedy else args.top_k,
                                 seed=i if args.seeded else None, logprobs=args.logprobs,
                                 max_tokens=args.output_len + 1, **penalties)
         generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
@@ -67,6 +68,8 @@ def main() -> None:
     parser.add_argument("--seeded", action="store_true", help="every request carries its own seed")
     parser.add_argument("--greedy", action="store_true")
     parser.add_argument("--no-penalties", action="store_true")
+    parser.add_argument("--top-p", type=float, default=0.9)
+    parser.add_argument("--top-k", type=int, default=-1)
     parser.add_argument("--calls", type=int, default=30)
     parser.add_argument("--num-threads", type=int, default=None)
     args = parser.parse_args()

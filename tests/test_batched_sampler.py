@@ -10,6 +10,7 @@ import torch
 
 from roseinfer.engine.request import Request, TokenLogprobs
 from roseinfer.engine.sampler import Sampler, token_logprobs
+from roseinfer.engine.sampling_filters import PROBE
 from roseinfer.sampling_params import SamplingParams
 
 VOCAB = 1000
@@ -102,14 +103,15 @@ def test_seeded_and_greedy_rows_give_in_a_batch_what_they_give_alone(order: list
 
 
 def test_each_generator_advances_as_one_draw_per_row():
-    # unseeded rows take one draw of their rows from the engine's generator; a seeded row one row
-    # from its own: what the exponential race needs for "same output alone or in any batch"
+    # the engine's generator takes one draw per group of rows with an unseeded one (the filtered rows
+    # at their candidates, here the nine rows' widest: PROBE), a seeded row one vocabulary row from
+    # its own: what the exponential race needs for "same output alone or in any batch"
     sampler = Sampler({EOS}, CPU, seed=5)
     batch = [_request(i, SPECS[i]) for i in range(len(SPECS))]
     sampler(_logits(len(SPECS)), batch)
-    unseeded = sum(1 for r in batch if r.generator is None and not r.sampling_params.greedy)
+    filtered = sum(1 for r in batch if not r.sampling_params.greedy and r.sampling_params.seed != 3)
     engine = torch.Generator().manual_seed(5)
-    torch.empty(unseeded, VOCAB).exponential_(generator=engine)
+    torch.empty(filtered, PROBE).uniform_(generator=engine)  # the plain row (seed 3) is seeded
     assert torch.equal(sampler.generator.get_state(), engine.get_state())
     for i, req in enumerate(batch):
         if req.generator is not None:

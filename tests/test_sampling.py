@@ -1,12 +1,15 @@
 """Sampling: seeds, top-k, penalties and logit bias by their definitions, stop ids, min_tokens, logprobs."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from roseinfer import LLM, SamplingParams
 from roseinfer.engine.request import Request
 from roseinfer.engine.sampler import Sampler
+from roseinfer.engine.sampling_filters import FilterSettings, candidate_filter
 from tiny_models import sample_prompts
 
 
@@ -83,12 +86,12 @@ def test_penalties_follow_their_definitions():
 
 
 def test_top_p_and_min_p_keep_only_the_nucleus():
-    sampler = Sampler(eos_token_ids=set(), device=torch.device("cpu"), seed=0)
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    probs = sampler._filtered_probs(logits, [SamplingParams(top_p=0.7)])
-    assert probs[0, 2:].tolist() == [0.0, 0.0] and probs[0, :2].sum().item() == pytest.approx(1.0)
-    probs = sampler._filtered_probs(logits, [SamplingParams(min_p=0.4)])  # keeps p >= 0.2
-    assert (probs[0] > 0).tolist() == [True, True, False, False]
+    col = lambda x: torch.tensor([[x]])  # noqa: E731
+    kept = candidate_filter(logits, FilterSettings(col(1.0), [0], col(4.0), col(0.7), col(0.0))).logits > float("-inf")
+    assert kept.tolist() == [[True, True, False, False]]  # the mass before the third is 0.8
+    kept = candidate_filter(logits, FilterSettings(col(1.0), [0], col(4.0), col(math.inf), col(0.4))).logits > float("-inf")
+    assert kept.tolist() == [[True, True, False, False]]  # keeps p >= 0.2
 
 
 def test_seeded_sampling_and_logprobs_are_the_same_in_logit_chunks(llm, prompts, monkeypatch):

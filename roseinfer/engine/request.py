@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from roseinfer.engine.penalties import PenaltyCounts
 from roseinfer.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -53,6 +54,7 @@ class Request:
     # with prompt_logprobs: one entry per prompt token taken so far, the first None (no context)
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     generator: torch.Generator | None = None
+    penalty_counts: PenaltyCounts | None = None  # the sampler's, made on its first step with penalties
     grammar: GrammarMatcher | None = None  # with structured_outputs: what may come next
     # speculative decoding: verifications in a row that accepted nothing, and steps left without drafts
     spec_misses: int = 0

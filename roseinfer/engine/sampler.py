@@ -5,26 +5,46 @@ Greedy batches without penalties take one argmax. Otherwise every step works on 
 [N, V] block on the logits' device: what it needs from the host (token ids, settings) is gathered
 first and copied in one transfer per dtype, and what comes back (tokens, logprobs) in one.
 Sampled rows use the exponential race (argmax of p / q with q ~ Exp(1)), which draws exactly from
-p; a request with a seed draws q from its own generator, so its tokens do not depend on what else
-is in the batch.
+p; a row that filters races only among its candidates (sampling_filters.py), which hold every token
+it keeps. A request with a seed draws a whole row of q from its own generator each step (as it
+always has, exponential_), so its tokens do not depend on what else is in the batch. The rows
+whose candidates cannot decide their filters are sampled again over their whole sorted row after
+that read, with a second one.
 """
 from __future__ import annotations
 
 import array
 import itertools
 import math
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from roseinfer.engine.penalties import PenaltyCounts
 from roseinfer.engine.request import Request, TokenLogprobs
+from roseinfer.engine.sampling_filters import FilterSettings, candidate_filter, sort_filter
 from roseinfer.engine.structured_output import GrammarMasks
 from roseinfer.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")
+TINY = torch.finfo(torch.float32).tiny
 Argmax = Callable[[torch.Tensor], torch.Tensor]
 Tensors = dict[str, torch.Tensor]
 PROCESSED_BY = ("seen", "output", "bias_ids", "banned")  # the id sections _process applies
+
+
+@dataclass
+class _Retry:
+    """What sampling a step's filtered rows over their whole sorted rows needs, for those whose
+    candidates did not decide (Candidates.exact)."""
+
+    exact: torch.Tensor  # [F] bool, one per filtered row
+    rows: list[int]  # each filtered row's row in the batch
+    logits: torch.Tensor  # [F, V]
+    settings: FilterSettings
+    generators: list[torch.Generator | None]
+    drawn: dict[int, torch.Tensor]  # a seeded filtered row's draws this step, over the vocabulary
 
 
 class Sampler:
@@ -45,30 +65,46 @@ class Sampler:
             self.grammar_masks = self.grammar_masks or GrammarMasks()
             logits = self.grammar_masks.apply(logits, constrained, [requests[i].grammar for i in constrained])
         ints, floats = self._inputs(requests, logits.shape[1], logits.device)
+        retry = None
         if all(p.greedy for p in params) and not any(name in ints for name in PROCESSED_BY):
             tokens = self.argmax(logits)
         else:
-            tokens = self._sample(self._process(logits, ints, floats), requests, ints)
-        order = _logprob_rows(params)
-        if not order:
-            return tokens.tolist(), [None] * len(requests)
-        rows = ints.get("logprob_rows")
-        raw = logits if rows is None else logits[rows]
-        chosen = tokens if rows is None else tokens[rows]
-        num_tops = [params[i].logprobs for i in order]
-        packed = _pack_logprobs(torch.log_softmax(raw, dim=-1), chosen, num_tops)
-        values = torch.cat([tokens.to(packed.dtype), packed]).tolist()  # the step's one device-to-host copy
-        token_list = [int(v) for v in values[:len(requests)]]
-        logprobs: list[TokenLogprobs | None] = [None] * len(requests)
-        entries = _unpack_logprobs(values[len(requests):], [token_list[i] for i in order], num_tops)
-        for i, entry in zip(order, entries):
-            logprobs[i] = entry
+            tokens, retry = self._sample(self._process(logits, ints, floats), requests, ints, floats)
+        token_list, logprobs, undecided = self._read(logits, tokens, params, ints, retry)
+        if undecided:
+            tokens = self._resample(tokens, retry, undecided)
+            token_list, logprobs, _ = self._read(logits, tokens, params, ints, None)
         return token_list, logprobs
 
+    def _read(self, logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams], ints: Tensors,
+              retry: _Retry | None) -> tuple[list[int], list[TokenLogprobs | None], list[int]]:
+        """Tokens, logprobs, and the filtered rows (as _Retry numbers them) whose candidates did not
+        decide, from one device-to-host copy."""
+        n = len(params)
+        head = tokens if retry is None else torch.cat([tokens, retry.exact.to(tokens.dtype)])
+        order = _logprob_rows(params)
+        if order:
+            rows = ints.get("logprob_rows")
+            raw = logits if rows is None else logits[rows]
+            chosen = tokens if rows is None else tokens[rows]
+            num_tops = [params[i].logprobs for i in order]
+            packed = _pack_logprobs(torch.log_softmax(raw, dim=-1), chosen, num_tops)
+            head = torch.cat([head.to(packed.dtype), packed])
+        values = head.tolist()  # the step's one device-to-host copy
+        token_list = [int(v) for v in values[:n]]
+        end = n if retry is None else n + retry.exact.numel()
+        undecided = [j for j, flag in enumerate(values[n:end]) if not flag]
+        logprobs: list[TokenLogprobs | None] = [None] * n
+        if order:
+            entries = _unpack_logprobs(values[end:], [token_list[i] for i in order], num_tops)
+            for i, entry in zip(order, entries):
+                logprobs[i] = entry
+        return token_list, logprobs, undecided
+
     def rewind(self, generator: torch.Generator, state: torch.Tensor, num_kept: int, vocab: int) -> None:
-        """Set a seeded request's generator to `state` advanced by num_kept rows of draws, as _race
-        draws them: after a verification it has drawn one row per token emitted, as one token a step
-        would have, so its output does not depend on how many draft rows were drawn and rejected."""
+        """Set a seeded request's generator to `state` advanced by num_kept rows of draws, as
+        _draws draws them: after a verification it has drawn one row per token emitted, as one token
+        a step would have, so its output does not depend on how many draft rows were drawn and rejected."""
         generator.set_state(state)
         row = torch.empty(vocab, dtype=torch.float32, device=self.device)
         for _ in range(num_kept):
@@ -83,14 +119,16 @@ class Sampler:
         Sections a step does not need are left out, so an empty result means nothing to process."""
         params = [r.sampling_params for r in requests]
         ints, floats = _HostBuffer("q"), _HostBuffer("f")
+        counts = [_counts(r) if r.sampling_params.needs_penalties else None for r in requests]
         if any(p.repetition_penalty != 1.0 for p in params):
-            # duplicates are harmless: each copy of an id writes the same value back
-            ints.add_rows("seen", [r.token_ids if r.sampling_params.repetition_penalty != 1.0 else []
-                                   for r in requests], vocab)
+            ints.add_rows("seen", [c.seen if c is not None and p.repetition_penalty != 1.0 else []
+                                   for c, p in zip(counts, params)], vocab)
             floats.add("repetition", [p.repetition_penalty for p in params])
         if any(p.frequency_penalty or p.presence_penalty for p in params):
-            ints.add_rows("output", [r.output_token_ids if r.sampling_params.frequency_penalty or
-                                     r.sampling_params.presence_penalty else [] for r in requests], vocab)
+            counted = [c if c is not None and (p.frequency_penalty or p.presence_penalty) else None
+                       for c, p in zip(counts, params)]
+            ints.add_rows("output", [c.output_ids if c else [] for c in counted], vocab)
+            floats.add_rows("counts", [c.output_counts if c else [] for c in counted], 0.0)
             floats.add("frequency", [p.frequency_penalty for p in params])
             floats.add("presence", [p.presence_penalty for p in params])
         if any(p.logit_bias for p in params):
@@ -102,9 +140,8 @@ class Sampler:
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if 0 < len(sampled) < len(params):
             ints.add("sampled_rows", sampled)
-        unseeded = [j for j, i in enumerate(sampled) if requests[i].generator is None]
-        if 0 < len(unseeded) < len(sampled):
-            ints.add("unseeded", unseeded)
+        if sampled:
+            _add_filter_settings(ints, floats, [params[i] for i in sampled], vocab)
         order = _logprob_rows(params)
         if order and order != list(range(len(params))):
             ints.add("logprob_rows", order)
@@ -134,10 +171,7 @@ class Sampler:
             work.scatter_(1, seen, torch.where(values > 0, values / penalty, values * penalty))
         if "output" in ints:
             # OpenAI definition over generated tokens: logit -= f * count + p * (count > 0)
-            out = ints["output"]
-            # each id's count within its row, from the row sorted: no [N, V] count buffer
-            ordered = out.sort(dim=1).values
-            counts = (torch.searchsorted(ordered, out, right=True) - torch.searchsorted(ordered, out)).to(work.dtype)
+            out, counts = ints["output"], floats["counts"]
             delta = floats["frequency"].unsqueeze(1) * counts + \
                 floats["presence"].unsqueeze(1) * (counts > 0).to(work.dtype)
             work.scatter_(1, out, work.gather(1, out) - delta)
@@ -151,53 +185,116 @@ class Sampler:
         """Row i of logits for req alone, in place: the definitions one request's tests check."""
         logits[i] = self._process(logits[i:i + 1], *self._inputs([req], logits.shape[1], logits.device))[0]
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request], ints: Tensors) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, requests: list[Request], ints: Tensors,
+                floats: Tensors) -> tuple[torch.Tensor, _Retry | None]:
+        """Greedy rows take the argmax; sampled rows that filter race among their candidates, the
+        others over the vocabulary."""
         sampled = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
         if not sampled:
-            return logits.argmax(dim=-1)
+            return logits.argmax(dim=-1), None
         rows = ints.get("sampled_rows")
-        probs = self._filtered_probs(logits if rows is None else logits[rows],
-                                     [requests[i].sampling_params for i in sampled])
-        race = self._race(probs, [requests[i].generator for i in sampled], ints.get("unseeded"))
-        choice = (probs / race).argmax(dim=-1)
-        if rows is None:
-            return choice
+        vocab = logits.shape[1]
+        picked = logits if rows is None else logits[rows]
+        params = [requests[i].sampling_params for i in sampled]
+        generators = [requests[i].generator for i in sampled]
+        filtered = [j for j, p in enumerate(params) if _filters(p, vocab)]
+        plain = [j for j, p in enumerate(params) if not _filters(p, vocab)]
+        temperature = floats["temperature"].unsqueeze(1)
+        parts: list[tuple[str, torch.Tensor]] = []
+        retry = None
+        if filtered:
+            sub = picked if not plain else picked[ints["filtered"]]
+            settings = FilterSettings(temperature if not plain else temperature[ints["filtered"]],
+                                      [_top_k(params[j], vocab) for j in filtered], floats["top_k"].unsqueeze(1),
+                                      floats["top_p"].unsqueeze(1), floats["min_p"].unsqueeze(1))
+            cands = candidate_filter(sub, settings)
+            gens = [generators[j] for j in filtered]
+            probs = cands.logits.softmax(dim=1)
+            for j, generator in enumerate(gens):
+                if generator is not None:  # a seeded row's floats as its whole masked row gives them, as before
+                    probs[j] = cands.masked(vocab, j).softmax(dim=0)[cands.ids[j]]
+            q, drawn = self._draws(gens, cands.ids, vocab)
+            ratio = probs / q
+            # the race's argmax over the vocabulary: among equal ratios the lowest id
+            best = ratio.max(dim=1, keepdim=True).values
+            parts.append(("filtered", torch.where(ratio == best, cands.ids, vocab).min(dim=1).values))
+            retry = _Retry(cands.exact, [sampled[j] for j in filtered], sub, settings, gens, drawn)
+        if plain:
+            sub = picked if not filtered else picked[ints["plain"]]
+            q, _ = self._draws([generators[j] for j in plain], None, vocab)
+            scaled = sub / (temperature if not filtered else temperature[ints["plain"]])
+            parts.append(("plain", (scaled.softmax(dim=-1) / q).argmax(dim=-1)))
+        if len(parts) == 1 and rows is None:
+            return parts[0][1], retry
         tokens = logits.argmax(dim=-1)
-        tokens[rows] = choice
+        for group, choice in parts:
+            tokens[_batch_rows(rows, ints.get(group))] = choice
+        return tokens, retry
+
+    def _resample(self, tokens: torch.Tensor, retry: _Retry, undecided: list[int]) -> torch.Tensor:
+        """The undecided filtered rows sampled over their whole sorted rows, with the draws a seeded
+        row already took this step."""
+        at = torch.tensor(undecided, device=tokens.device)
+        probs = sort_filter(retry.logits[at], retry.settings.rows(undecided)).softmax(dim=-1)
+        q, _ = self._draws([retry.generators[j] for j in undecided], None, probs.shape[1],
+                           {i: retry.drawn[j] for i, j in enumerate(undecided) if j in retry.drawn})
+        tokens = tokens.clone()
+        tokens[torch.tensor([retry.rows[j] for j in undecided], device=tokens.device)] = (probs / q).argmax(dim=-1)
         return tokens
 
-    def _race(self, probs: torch.Tensor, generators: list[torch.Generator | None],
-              unseeded: torch.Tensor | None) -> torch.Tensor:
-        """q ~ Exp(1) for each row: unseeded rows in one draw from the engine's generator (in row
-        order), each seeded row from its own."""
-        race = torch.empty_like(probs)
-        if all(g is None for g in generators):
-            return race.exponential_(generator=self.generator)
-        if unseeded is not None:
-            race[unseeded] = probs.new_empty(unseeded.numel(), probs.shape[1]).exponential_(generator=self.generator)
+    def _draws(self, generators: list[torch.Generator | None], ids: torch.Tensor | None, vocab: int,
+               drawn: dict[int, torch.Tensor] | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """q ~ Exp(1) at each row's ids (all the vocabulary when ids is None): unseeded rows in one
+        draw from the engine's generator, a seeded row a whole vocabulary row from its own (or the
+        row it already drew, from `drawn`), taken at its ids. Returns q and the seeded rows' draws."""
+        width = vocab if ids is None else ids.shape[1]
+        q = torch.empty(len(generators), width, dtype=torch.float32, device=self.device)
+        if any(g is None for g in generators):
+            # -log(1 - U) is Exp(1), at a sixth of exponential_'s cost on a CPU; never 0, or p / q is 0 / 0
+            q.uniform_(generator=self.generator).neg_().log1p_().neg_().clamp_(min=TINY)
+        drawn = dict(drawn or {})
         for j, generator in enumerate(generators):
             if generator is not None:
-                race[j].exponential_(generator=generator)
-        return race
+                if j not in drawn:
+                    drawn[j] = q.new_empty(vocab).exponential_(generator=generator)
+                q[j] = drawn[j] if ids is None else drawn[j][ids[j]]
+        return q, drawn
 
-    def _filtered_probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        vocab = logits.shape[-1]
-        settings = array.array("f", [x for p in params for x in (
-            p.temperature, p.top_p, p.min_p, min(p.top_k, vocab) if p.top_k > 0 else vocab)])
-        temps, top_p, min_p, top_k = _upload(settings, torch.float32, logits.device).view(len(params), 4).T.unsqueeze(2)
-        logits = logits / temps
-        if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
-            sorted_logits, order = logits.sort(dim=-1, descending=True)
-            ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
-            sorted_logits = sorted_logits.masked_fill(ranks >= top_k, NEG_INF)  # exact in fp32: vocab < 2**24
-            probs = sorted_logits.softmax(dim=-1)
-            # keep a token while the mass before it is below top_p; the most likely one always stays
-            drop = (probs.cumsum(dim=-1) - probs) > top_p
-            drop |= probs < min_p * probs[:, :1]
-            drop[:, 0] = False
-            sorted_logits = sorted_logits.masked_fill(drop, NEG_INF)
-            logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
-        return logits.softmax(dim=-1)
+
+def _counts(req: Request) -> PenaltyCounts:
+    req.penalty_counts = req.penalty_counts or PenaltyCounts()
+    return req.penalty_counts.update(req.token_ids, req.num_prompt_tokens)
+
+
+def _top_k(params: SamplingParams, vocab: int) -> int:
+    """The row's top_k, 0 when it keeps the whole vocabulary."""
+    return params.top_k if 0 < params.top_k < vocab else 0
+
+
+def _filters(params: SamplingParams, vocab: int) -> bool:
+    return _top_k(params, vocab) > 0 or params.top_p < 1.0 or params.min_p > 0.0
+
+
+def _add_filter_settings(ints: _HostBuffer, floats: _HostBuffer, params: list[SamplingParams], vocab: int) -> None:
+    """The sampled rows' temperatures, the filtered rows' settings and, when only some filter,
+    which of the sampled rows do and which do not."""
+    floats.add("temperature", [p.temperature for p in params])
+    filtered = [j for j, p in enumerate(params) if _filters(p, vocab)]
+    if not filtered:
+        return
+    floats.add("top_k", [_top_k(params[j], vocab) or vocab for j in filtered])
+    floats.add("top_p", [params[j].top_p if params[j].top_p < 1.0 else math.inf for j in filtered])
+    floats.add("min_p", [params[j].min_p for j in filtered])
+    if len(filtered) < len(params):
+        ints.add("filtered", filtered)
+        ints.add("plain", [j for j, p in enumerate(params) if not _filters(p, vocab)])
+
+
+def _batch_rows(sampled_rows: torch.Tensor | None, group: torch.Tensor | None) -> torch.Tensor | slice:
+    """A group of the sampled rows as rows of the batch."""
+    if group is None:
+        return slice(None) if sampled_rows is None else sampled_rows
+    return group if sampled_rows is None else sampled_rows[group]
 
 
 def _logprob_rows(params: list[SamplingParams]) -> list[int]:
