@@ -24,7 +24,7 @@ from roseinfer.config import EngineConfig
 from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.server.app import build_app
 from roseinfer.server.args import ServerOptions
-from server_helpers import free_port, metric, openai_client, serve_app, wait_for
+from server_helpers import free_port, metric, model_copy, openai_client, serve_app, wait_for
 from step_gate import StepGate
 
 MODEL = "tiny-llama"
@@ -329,9 +329,12 @@ def test_tokenize_detokenize_models_metrics(http: httpx.Client, llm: LLM) -> Non
     assert metric(http, "roseinfer_prefix_cache_hits_total") > 0
 
 
-def test_sigterm_past_the_shutdown_timeout_ends_every_request_with_an_error_and_exits_0(model_dir: Path) -> None:
-    with _served(model_dir, "--shutdown-timeout", "0", timeout=60) as (proc, c):
-        body = {"prompt": PROMPT, "max_tokens": 230, "ignore_eos": True}
+def test_sigterm_past_the_shutdown_timeout_ends_every_request_with_an_error_and_exits_0(model_dir: Path,
+                                                                                        tmp_path: Path) -> None:
+    # requests of 60,000 tokens: none can finish before the signal, however slow or fast the machine
+    long_context = model_copy(model_dir, tmp_path / "long-context", max_position_embeddings=65536)
+    with _served(long_context, "--shutdown-timeout", "0", timeout=60) as (proc, c):
+        body = {"prompt": PROMPT, "max_tokens": 60_000, "ignore_eos": True}
         lines: list[str] = []
         answers: list[httpx.Response] = []
 
