@@ -103,7 +103,7 @@ def test_completions_random_dataset_with_plot_and_json(base_url: str, tmp_path) 
     json_path, png_path = tmp_path / "out.json", tmp_path / "out.png"
     s = run_serve_bench(_args(
         "--base-url", base_url, "--num-prompts", "6", "--input-len", "16", "--output-len", "4",
-        "--goodput", "ttft:5000", "tpot:1000", "--json", str(json_path), "--plot", str(png_path)))
+        "--goodput", "ttft:3600000", "tpot:3600000", "--json", str(json_path), "--plot", str(png_path)))
     assert s["model"] == "stub-model"  # discovered from GET /v1/models
     assert (s["completed"], s["failed"]) == (6, 0)
     assert s["total_output_tokens"] == 24 and s["total_input_tokens"] == 6 * 16
@@ -111,13 +111,14 @@ def test_completions_random_dataset_with_plot_and_json(base_url: str, tmp_path) 
     assert s["request_throughput"] == pytest.approx(6 / s["duration_s"])
     assert s["output_throughput"] == pytest.approx(24 / s["duration_s"])
     assert s["total_token_throughput"] == pytest.approx((24 + 96) / s["duration_s"])
-    assert s["goodput"] == pytest.approx(s["request_throughput"])  # loose SLOs: all count
-    # Latencies in ms, plausible given the stub's sleeps (generous upper bounds for CI).
-    assert FIRST_DELAY * 1000 * 0.9 <= s["ttft_ms"]["mean"] < 2000
+    assert s["goodput"] == pytest.approx(s["request_throughput"])  # SLOs of an hour: all count
+    # Latencies in ms: at least the stub's sleeps, and (however busy the machine) within the run
+    assert FIRST_DELAY * 1000 * 0.9 <= s["ttft_ms"]["mean"] <= s["e2el_ms"]["mean"]
     assert s["itl_ms"]["count"] == 6 * 3
-    assert GAP * 1000 * 0.5 <= s["itl_ms"]["median"] < 1000
-    assert GAP * 1000 * 0.5 <= s["tpot_ms"]["mean"] < 1000
+    assert GAP * 1000 * 0.5 <= s["itl_ms"]["median"] <= s["e2el_ms"]["max"] - s["ttft_ms"]["min"]
+    assert GAP * 1000 * 0.5 <= s["tpot_ms"]["mean"] <= s["e2el_ms"]["max"]
     assert s["e2el_ms"]["min"] >= s["ttft_ms"]["min"] > 0
+    assert s["e2el_ms"]["max"] <= s["duration_s"] * 1000
     # The request body is what an OpenAI-compatible server expects for streaming.
     p = state.payloads[0]
     assert p["stream"] is True and p["stream_options"] == {"include_usage": True}

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -12,6 +13,7 @@ from roseinfer.server.engine_loop import (SHUTDOWN_MESSAGE, OverloadedError, Req
                                          ShuttingDownError, StreamDelta)
 from roseinfer.server.stop_strings import StopStringMatcher
 from server_helpers import wait_for
+from step_gate import StepGate
 
 PROMPT = "The cat sees a red apple"
 
@@ -35,6 +37,15 @@ def manager(engine: LLMEngine):
     for m in created:
         m.shutdown()
     assert not engine.has_unfinished(), "a manager left work in the engine"
+
+
+@pytest.fixture
+def gate(engine: LLMEngine, manager, monkeypatch: pytest.MonkeyPatch):
+    """The engine's steps held until the test lets them through (opened again at the end, before
+    the managers shut down)."""
+    held = StepGate(engine, monkeypatch)
+    yield held
+    held.allow()
 
 
 def drain(stream: RequestStream) -> list[StreamDelta]:
@@ -115,25 +126,27 @@ def test_stop_matcher_holds_back_only_what_could_start_a_stop() -> None:
         StopStringMatcher([""])
 
 
-def test_abort_frees_blocks_at_once(engine, manager) -> None:
+def test_abort_frees_blocks_at_once(engine, manager, gate) -> None:
     m = manager()
+    gate.allow(1)
     stream = m.submit(engine.tokenizer.encode(PROMPT), greedy(200))
     first = stream.get(timeout=30)
     assert not first.finished
     assert m.stats()["kv_cache_usage_ratio"] > 0
-    m.abort(stream.request_id)
+    m.abort(stream.request_id)  # taken after the step held at the gate
+    gate.allow()
     rest = drain(stream)
     assert rest[-1].finish_reason == "abort"
-    assert rest[-1].num_output_tokens < 200
+    assert rest[-1].num_output_tokens == 2
     stats = m.stats()
     assert stats["kv_cache_usage_ratio"] == 0.0 and stats["num_running"] == 0
     assert wait_for(lambda: m.stats()["num_inflight"] == 0)
 
 
-def test_overload_and_bad_input_fail_in_the_callers_thread(engine, manager) -> None:
+def test_overload_and_bad_input_fail_in_the_callers_thread(engine, manager, gate) -> None:
     m = manager(max_inflight_requests=2)
     ids = engine.tokenizer.encode(PROMPT)
-    held = [m.submit(ids, greedy(200)) for _ in range(2)]
+    held = [m.submit(ids, greedy(200)) for _ in range(2)]  # held at the gate: in flight until aborted
     with pytest.raises(OverloadedError):
         m.submit(ids, greedy(4))
     with pytest.raises(ValueError, match="empty"):
@@ -144,15 +157,18 @@ def test_overload_and_bad_input_fail_in_the_callers_thread(engine, manager) -> N
         m.submit(ids, greedy(4), request_id=held[0].request_id)
     for stream in held:
         m.abort(stream.request_id)
-        drain(stream)
+    gate.allow()
+    for stream in held:
+        assert drain(stream)[-1].finish_reason == "abort"
     assert wait_for(lambda: m.stats()["num_inflight"] == 0)
     assert drain(m.submit(ids, greedy(4)))[-1].finish_reason == "length"
 
 
-def test_async_consumer_and_shutdown_aborts_what_is_in_flight(engine) -> None:
+def test_async_consumer_and_shutdown_aborts_what_is_in_flight(engine, gate) -> None:
     m = SchedulerManager(engine)
     m.start()
     ids = engine.tokenizer.encode(PROMPT)
+    gate.allow(3)  # the request gets 3 of its 200 tokens, then waits for the shutdown
 
     async def run() -> list[StreamDelta]:
         stream = m.submit(ids, greedy(200))  # on the loop: read with async for
@@ -163,32 +179,56 @@ def test_async_consumer_and_shutdown_aborts_what_is_in_flight(engine) -> None:
             deltas.append(delta)
             if len(deltas) == 3:
                 # shutdown blocks while the worker finishes; run it off the loop that must
-                # receive the final delta
-                await asyncio.get_running_loop().run_in_executor(None, m.shutdown)
+                # receive the final delta, and let the worker go once it is under way
+                stopped = asyncio.get_running_loop().run_in_executor(None, m.shutdown)
+                assert await asyncio.to_thread(wait_for, lambda: not m.is_alive)
+                gate.allow()
+                await stopped
         return deltas
 
     deltas = asyncio.run(run())
     # a request cut by shutdown ends with an error its client can see (HTTP 503), never silently
     assert deltas[-1].finished and deltas[-1].finish_reason == "abort"
     assert (deltas[-1].error, deltas[-1].error_status) == (SHUTDOWN_MESSAGE, 503)
+    assert deltas[-1].num_output_tokens == 4  # the step held at the gate, then nothing more
     assert not m.is_alive and not engine.has_unfinished()
     assert engine.kv_cache_stats()["used_blocks"] == 0
     with pytest.raises(ShuttingDownError):
         m.submit(ids, greedy(4))
 
 
-def test_drain_refuses_new_requests_lets_short_ones_finish_and_ends_the_rest_at_the_deadline(engine) -> None:
+def test_drain_refuses_new_requests_lets_short_ones_finish_and_ends_the_rest_at_the_deadline(
+        engine, gate, monkeypatch: pytest.MonkeyPatch) -> None:
     m = SchedulerManager(engine)
     m.start()
     ids = engine.tokenizer.encode(PROMPT)
+    # The deadline's timer passes only once the short request has ended, and the long one takes
+    # one step past it: the grace period outlasts the one and not the other by construction.
+    short_done, deadline_passed = threading.Event(), threading.Event()
+    pass_deadline = m._pass_deadline
+
+    def pass_deadline_after_the_short_request() -> None:
+        assert short_done.wait(60)
+        pass_deadline()
+        deadline_passed.set()
+
+    monkeypatch.setattr(m, "_pass_deadline", pass_deadline_after_the_short_request)
     try:
         short = m.submit(ids, greedy(3))
         long = m.submit(ids, greedy(240))
-        assert long.get(timeout=30).token_ids  # both are running
-        m.drain(timeout=0.05)  # the short one needs two more steps (~10 ms), the long one ~200
+        gate.allow(2)  # short has 2 of its 3 tokens after two steps, whether or not they started together
+        delta = short.get(timeout=30)
+        while delta.num_output_tokens < 2:
+            delta = short.get(timeout=30)
+        assert not delta.finished and long.get(timeout=30).token_ids  # both are running
+        m.drain(timeout=0)
         with pytest.raises(ShuttingDownError):
             m.submit(ids, greedy(3))
+        gate.allow(1)  # short's last step
         assert drain(short)[-1].finish_reason == "length"  # finished within the grace period
+        short_done.set()
+        assert deadline_passed.wait(60)
+        gate.allow()
         last = drain(long)[-1]
         assert (last.finish_reason, last.error, last.error_status) == ("abort", SHUTDOWN_MESSAGE, 503)
         assert last.num_output_tokens < 240 and m.is_alive is False

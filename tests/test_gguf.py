@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import gguf
@@ -150,12 +149,10 @@ def test_k_quants_equal_dequantize_without_tokenizer(tmp_path: Path, qtype: str)
     transformers.AutoModelForCausalLM.from_pretrained(folder)  # still a loadable folder
 
 
-def test_cache_hit_is_fast_and_does_not_rewrite(tmp_path: Path, tok, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cache_hit_does_not_convert_again_or_rewrite(tmp_path: Path, tok, monkeypatch: pytest.MonkeyPatch) -> None:
     src = write_tiny_gguf(tmp_path / "tiny.gguf", _tiny_model("llama", len(tok)), tok, "Q8_0")
     monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(tmp_path / "env-cache"))
-    t0 = time.perf_counter()
     folder = convert_gguf(src)
-    cold = time.perf_counter() - t0
     assert folder.parent == tmp_path / "env-cache" / "gguf"
     weights_mtime = (folder / "model.safetensors").stat().st_mtime_ns
     assert [p.name for p in folder.parent.iterdir()] == [folder.name]  # no temp dir left behind
@@ -164,12 +161,9 @@ def test_cache_hit_is_fast_and_does_not_rewrite(tmp_path: Path, tok, monkeypatch
         raise AssertionError("cache miss: converted again")
 
     monkeypatch.setattr(gguf_loader, "_convert_into", fail)
-    t0 = time.perf_counter()
     again = convert_gguf(str(src))
-    warm = time.perf_counter() - t0
     assert again == folder
     assert (folder / "model.safetensors").stat().st_mtime_ns == weights_mtime
-    assert warm < cold / 3 and warm < 0.05, (cold, warm)
 
     # A changed file (new mtime) is a different cache entry; cache_dir overrides the env.
     os.utime(src, ns=(weights_mtime, weights_mtime + 10**9))

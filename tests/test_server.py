@@ -20,7 +20,8 @@ from roseinfer.config import EngineConfig
 from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.server.app import build_app
 from roseinfer.server.args import ServerOptions
-from server_helpers import metric, openai_client, serve_app, served_process, wait_for
+from server_helpers import metric, model_copy, openai_client, serve_app, served_process, wait_for
+from step_gate import StepGate
 
 MODEL = "tiny-llama"
 PROMPT = "The cat sees a red apple"
@@ -196,42 +197,52 @@ def test_32_concurrent_streams_match_one_alone(base_url: str, client: openai.Ope
 
 
 # ---- lifecycle --------------------------------------------------------------------------------
-def test_clients_that_disconnect_free_their_requests(base_url: str, http: httpx.Client) -> None:
-    aborted = metric(http, "roseinfer_requests_total", finish_reason="abort")
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 230, "ignore_eos": True, "stream": True}
-    for _ in range(4):
-        with httpx.Client(base_url=base_url, trust_env=False) as c, c.stream("POST", "/v1/completions", json=body) as r:
-            lines = r.iter_lines()
-            assert [next(lines) for _ in range(2)][0].startswith("data: ")  # two chunks, then hang up
-    with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up
-        httpx.post(f"{base_url}/v1/completions", json={**body, "stream": False, "n": 16}, timeout=0.1,
-                   trust_env=False)
-    assert wait_for(lambda: metric(http, "roseinfer_requests_total", finish_reason="abort") == aborted + 20)
-    assert metric(http, "roseinfer_kv_cache_usage_ratio") == 0.0
-    assert metric(http, "roseinfer_num_requests_running") == 0.0
+def test_clients_that_disconnect_free_their_requests(model_dir: Path, tmp_path: Path) -> None:
+    # requests of 60,000 tokens: none can finish before its client leaves, however fast the machine
+    long_context = model_copy(model_dir, tmp_path / "long-context", max_position_embeddings=65536)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 60_000, "ignore_eos": True, "stream": True}
+    with serve_app(build_app(LLMEngine(EngineConfig(model=str(long_context))), MODEL)) as base_url, \
+            httpx.Client(base_url=base_url, trust_env=False, timeout=60) as http:
+        for _ in range(4):
+            with httpx.Client(base_url=base_url, trust_env=False, timeout=60) as c, \
+                    c.stream("POST", "/v1/completions", json=body) as r:
+                assert next(r.iter_lines()).startswith("data: ")  # a chunk, then hang up
+        with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up
+            httpx.post(f"{base_url}/v1/completions", json={**body, "stream": False, "n": 16},
+                       timeout=httpx.Timeout(60, read=0.1), trust_env=False)
+        assert wait_for(lambda: metric(http, "roseinfer_requests_total", finish_reason="abort") == 20, timeout=60)
+        assert metric(http, "roseinfer_kv_cache_usage_ratio") == 0.0
+        assert metric(http, "roseinfer_num_requests_running") == 0.0
 
 
-def test_429_past_max_inflight_and_400_without_a_chat_template(model_dir: Path, tmp_path: Path) -> None:
+def test_429_past_max_inflight_and_400_without_a_chat_template(model_dir: Path, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     plain = tmp_path / "no-template"
     shutil.copytree(model_dir, plain)
     config = json.loads((plain / "tokenizer_config.json").read_text())
     del config["chat_template"]
     (plain / "tokenizer_config.json").write_text(json.dumps(config))
-    app = build_app(LLMEngine(EngineConfig(model=str(plain))), MODEL, ServerOptions(max_inflight_requests=1))
-    body = {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True}
+    engine = LLMEngine(EngineConfig(model=str(plain)))
+    gate = StepGate(engine, monkeypatch)
+    app = build_app(engine, MODEL, ServerOptions(max_inflight_requests=1))
+    body = {"prompt": PROMPT, "max_tokens": 8, "ignore_eos": True}
 
     async def burst(url: str) -> list[httpx.Response]:
-        # eight at once: the first holds the only slot for 200 decode steps, far longer than
-        # it takes the others to arrive
+        # eight at once: the first admitted holds the only slot, its steps held at the gate until
+        # the other seven have their answers
         async with httpx.AsyncClient(base_url=url, trust_env=False, timeout=60) as ac:
-            return await asyncio.gather(*(ac.post("/v1/completions", json=body) for _ in range(8)))
+            posts = [asyncio.ensure_future(ac.post("/v1/completions", json=body)) for _ in range(8)]
+            first_seven = [await done for _, done in zip(range(7), asyncio.as_completed(posts))]
+            assert [r.status_code for r in first_seven] == [429] * 7
+            gate.allow()
+            return await asyncio.gather(*posts)
 
     with serve_app(app) as url, httpx.Client(base_url=url, trust_env=False, timeout=60) as c:
         chat = c.post("/v1/chat/completions", json={"messages": MESSAGES})
         assert chat.status_code == 400 and "chat template" in chat.json()["error"]["message"]
         responses = asyncio.run(burst(url))
         codes = [r.status_code for r in responses]
-        assert codes.count(200) >= 1 and codes.count(429) >= 1 and set(codes) == {200, 429}, codes
+        assert sorted(codes) == [200] + [429] * 7, codes
         refused = next(r for r in responses if r.status_code == 429)
         assert refused.headers["retry-after"] == "1" and set(refused.json()["error"]) == ERROR_KEYS
         assert wait_for(lambda: c.post("/v1/completions", json={"prompt": PROMPT}).status_code == 200)
@@ -311,9 +322,12 @@ def test_tokenize_detokenize_models_metrics(http: httpx.Client, llm: LLM) -> Non
     assert metric(http, "roseinfer_prefix_cache_hits_total") > 0
 
 
-def test_sigterm_past_the_shutdown_timeout_ends_every_request_with_an_error_and_exits_0(model_dir: Path) -> None:
-    with served_process(model_dir, "--shutdown-timeout", "0", timeout=60) as (proc, c):
-        body = {"prompt": PROMPT, "max_tokens": 230, "ignore_eos": True}
+def test_sigterm_past_the_shutdown_timeout_ends_every_request_with_an_error_and_exits_0(model_dir: Path,
+                                                                                        tmp_path: Path) -> None:
+    # requests of 60,000 tokens: none can finish before the signal, however slow or fast the machine
+    long_context = model_copy(model_dir, tmp_path / "long-context", max_position_embeddings=65536)
+    with served_process(long_context, "--shutdown-timeout", "0", timeout=60) as (proc, c):
+        body = {"prompt": PROMPT, "max_tokens": 60_000, "ignore_eos": True}
         lines: list[str] = []
         answers: list[httpx.Response] = []
 

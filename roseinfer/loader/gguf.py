@@ -10,7 +10,8 @@ the file's identity, so only the first load pays for the conversion.
 With `keep_blocks` (--quantization gguf / auto), matrices of the types in KEPT_TYPES are stored as
 their raw blocks instead: uint8 [rows, bytes per row], each row a whole number of blocks along the
 input dim, so the row reorderings act on them unchanged; QUANTIZATION_FILE names each such tensor's
-type and shape (loader/quantized.py reads it). That folder has its own cache key.
+type and shape (loader/quantized.py reads it). That folder has its own cache key, and Hugging Face
+transformers cannot load it: only the fp32 folder (--quantization none) is an HF checkpoint.
 """
 
 from __future__ import annotations
@@ -101,6 +102,11 @@ def default_cache_root() -> Path:
     return Path.home() / ".cache" / "roseinfer"
 
 
+_BLOCKS_FOLDER = ("quantized matrices kept as uint8 blocks, which only roseinfer reads; --quantization none "
+                  "converts into an fp32 folder that Hugging Face transformers loads")
+_FP32_FOLDER = "every tensor dequantized: Hugging Face transformers loads it"
+
+
 def convert_gguf(gguf_path: str | os.PathLike[str], cache_dir: str | None = None, keep_blocks: bool = False) -> Path:
     """Convert a GGUF file into a cached HF folder and return the folder's path; with keep_blocks,
     matrices of KEPT_TYPES stay in their blocks (see the module's docstring).
@@ -123,7 +129,8 @@ def convert_gguf(gguf_path: str | os.PathLike[str], cache_dir: str | None = None
     # the end, so a crash or a concurrent reader never sees a half-written folder.
     tmp = Path(tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=parent))
     try:
-        logger.info("converting %s into %s", src, final)
+        # which folder Hugging Face transformers can load is not obvious from its name (a hash)
+        logger.info("converting %s into %s (%s)", src, final, _BLOCKS_FOLDER if keep_blocks else _FP32_FOLDER)
         _convert_into(src, tmp, keep_blocks)
         try:
             os.rename(tmp, final)
