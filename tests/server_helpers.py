@@ -43,6 +43,9 @@ def serve_app(app: FastAPI, options: ServerOptions | None = None) -> Iterator[st
         assert not thread.is_alive(), "server did not stop"
 
 
+STARTUP_GUARD_S = 600  # Ray replicas on a busy machine can take minutes to start
+
+
 @contextmanager
 def served_process(model_dir: Path, *flags: str, timeout: float) -> Iterator[tuple[subprocess.Popen, httpx.Client]]:
     """`roseinfer serve` in its own process (output captured), once /health answers, with a client;
@@ -53,7 +56,8 @@ def served_process(model_dir: Path, *flags: str, timeout: float) -> Iterator[tup
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", trust_env=False, timeout=timeout) as c:
-            assert wait_for(lambda: _up(c, proc), timeout=60)
+            # a guard against a hang, not a bound on start-up: _up fails at once if the process dies
+            assert wait_for(lambda: _up(c, proc), timeout=STARTUP_GUARD_S), f"no /health within {STARTUP_GUARD_S} s"
             yield proc, c
     finally:
         if proc.poll() is None:

@@ -22,6 +22,9 @@ from roseinfer.server.router import ReplicaRouter, prefix_hashes
 from server_helpers import metric, serve_app
 
 MODEL = "tiny-llama"
+# guards against a hang, not bounds on time: a killed replica's calls wait for its replacement to start,
+# which on a busy machine can take minutes
+HANG_GUARD_S = 600
 BLOCK = 16
 
 
@@ -94,7 +97,7 @@ def http(replicas) -> Iterator[httpx.Client]:
     from roseinfer.server.app import build_replicated_app
 
     with serve_app(build_replicated_app(replicas, MODEL, ServerOptions(data_parallel_size=2))) as url, \
-            httpx.Client(base_url=url, trust_env=False, timeout=60) as client:
+            httpx.Client(base_url=url, trust_env=False, timeout=HANG_GUARD_S) as client:
         yield client
 
 
@@ -150,7 +153,7 @@ def test_a_killed_replica_is_replaced_and_the_other_keeps_serving(http: httpx.Cl
     os.kill(victim, signal.SIGKILL)
     for word in ("one", "two", "three", "four"):  # none may fail: a call to the dead one is retried
         assert complete(http, f"After the crash, {word}", 4)["choices"][0]["finish_reason"] == "length"
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + HANG_GUARD_S
     while True:
         try:
             pid = replicas.handles[1].info.remote().result(timeout_s=5)["pid"]
@@ -158,6 +161,6 @@ def test_a_killed_replica_is_replaced_and_the_other_keeps_serving(http: httpx.Cl
                 break
         except Exception:  # noqa: BLE001 -- the replacement is still starting
             pass
-        assert time.monotonic() < deadline, "Serve did not replace the killed replica within 60 s"
+        assert time.monotonic() < deadline, f"Serve did not replace the killed replica within {HANG_GUARD_S} s"
         time.sleep(0.5)
     assert metric(http, "roseinfer_router_replica_up", replica="1") == 1.0
