@@ -1,0 +1,188 @@
+"""What each GGUF architecture is in Hugging Face terms: the config.json a file's metadata becomes, and
+which HF parameter each GGUF tensor fills (renamed, and un-permuted or transposed where llama.cpp's
+converter changed its layout). loader/gguf.py drives the conversion."""
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+
+# GGUF per-block tensor name -> HF name inside `model.layers.N.` (llama-like families).
+_LLAMA_BLOCK_NAMES: dict[str, str] = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}  # fmt: skip
+_LLAMA_GLOBAL_NAMES: dict[str, str] = {
+    "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# GGUF per-block tensor name -> HF name inside `transformer.h.N.` (gpt2).
+_GPT2_BLOCK_NAMES: dict[str, str] = {
+    "attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj",
+    "ffn_norm": "ln_2", "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj",
+}  # fmt: skip
+_GPT2_GLOBAL_NAMES: dict[str, str] = {
+    "token_embd": "transformer.wte", "position_embd": "transformer.wpe",
+    "output_norm": "transformer.ln_f", "output": "lm_head",
+}  # fmt: skip
+# HF GPT-2 uses Conv1D layers that store weights as (in, out); llama.cpp transposes
+# them to the usual (out, in), so they must be transposed back.
+_GPT2_CONV1D = frozenset({"attn_qkv", "attn_output", "ffn_up", "ffn_down"})
+# Tensors that have no HF parameter. rope_freqs carries llama3-style rope factors that
+# HF expresses through rope_scaling instead; we cannot recover those parameters
+# exactly, so the tensor is dropped with a warning.
+_SKIPPED_TENSORS = frozenset({"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"})
+_HF_CLASSES: dict[str, str] = dict(llama="LlamaForCausalLM", mistral="MistralForCausalLM",
+                                    qwen2="Qwen2ForCausalLM", qwen3="Qwen3ForCausalLM", gpt2="GPT2LMHeadModel")
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)$")
+_GLOBAL_RE = re.compile(r"^([a-z0-9_]+)\.(weight|bias)$")
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """How one GGUF tensor becomes one HF tensor."""
+    gguf_name: str
+    hf_name: str
+    shape: tuple[int, ...]  # torch order (GGUF stores dimensions reversed)
+    transform: Callable[[np.ndarray], np.ndarray] | None = None
+    transposed: bool = False  # the transform is a transpose (it cannot act on rows of blocks)
+    blocks: tuple[str, int] | None = None  # (GGML type, bytes per row) where stored as raw blocks
+
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        return self.shape if self.blocks is None else (self.shape[0], self.blocks[1])
+
+    @property
+    def stored_bytes(self) -> int:
+        return int(np.prod(self.stored_shape, dtype=np.int64)) * (1 if self.blocks else 4)
+
+
+def build_config(arch: str, meta: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    def get(key: str, default: Any = None, required: bool = False) -> Any:
+        if required and f"{arch}.{key}" not in meta:
+            raise ValueError(f"GGUF metadata lacks required key {arch}.{key}")
+        return meta.get(f"{arch}.{key}", default)
+
+    if "token_embd.weight" not in shapes:
+        raise ValueError("GGUF file has no token_embd.weight tensor")
+    # The embedding matrix is the ground truth for the vocabulary size (the metadata
+    # key is optional and the tokenizer list may be shorter than the padded matrix).
+    vocab_size = shapes["token_embd.weight"][0]
+    hidden = int(get("embedding_length", required=True))
+    n_layers = int(get("block_count", required=True))
+    n_heads = int(get("attention.head_count", required=True))
+    ctx = int(get("context_length", 2048))
+    common: dict[str, Any] = {
+        "architectures": [_HF_CLASSES[arch]], "model_type": arch, "vocab_size": vocab_size,
+        "tie_word_embeddings": "output.weight" not in shapes, "torch_dtype": "float32",
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+    }  # fmt: skip
+    if arch == "gpt2":
+        return common | {
+            "n_embd": hidden, "n_layer": n_layers, "n_head": n_heads, "n_positions": ctx, "n_ctx": ctx,
+            "n_inner": int(get("feed_forward_length", 4 * hidden)),
+            "layer_norm_epsilon": _f32(get("attention.layer_norm_epsilon", 1e-5)),
+        }  # fmt: skip
+
+    n_kv = get("attention.head_count_kv", n_heads)
+    if isinstance(n_kv, list):
+        raise ValueError("per-layer attention.head_count_kv is not supported")
+    config = common | {
+        "hidden_size": hidden, "intermediate_size": int(get("feed_forward_length", required=True)),
+        "num_hidden_layers": n_layers, "num_attention_heads": n_heads, "num_key_value_heads": int(n_kv),
+        # key_length is only written when head_dim != hidden / heads (e.g. Qwen3).
+        "head_dim": int(get("attention.key_length", hidden // n_heads)),
+        "rms_norm_eps": _f32(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": _f32(get("rope.freq_base", 10000.0)),
+        "max_position_embeddings": ctx, "hidden_act": "silu",
+    }  # fmt: skip
+    if arch in ("llama", "mistral"):
+        config["attention_bias"] = "blk.0.attn_q.bias" in shapes
+        config["mlp_bias"] = "blk.0.ffn_up.bias" in shapes
+    elif arch == "qwen3":
+        config["attention_bias"] = "blk.0.attn_q.bias" in shapes
+    # qwen2 always has q/k/v biases in HF; nothing to set.
+    if (rope_scaling := _rope_scaling(get)) is not None:
+        config["rope_scaling"] = rope_scaling
+    if "rope_freqs.weight" in shapes:
+        logger.warning("dropping rope_freqs.weight (llama3-style rope factors are not reconstructed)")
+    return config
+
+
+def _f32(value: Any) -> float:
+    # GGUF stores floats as float32: 1e-5 comes back as 9.99999974e-06. The shortest
+    # float32 repr recovers the value that was written, which keeps config.json tidy.
+    return float(str(np.float32(value)))
+
+
+def _rope_scaling(get: Callable[[str, Any], Any]) -> dict[str, Any] | None:
+    kind = get("rope.scaling.type", None)
+    factor = get("rope.scaling.factor", None)
+    if kind in (None, "none") or factor is None:
+        return None
+    if kind not in ("linear", "yarn"):
+        raise ValueError(f"unsupported rope scaling type {kind!r}")
+    scaling: dict[str, Any] = {"rope_type": kind, "type": kind, "factor": _f32(factor)}
+    if (orig := get("rope.scaling.original_context_length", None)) is not None:
+        scaling["original_max_position_embeddings"] = int(orig)
+    return scaling
+
+
+def _unpermute_rotary(n_head: int) -> Callable[[np.ndarray], np.ndarray]:
+    """Undo convert_hf_to_gguf's q/k permutation for llama-family models.
+
+    HF llama rotates each head as two halves (x[:d/2], x[d/2:]); ggml's "normal" rope
+    rotates adjacent pairs (x[2i], x[2i+1]). llama.cpp's converter therefore reorders
+    the output rows of q_proj/k_proj (weights and biases) within each head, taking
+    row layout (2, d/2) to (d/2, 2). Here the inverse: (d/2, 2) -> (2, d/2).
+    """
+
+    def fn(w: np.ndarray) -> np.ndarray:
+        half = w.shape[0] // n_head // 2
+        return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    return fn
+
+
+def plan_tensors(arch: str, config: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> list[TensorPlan]:
+    is_gpt2 = arch == "gpt2"
+    block_names = _GPT2_BLOCK_NAMES if is_gpt2 else _LLAMA_BLOCK_NAMES
+    global_names = _GPT2_GLOBAL_NAMES if is_gpt2 else _LLAMA_GLOBAL_NAMES
+    block_prefix = "transformer.h" if is_gpt2 else "model.layers"
+    # Only the llama family is stored permuted: qwen2/qwen3 use NEOX-style rope in
+    # llama.cpp, which matches HF's half-split layout as is.
+    permuted = arch in ("llama", "mistral")
+
+    plans: list[TensorPlan] = []
+    for name, shape in shapes.items():
+        if name in _SKIPPED_TENSORS:
+            continue
+        transform: Callable[[np.ndarray], np.ndarray] | None = None
+        transposed = False
+        if m := _BLOCK_RE.match(name):
+            layer, kind, suffix = m.groups()
+            if kind not in block_names:
+                raise ValueError(f"unexpected tensor {name!r} for architecture {arch!r}")
+            hf = f"{block_prefix}.{layer}.{block_names[kind]}.{suffix}"
+            if permuted and kind == "attn_q":
+                transform = _unpermute_rotary(config["num_attention_heads"])
+            elif permuted and kind == "attn_k":
+                transform = _unpermute_rotary(config["num_key_value_heads"])
+            elif is_gpt2 and kind in _GPT2_CONV1D and suffix == "weight":
+                transform, shape, transposed = np.transpose, shape[::-1], True
+        elif (m := _GLOBAL_RE.match(name)) and m.group(1) in global_names:
+            hf = f"{global_names[m.group(1)]}.{m.group(2)}"
+        else:
+            raise ValueError(f"unexpected tensor {name!r} for architecture {arch!r}")
+        plans.append(TensorPlan(name, hf, shape, transform, transposed))
+    return plans
