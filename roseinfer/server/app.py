@@ -317,7 +317,6 @@ def run_server(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     server.run(sockets=[sock])
-    app.state.manager.shutdown()  # no-op after the lifespan did it; needed after a forced exit
     if replicas is not None:
         replicas.close()
     return server.exit_code
