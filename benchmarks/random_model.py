@@ -5,7 +5,8 @@ merges), so text prompts work; the model's vocabulary stays its real size. Rando
 random text: benchmark them with --ignore-eos / --no-stop-on-eos.
 
 Usage: python benchmarks/random_model.py SHAPE OUT_DIR [--dtype bfloat16] [--num-layers N]
-SHAPE: gpt2-small (the roseinfer blog's benchmark model) or qwen3-0.6b (nano-vllm's).
+SHAPE: gpt2-small (the roseinfer blog's benchmark model), qwen3-0.6b (nano-vllm's) or tiny-llama (a step
+so short that the server's own costs show: benchmarks/server_overhead.py).
 """
 from __future__ import annotations
 
@@ -24,8 +25,11 @@ SHAPES: dict[str, dict[str, Any]] = {
                    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
                    "max_position_embeddings": 40960, "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6,
                    "vocab_size": 151936, "tie_word_embeddings": True},
+    "tiny-llama": {"model_type": "llama", "num_hidden_layers": 3, "hidden_size": 128, "intermediate_size": 384,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048,
+                   "vocab_size": 32000},
 }
-LAYER_KEYS = {"gpt2": "n_layer", "qwen3": "num_hidden_layers"}
+LAYER_KEYS = {"gpt2": "n_layer", "qwen3": "num_hidden_layers", "llama": "num_hidden_layers"}
 
 
 def write_tokenizer(out: Path, max_length: int) -> None:
