@@ -1,4 +1,4 @@
-"""LLMEngine: the request lifecycle API over the scheduler and the model runner.
+"""LLMEngine: the request lifecycle API over the scheduler and the executor.
 
 Callers never reach into internals: add_request / step / abort_request, then the accessors.
 A finished request stays queryable until its id is returned by pop_finished_ids().
@@ -13,18 +13,18 @@ import time
 import torch
 
 from roseinfer.config import EngineConfig, resolve_device
-from roseinfer.worker.sharding import check_tensor_parallel
 from roseinfer.engine.block_manager import BlockManager, blocks_for
 from roseinfer.engine.draft_model import DraftModelProposer
 from roseinfer.engine.request import Request, RequestOutput
 from roseinfer.engine.scheduler import Scheduler
 from roseinfer.engine.speculative import SpecStats
 from roseinfer.engine.structured_output import CompiledGrammar, GrammarCompiler
-from roseinfer.loader.generation_config import sampling_defaults
 from roseinfer.executor.executor import Executor, make_executor
+from roseinfer.loader.generation_config import sampling_defaults
 from roseinfer.loader.model_loader import load_model_config, resolve_model_folder
 from roseinfer.sampling_params import SamplingParams, StructuredOutputsParams
 from roseinfer.tokenizer import Tokenizer
+from roseinfer.worker.sharding import check_tensor_parallel
 from roseinfer.worker.worker import WorkerSpec
 
 logger = logging.getLogger(__name__)
