@@ -186,4 +186,3 @@ class ModelRunner:
                              [list(range(blocks))])
         hidden = backend.forward(model, layout, caches)
         model.compute_logits(hidden[-min(num_logits, num_tokens):])
-
