@@ -16,7 +16,7 @@ import time
 from roseinfer import LLM, SamplingParams
 from roseinfer.bench.floor import copy_bandwidth, decode_step_bytes
 from roseinfer.config import BACKEND_NAMES, EngineConfig
-from roseinfer.engine.model_runner import ModelRunner
+from roseinfer.worker.model_runner import ModelRunner
 
 
 def main() -> None:

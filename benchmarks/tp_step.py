@@ -40,11 +40,11 @@ def measure(args: argparse.Namespace, size: int) -> dict[str, float]:
     prompts = [[(i * 7 + j) % 1000 + 100 for j in range(args.prompt_len)] for i in range(args.batch_size)]
     llm.generate(prompts, params, use_tqdm=False)  # warm: kernels, oneDNN primitives, allocator sizes
     totals: dict[str, list[float]] = defaultdict(list)
-    if engine.workers is not None:
-        tp, workers = engine.workers.tp, engine.workers
+    if size > 1:
+        tp, ranks = engine.executor.ranks.tp, engine.executor.ranks
         tp.all_reduce = timed(totals, "all_reduce", tp.all_reduce)  # the layers call it through tp
         tp.gather_logits = timed(totals, "gather", tp.gather_logits)
-        workers.call = timed(totals, "send", workers.call)
+        ranks.call = timed(totals, "send", ranks.call)
     for prompt in prompts:
         engine.add_request(prompt, params)
     while any(r.in_prefill for r in engine.scheduler.running) or engine.scheduler.waiting:

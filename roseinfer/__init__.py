@@ -1,7 +1,7 @@
 """roseinfer: a small, fast LLM inference engine.
 
 The names below are imported on first use (PEP 562), so that importing one submodule does not
-import the engine: a tensor-parallel worker process (distributed/workers.py) needs the model and
+import the engine: a tensor-parallel rank's process (executor/rank_processes.py) needs the model and
 its backend, not the sampler, whose grammar library pulls in torch's compiler stack (seconds).
 """
 from __future__ import annotations

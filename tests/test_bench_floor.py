@@ -160,12 +160,13 @@ def test_floor_flag_errors(model: str, capsys) -> None:
 
 def _loaded(folder, backend_name: str):
     from roseinfer.backends import select_backend
-    from roseinfer.loader.model_loader import load_model, load_model_config
+    from roseinfer.loader.model_loader import load_model_config
+    from roseinfer.worker.worker import load_prepared_model
 
     cfg = load_model_config(folder)
     cpu = torch.device("cpu")
     backend = select_backend(backend_name, cpu, torch.float32, cfg)
-    return load_model(folder, cfg, torch.float32, cpu, backend), backend, cfg
+    return load_prepared_model(folder, cfg, torch.float32, cpu, backend), backend, cfg
 
 
 @pytest.mark.parametrize("arch,backend_name", [("llama", "auto"), ("gpt2", "auto"), ("llama3_rope_untied", "torch")])

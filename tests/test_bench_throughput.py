@@ -59,13 +59,14 @@ def test_bad_length_ranges_are_refused(flag: str, capsys) -> None:
 
 def test_decode_step_bytes_counts_weights_once_and_every_context(tiny_model_factory) -> None:
     from roseinfer.backends import select_backend
-    from roseinfer.engine.model_runner import ModelRunner
-    from roseinfer.loader.model_loader import load_model, load_model_config
+    from roseinfer.loader.model_loader import load_model_config
+    from roseinfer.worker.model_runner import ModelRunner
+    from roseinfer.worker.worker import load_prepared_model
 
     folder = tiny_model_factory("llama")
     cfg = load_model_config(folder)
     cpu = torch.device("cpu")
-    model = load_model(folder, cfg, torch.float32, cpu, select_backend("torch", cpu, torch.float32, cfg))
+    model = load_prepared_model(folder, cfg, torch.float32, cpu, select_backend("torch", cpu, torch.float32, cfg))
     h, ffn, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_kv_heads * cfg.head_dim
     per_layer = h * (cfg.num_heads * cfg.head_dim) * 2 + 2 * h * kv + 3 * h * ffn  # q, o; k, v; gate, up, down
     weights = 4 * (cfg.num_layers * per_layer + h * cfg.vocab_size)

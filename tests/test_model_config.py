@@ -66,10 +66,11 @@ def test_default_rope_model_loads_without_transformers(tiny_model_factory) -> No
     """Scaled rope borrows transformers' formulas; a default-rope model must not import it at all."""
     folder: pathlib.Path = tiny_model_factory("llama")
     assert json.loads((folder / "config.json").read_text()).get("rope_scaling") is None
-    code = ("import sys, torch; from roseinfer.loader.model_loader import load_model, load_model_config; "
+    code = ("import sys, torch; from roseinfer.loader.model_loader import load_model_config; "
+            "from roseinfer.worker.worker import load_prepared_model; "
             "from roseinfer.backends import select_backend; "
             f"p = {str(folder)!r}; from pathlib import Path; cfg = load_model_config(Path(p)); cpu = torch.device('cpu'); "
-            "load_model(Path(p), cfg, torch.float32, cpu, select_backend('auto', cpu, torch.float32, cfg)); "
+            "load_prepared_model(Path(p), cfg, torch.float32, cpu, select_backend('auto', cpu, torch.float32, cfg)); "
             "print('transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from roseinfer import LLM, SamplingParams
-from roseinfer.engine.model_runner import ModelRunner
+from roseinfer.worker.model_runner import ModelRunner
 
 
 def _rss_bytes() -> int:
@@ -81,11 +81,12 @@ def _save_llama(folder: pathlib.Path, tied: bool, vocab_size: int = 16384) -> pa
 
 def _load_on_cpu_backend(folder: pathlib.Path):
     from roseinfer.backends import select_backend
-    from roseinfer.loader.model_loader import load_model, load_model_config
+    from roseinfer.loader.model_loader import load_model_config
+    from roseinfer.worker.worker import load_prepared_model
 
     cfg = load_model_config(folder)
     cpu = torch.device("cpu")
-    return load_model(folder, cfg, torch.float32, cpu, select_backend("cpu", cpu, torch.float32, cfg))
+    return load_prepared_model(folder, cfg, torch.float32, cpu, select_backend("cpu", cpu, torch.float32, cfg))
 
 
 def _cpu_backend_packs() -> bool:

@@ -39,7 +39,7 @@ def assert_matches_hf(model_dir, prompt: list[int], entries) -> None:
 @pytest.mark.parametrize("options", [{}, {"max_num_batched_tokens": 8}, {"enable_prefix_caching": False}],
                          ids=["whole", "chunked", "no_prefix_cache"])
 def test_prompt_logprobs_match_hf(model_dir, prompts, options, monkeypatch):
-    from roseinfer.engine.model_runner import LOGITS_CHUNK_ROWS
+    from roseinfer.worker.model_runner import LOGITS_CHUNK_ROWS
 
     llm = LLM(model=str(model_dir), num_kv_blocks=64, **options)
     model, rows = llm.engine.runner.model, []

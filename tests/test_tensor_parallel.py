@@ -14,7 +14,7 @@ import threading
 import pytest
 
 from roseinfer import LLM, SamplingParams
-from roseinfer.distributed.workers import WorkerError
+from roseinfer.executor.rank_processes import WorkerError
 from server_helpers import wait_for
 from test_correctness import GREEDY, MAX_TOKENS, _prompts
 from test_prompt_logprobs import assert_matches_hf
@@ -36,7 +36,7 @@ def _gone(pid: int) -> bool:
 @pytest.fixture(scope="module")
 def tp_llm(tiny_model_dir):
     llm = LLM(model=str(tiny_model_dir), **OPTIONS)
-    pids = llm.engine.workers.pids
+    pids = llm.engine.executor.ranks.pids
     yield llm
     llm.shutdown()
     assert all(_gone(pid) for pid in pids)
@@ -88,7 +88,7 @@ def test_draft_model_speculation_on_two_ranks(tiny_model_factory):
 
 def test_a_killed_rank_fails_the_engine_at_its_next_step_and_leaves_no_process(tiny_model_factory, monkeypatch):
     llm = LLM(model=str(tiny_model_factory("llama")), tensor_parallel_size=2, num_kv_blocks=64)
-    [pid] = llm.engine.workers.pids
+    [pid] = llm.engine.executor.ranks.pids
     long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     real_step, steps = llm.engine.step, []
 

@@ -35,7 +35,7 @@ def backend_class(name: str) -> type[Backend]:
 def select_backend(name: str, device: torch.device, dtype: torch.dtype, model_config: ModelConfig,
                    world_size: int = 1) -> Backend:
     """The backend `name` for this device and dtype; `auto` picks the fastest that runs here.
-    model_config is what one rank computes (distributed/parallel.py shard_config) and world_size the
+    model_config is what one rank computes (worker/sharding.py shard_config) and world_size the
     number of tensor-parallel ranks, each with a backend of its own."""
     if name == "auto":
         candidates = ("triton", "torch") if device.type == "cuda" else ("cpu", "torch")

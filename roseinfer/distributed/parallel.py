@@ -11,14 +11,13 @@ ranks each KV head is held by the ranks whose query heads read it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from roseinfer.layers.linear import Linear
-from roseinfer.models.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -44,8 +43,8 @@ class TensorParallel:
 
     # ---- shares of a weight --------------------------------------------------------------
     def even(self, total: int) -> Part:
-        """This rank's slice of `total` rows (heads, the MLP's width); check_tensor_parallel has
-        checked that it divides."""
+        """This rank's slice of `total` rows (heads, the MLP's width); check_tensor_parallel
+        (worker/sharding.py) has checked that it divides."""
         rows = total // self.size
         return Part(total, self.rank * rows, rows)
 
@@ -108,35 +107,6 @@ class TensorParallel:
 
 
 SINGLE = TensorParallel()  # no parallelism: every engine without --tensor-parallel-size
-
-
-def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
-    """A ValueError that says what does not divide, before any worker starts."""
-    problems = _uneven(cfg, size)
-    if problems:
-        fits = [str(n) for n in range(1, cfg.num_heads + 1) if not _uneven(cfg, n)]
-        raise ValueError(f"tensor_parallel_size {size} does not split this {cfg.model_type} model evenly: "
-                         f"{'; '.join(problems)}. Sizes that do: {', '.join(fits)}")
-
-
-def _uneven(cfg: ModelConfig, size: int) -> list[str]:
-    problems = []
-    if cfg.num_heads % size:
-        problems.append(f"its {cfg.num_heads} attention heads are not divisible by {size}")
-    if cfg.num_kv_heads != cfg.num_heads and cfg.num_kv_heads % size and size % cfg.num_kv_heads:
-        problems.append(f"its {cfg.num_kv_heads} KV heads neither divide nor are divisible by {size}")
-    if cfg.intermediate_size % size:
-        problems.append(f"its MLP width ({cfg.intermediate_size}) is not divisible by {size}")
-    return problems
-
-
-def shard_config(cfg: ModelConfig, size: int) -> ModelConfig:
-    """The model as one rank computes it: its attention heads, KV heads and MLP width (what the
-    backend and the KV pool are sized by). The vocabulary stays whole: rank 0 gets every logit."""
-    if size == 1:
-        return cfg
-    return replace(cfg, num_heads=cfg.num_heads // size, num_kv_heads=max(1, cfg.num_kv_heads // size),
-                   intermediate_size=cfg.intermediate_size // size)
 
 
 # ---- the layers, as the models build them (their weight loaders take their share: models/weights.py)

@@ -12,21 +12,15 @@ from __future__ import annotations
 
 import torch
 
-from roseinfer.backends import select_backend
 from roseinfer.config import EngineConfig, SpeculativeConfig
 from roseinfer.engine.block_manager import BlockManager, blocks_for
-from roseinfer.engine.model_runner import ModelRunner
 from roseinfer.engine.request import Request
-from roseinfer.engine.sampler import Sampler
 from roseinfer.engine.scheduler import ScheduledRequest, SchedulerOutput
 from roseinfer.engine.speculative import Proposer
-from roseinfer.loader.model_loader import (
-    load_model,
-    load_model_config,
-    resolve_model_folder,
-)
+from roseinfer.loader.model_loader import resolve_model_folder
 from roseinfer.models.config import ModelConfig
 from roseinfer.sampling_params import SamplingParams
+from roseinfer.worker.worker import Worker, WorkerSpec
 
 ARGMAX = SamplingParams(temperature=0.0)
 
@@ -34,21 +28,21 @@ ARGMAX = SamplingParams(temperature=0.0)
 class DraftModelProposer(Proposer):
     def __init__(self, config: SpeculativeConfig, engine_config: EngineConfig, target: ModelConfig,
                  max_model_len: int, device: torch.device, dtype: torch.dtype) -> None:
-        folder = resolve_model_folder(config.model)
-        model_config = load_model_config(folder)
-        if model_config.vocab_size != target.vocab_size:
-            raise ValueError(f"speculative_config: the draft model's vocabulary ({model_config.vocab_size} tokens) "
+        # the draft is whole on one rank, and reads its GGUF blocks (if any) dequantized, as resolved here
+        self.worker = Worker(WorkerSpec(engine_config, resolve_model_folder(config.model),
+                                        engine_config.attention_backend, dtype, max_model_len, "auto"), device)
+        vocab = self.worker.model_config.vocab_size
+        if vocab != target.vocab_size:
+            raise ValueError(f"speculative_config: the draft model's vocabulary ({vocab} tokens) "
                              f"differs from the target's ({target.vocab_size}); a draft must share its tokenizer")
-        super().__init__(config, min(max_model_len, model_config.max_position_embeddings))
-        backend = select_backend(engine_config.attention_backend, device, dtype, model_config)
-        model = load_model(folder, model_config, dtype, device, backend)
+        super().__init__(config, min(max_model_len, self.worker.model_config.max_position_embeddings))
+        self.worker.load_model()
         bs = engine_config.block_size
         # proposals run one at a time; this keeps a full-length context cached for each request that
         # may speculate at once, so they do not evict each other's
         num_blocks = (config.disable_by_batch_size + 1) * blocks_for(self.max_model_len, bs)
         self.block_manager = BlockManager(num_blocks, bs, enable_prefix_caching=True)
-        self.runner = ModelRunner(model, model_config, num_blocks, bs, backend,
-                                  Sampler(set(), device, engine_config.seed, backend.argmax))
+        self.worker.init_kv_cache(num_blocks, eos_token_ids=set())
         self.chunk_tokens = engine_config.max_num_batched_tokens  # the draft's prefill chunk
 
     def draft(self, req: Request, k: int) -> list[int]:
@@ -61,7 +55,7 @@ class DraftModelProposer(Proposer):
             return []  # the draft pool is full of other proposals: no draft this step
         while shadow.num_tokens < req.num_tokens + k:
             n = min(shadow.num_tokens - shadow.num_computed_tokens, self.chunk_tokens)
-            sampled, _, _ = self.runner.execute(SchedulerOutput([ScheduledRequest(shadow, n)]))
+            sampled, _, _ = self.worker.execute(SchedulerOutput([ScheduledRequest(shadow, n)]))
             shadow.num_computed_tokens += n
             shadow.token_ids += sampled[0]  # empty for a prompt chunk that is not the last
         bm.cache_full_blocks(shadow)

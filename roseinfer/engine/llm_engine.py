@@ -1,4 +1,4 @@
-"""LLMEngine: the request lifecycle API over the scheduler and the model runner.
+"""LLMEngine: the request lifecycle API over the scheduler and the executor.
 
 Callers never reach into internals: add_request / step / abort_request, then the accessors.
 A finished request stays queryable until its id is returned by pop_finished_ids().
@@ -13,22 +13,19 @@ import time
 import torch
 
 from roseinfer.config import EngineConfig, resolve_device
-from roseinfer.backends import select_backend
-from roseinfer.distributed.parallel import SINGLE, check_tensor_parallel, shard_config
-from roseinfer.distributed.workers import Workers, WorkerSpec
 from roseinfer.engine.block_manager import BlockManager, blocks_for
 from roseinfer.engine.draft_model import DraftModelProposer
-from roseinfer.engine.model_runner import ModelRunner, auto_num_blocks
 from roseinfer.engine.request import Request, RequestOutput
-from roseinfer.engine.sampler import Sampler
 from roseinfer.engine.scheduler import Scheduler
 from roseinfer.engine.speculative import SpecStats
 from roseinfer.engine.structured_output import CompiledGrammar, GrammarCompiler
+from roseinfer.executor.executor import Executor, make_executor
 from roseinfer.loader.generation_config import sampling_defaults
-from roseinfer.loader.model_loader import load_model, load_model_config, resolve_model_folder
-from roseinfer.models.config import ModelConfig
+from roseinfer.loader.model_loader import load_model_config, resolve_model_folder
 from roseinfer.sampling_params import SamplingParams, StructuredOutputsParams
 from roseinfer.tokenizer import Tokenizer
+from roseinfer.worker.sharding import check_tensor_parallel
+from roseinfer.worker.worker import WorkerSpec
 
 logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -61,15 +58,11 @@ class LLMEngine:
             self.default_sampling_params()
         except ValueError as exc:
             raise ValueError(f"the generation config's sampling defaults: {exc}") from None
-        local_config = shard_config(self.model_config, size)  # what each rank computes
-        self.backend = select_backend(config.attention_backend, self.device, self.dtype, local_config, size)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
-        self.workers = None if size == 1 else Workers(WorkerSpec(
-            config, self.model_folder, self.backend.name, self.device.type, self.dtype, self.max_model_len,
-            torch.get_num_threads()), size, self.device)
+        self.executor: Executor | None = None
         try:
-            self._start(config, local_config)
+            self._start(config)
         except BaseException:
             self.shutdown()
             raise
@@ -80,38 +73,32 @@ class LLMEngine:
         self._ids = itertools.count()
         self.load_seconds = time.perf_counter() - start
 
-    def _start(self, config: EngineConfig, local_config: ModelConfig) -> None:
-        """The model, the pool, the scheduler and the runner (rank 0's; the workers build their own
-        share alongside, distributed/workers.py)."""
-        tp = SINGLE if self.workers is None else self.workers.tp
-        model = load_model(self.model_folder, self.model_config, self.dtype, self.device, self.backend, tp,
-                           config.quantization)
-        if self.workers is not None:
-            self.workers.wait_ready()
+    def _start(self, config: EngineConfig) -> None:
+        """The executor (every rank's Worker: model, backend, pool, runner), the draft model, the
+        block manager and the scheduler."""
+        self.executor = make_executor(WorkerSpec(
+            config, self.model_folder, config.attention_backend, self.dtype, self.max_model_len, config.quantization,
+            config.tensor_parallel_size), self.device, torch.get_num_threads())
+        self.backend = self.executor.driver.backend  # rank 0's
         spec = config.speculative
         # before the pool is sized, so on CUDA the draft's weights and pool count against the budget
         # (under tensor parallelism the draft runs on rank 0 alone, whole)
         proposer = (DraftModelProposer(spec, config, self.model_config, self.max_model_len, self.device, self.dtype)
                     if spec is not None and spec.method == "draft_model" else None)
-        if self.workers is not None:
-            self.workers.call("size_pool")  # they size theirs now; every rank takes the smallest
-        self.num_kv_blocks = tp.min(config.num_kv_blocks or auto_num_blocks(
-            model, local_config, self.backend, config, self.max_model_len))
+        self.num_kv_blocks = self.executor.determine_num_kv_blocks()
         if self.num_kv_blocks < 1:
             raise ValueError("the KV cache budget is too small for even one block")
-        self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         eos = self.tokenizer.eos_token_ids
+        self.executor.init_kv_cache(self.num_kv_blocks, eos, capture=not config.enforce_eager)
+        self.runner = self.executor.driver.runner  # rank 0's
+        self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, eos, proposer)
-        self.runner = ModelRunner(model, local_config, self.num_kv_blocks, config.block_size, self.backend,
-                                  Sampler(eos, self.device, config.seed, self.backend.argmax), self.workers)
-        if not config.enforce_eager:
-            self.runner.capture(config.max_num_seqs, self.max_model_len)
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (also done when the engine is garbage-collected and at
-        exit); a no-op without them. The engine runs no steps afterwards."""
-        if self.workers is not None:
-            self.workers.close()
+        """Stop the tensor-parallel ranks' processes (also done when the engine is garbage-collected
+        and at exit); a no-op without them. The engine runs no steps afterwards."""
+        if self.executor is not None:
+            self.executor.shutdown()
 
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams() with the model's generation-config defaults applied (vLLM's behaviour)."""
@@ -159,16 +146,7 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
-        try:
-            results = self.runner.execute(out)
-        except BaseException as exc:
-            if self.workers is None:
-                raise
-            error = self.workers.failed(exc)  # which rank died and how; the ranks are stopped
-            if not isinstance(exc, Exception):
-                raise  # Ctrl-C stays a KeyboardInterrupt (the engine is stopped all the same)
-            raise error from exc
-        return self.scheduler.update(out, *results)
+        return self.scheduler.update(out, *self.executor.execute(out))
 
     def abort_request(self, request_id: str) -> bool:
         """Abort a waiting or running request and free its blocks at once; False if unknown or done."""

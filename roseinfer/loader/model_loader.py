@@ -9,7 +9,6 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from roseinfer.backends.base import Backend
 from roseinfer.distributed.parallel import SINGLE, TensorParallel
 from roseinfer.loader.default_model import default_model_path
 from roseinfer.loader.gguf import convert_gguf
@@ -89,26 +88,22 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(folder: Path, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
-               backend: Backend, tp: TensorParallel = SINGLE, quantization: str = "auto") -> nn.Module:
-    """The model with the checkpoint's weights (this rank's share of them under tensor parallelism),
-    prepared by `backend` (which may swap its own layers in). Weights stored as GGUF blocks keep them
-    where the backend computes with them (loader/quantized.py), unless quantization is none or the
-    model is split over ranks (a rank's share of a row would cut through blocks); the others are
-    dequantized to fp32 as they are read."""
+               tp: TensorParallel = SINGLE, quantization: str = "auto",
+               block_types: frozenset[str] = frozenset()) -> nn.Module:
+    """The model with the checkpoint's weights (this rank's share of them under tensor parallelism).
+    Weights stored as GGUF blocks of `block_types` (those the backend computes with) keep them
+    (loader/quantized.py), unless quantization is none or the model is split over ranks (a rank's
+    share of a row would cut through blocks); the others are dequantized to fp32 as they are read."""
     with torch.device(device):
         model = build_model(model_config, tp)
     model.to(dtype)
     stored = block_tensors(folder)
     if quantization == "gguf" and not stored:
         raise ValueError(f"quantization gguf needs a GGUF model with quantized matrices; {folder} has none")
-    if quantization == "gguf" and not backend.quantized_types:
-        raise ValueError(f"quantization gguf: the {backend.name} backend computes with fp32 weights only; "
-                         "use --attention-backend cpu, or --quantization none (or auto) to dequantize at load")
-    types = backend.quantized_types if quantization != "none" and tp.size == 1 else frozenset()
+    types = block_types if quantization != "none" and tp.size == 1 else frozenset()
     kept = keep_blocks(model, stored, types)
     if len(kept) < len(stored):
-        logger.info("dequantizing %d of %d GGUF block tensors to fp32 at load (%s backend, quantization %s)",
-                    len(stored) - len(kept), len(stored), backend.name, quantization)
+        logger.info("dequantizing %d of %d GGUF block tensors to fp32 at load (quantization %s)",
+                    len(stored) - len(kept), len(stored), quantization)
     model.load_weights(dequantized(iter_safetensors(folder), stored, kept))
-    backend.prepare_model(model)
     return model.eval()

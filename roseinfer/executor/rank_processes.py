@@ -1,21 +1,20 @@
-"""Tensor-parallel ranks 1..N-1 as worker processes, and rank 0's handle on them (`Workers`).
+"""Tensor-parallel ranks 1..N-1 as processes, and rank 0's handle on them (`RankProcesses`).
 
-Rank 0 is the engine's own process: it alone schedules, manages the KV blocks and samples. Each step
-it pickles the step once (the BatchLayout and the rows whose logits it will take) and writes it to
-every worker's pipe; each worker runs the same forward over its share of the model (its all-reduces
-meet rank 0's) and the LM head on those rows, whose logits slices are gathered to rank 0. A pipe per
-worker was as cheap as nano-vllm's shared memory + event and ~3x cheaper than a gloo broadcast
-(benchmarks/tp_broadcast.py, docs/distributed.md), needs no size limit, and tells a waiting worker
-at once (EOF) that rank 0 is gone.
+Each process builds a Worker (roseinfer/worker) and runs the calls rank 0 sends it, in order, over
+its pipe: loading, sizing the pool (a collective every rank joins), and each step's `follow` (the
+BatchLayout and the rows whose logits rank 0 takes, pickled once). A pipe per process was as cheap
+as nano-vllm's shared memory + event and ~3x cheaper than a gloo broadcast
+(benchmarks/tp_broadcast.py, docs/distributed.md), needs no size limit, and tells a waiting rank at
+once (EOF) that rank 0 is gone.
 
-Lifetime: the workers are spawned (torch.multiprocessing, daemon) when the engine starts and stopped
-with it (`close`, also on garbage collection and at interpreter exit). A worker exits when rank 0's
+Lifetime: the processes are spawned (torch.multiprocessing, daemon) when the engine starts and stopped
+with it (`close`, also on garbage collection and at interpreter exit). A rank exits when rank 0's
 process does, however it ends (SIGKILL included): its pipe reads EOF, a collective loses its peer, and
 a thread watching its parent pid catches the rest. It ignores SIGINT, so Ctrl-C at a terminal stops
-the engine's process, which stops its workers (a server drains first). A worker that dies (or fails
+the engine's process, which stops its ranks (a server drains first). A rank that dies (or fails
 and reports its traceback) makes rank 0's next collective fail at once (gloo sees the closed
-socket); rank 0 then stops the other workers and raises WorkerError naming the rank and why, and
-every later step raises it too. A hung worker is bounded by the collectives' timeout.
+socket); rank 0 then stops the other ranks and raises WorkerError naming the rank and why, and
+every later step raises it too. A hung rank is bounded by the collectives' timeout.
 """
 from __future__ import annotations
 
@@ -28,17 +27,15 @@ import threading
 import time
 import traceback
 import weakref
-from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from roseinfer.config import EngineConfig
-from roseinfer.distributed.parallel import TensorParallel, shard_config
+from roseinfer.distributed.parallel import TensorParallel
+from roseinfer.worker.worker import Worker, WorkerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -51,23 +48,12 @@ class WorkerError(RuntimeError):
     """A tensor-parallel worker died or failed; the engine cannot run further steps."""
 
 
-@dataclass
-class WorkerSpec:
-    """What a worker needs to build its share of the engine's model (pickled to it at spawn)."""
+class RankProcesses:
+    """Rank 0's handle on ranks 1..size-1: start, the calls rank 0 sends them, failure, stop."""
 
-    config: EngineConfig
-    model_folder: Path
-    backend: str  # rank 0's choice, by name: every rank runs the same backend
-    device: str  # "cpu" or "cuda" (rank r uses GPU r)
-    dtype: torch.dtype
-    max_model_len: int
-    num_threads: int  # each rank's torch threads
-
-
-class Workers:
-    """Rank 0's handle on ranks 1..size-1: start, one message per step, failure, stop."""
-
-    def __init__(self, spec: WorkerSpec, size: int, device: torch.device) -> None:
+    def __init__(self, spec: WorkerSpec, device: torch.device, num_threads: int) -> None:
+        """num_threads: each rank's torch threads."""
+        size = spec.world_size
         ctx = mp.get_context("spawn")
         store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
                               timeout=timedelta(seconds=START_TIMEOUT_S))
@@ -79,7 +65,8 @@ class Workers:
         try:
             for rank in range(1, size):
                 parent, child = ctx.Pipe()
-                proc = ctx.Process(target=_worker_main, args=(spec, rank, size, store.port, child, os.getpid()),
+                proc = ctx.Process(target=_rank_main,
+                                   args=(spec, device.type, num_threads, rank, store.port, child, os.getpid()),
                                    name=f"roseinfer-tp-rank{rank}", daemon=True)
                 proc.start()
                 child.close()
@@ -103,7 +90,7 @@ class Workers:
                 raise self._fail(f"rank {rank} failed while loading the model:\n{message[1]}")
 
     def call(self, method: str, *args: Any) -> None:
-        """Every worker runs `method(*args)` (its side of what rank 0 does next)."""
+        """Every rank's Worker runs `method(*args)` (its side of what rank 0 does next)."""
         if self.error is not None:
             raise self.error
         payload = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
@@ -112,10 +99,6 @@ class Workers:
                 conn.send_bytes(payload)
         except OSError as exc:  # a broken pipe: that worker is gone
             raise self.failed(exc) from exc
-
-    def step(self, layout: Any, logit_rows: list) -> None:
-        """The workers' part in this step: the forward, then the LM head on logit_rows (ModelRunner.follow)."""
-        self.call("step", layout, logit_rows)
 
     def failed(self, exc: BaseException, doing: str = "running a step") -> WorkerError:
         """The error to raise after `exc` interrupted a step or a call: which worker died and how.
@@ -186,7 +169,7 @@ class Workers:
 def _watch(group: Any, sentinels: list[int], stopping: threading.Event) -> None:
     """A worker that dies while rank 0 waits in a collective: gloo notices the closed socket by
     itself; NCCL would wait out its timeout unless the group is aborted, which this does. (It holds
-    the group, not the Workers, which the garbage collector may then stop.)"""
+    the group, not the RankProcesses, which the garbage collector may then stop.)"""
     multiprocessing.connection.wait(sentinels)
     if not stopping.is_set():
         try:
@@ -243,13 +226,22 @@ def _process_group(store: dist.Store, rank: int, size: int, device: torch.device
     return dist.ProcessGroupGloo(store, rank, size, COLLECTIVE_TIMEOUT)
 
 
-# ---- the worker process ------------------------------------------------------------------------
-def _worker_main(spec: WorkerSpec, rank: int, size: int, port: int, conn: multiprocessing.connection.Connection,
-                 parent_pid: int) -> None:
+# ---- a rank's process ------------------------------------------------------------------------
+def _rank_main(spec: WorkerSpec, device_type: str, num_threads: int, rank: int, port: int,
+               conn: multiprocessing.connection.Connection, parent_pid: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it stops us
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     try:
-        worker = _Worker(spec, rank, size, port)
+        torch.set_num_threads(num_threads)
+        device = torch.device(device_type)
+        if device.type == "cuda":  # rank r uses GPU r
+            device = torch.device("cuda", rank)
+            torch.cuda.set_device(device)
+        worker = Worker(spec, device)
+        store = dist.TCPStore("127.0.0.1", port, spec.world_size, is_master=False,
+                              timeout=timedelta(seconds=START_TIMEOUT_S))
+        worker.load_model(TensorParallel(rank, spec.world_size, _process_group(store, rank, spec.world_size, device),
+                                         device))
         conn.send(("ready", None))
         while True:
             method, args = pickle.loads(conn.recv_bytes())
@@ -272,38 +264,3 @@ def _exit_with_parent(parent_pid: int) -> None:
     while os.getppid() == parent_pid:
         time.sleep(0.5)
     os._exit(1)
-
-
-class _Worker:
-    """One rank's share of the engine: the model's share, its backend, its KV pool."""
-
-    def __init__(self, spec: WorkerSpec, rank: int, size: int, port: int) -> None:
-        from roseinfer.backends import select_backend
-        from roseinfer.loader.model_loader import load_model, load_model_config
-
-        torch.set_num_threads(spec.num_threads)
-        if spec.device == "cuda":
-            torch.cuda.set_device(rank)
-        self.device = torch.device(spec.device, rank) if spec.device == "cuda" else torch.device("cpu")
-        self.spec = spec
-        store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=timedelta(seconds=START_TIMEOUT_S))
-        self.tp = TensorParallel(rank, size, _process_group(store, rank, size, self.device), self.device)
-        self.model_config = load_model_config(spec.model_folder)
-        self.local_config = shard_config(self.model_config, size)
-        self.backend = select_backend(spec.backend, self.device, spec.dtype, self.local_config, size)
-        self.model = load_model(spec.model_folder, self.model_config, spec.dtype, self.device, self.backend, self.tp,
-                                spec.config.quantization)
-        self.runner = None
-
-    def size_pool(self) -> None:
-        """Rank 0's LLMEngine sizes its pool at the same time; all ranks take the smallest."""
-        from roseinfer.engine.model_runner import ModelRunner, auto_num_blocks
-
-        config = self.spec.config
-        blocks = self.tp.min(config.num_kv_blocks or auto_num_blocks(
-            self.model, self.local_config, self.backend, config, self.spec.max_model_len))
-        if blocks >= 1:  # else rank 0 raises the error
-            self.runner = ModelRunner(self.model, self.local_config, blocks, config.block_size, self.backend, None)
-
-    def step(self, layout: Any, logit_rows: list) -> None:
-        self.runner.follow(layout, logit_rows)

@@ -1,36 +1,51 @@
 """Owns the model and the KV pool; turns a scheduled step into a flat batch, one forward, and tokens.
 What depends on the hardware (attention metadata, the pool's memory, faster layers) is the backend's
 (backends/); nothing here asks which one runs. Under tensor parallelism every rank has a runner over
-its share of the model and its own pool; rank 0's builds each step, hands it to the others
-(`workers`) and samples, theirs only `follow`."""
+its share of the model and its own pool; rank 0's `prepare`s each step, which the executor hands to
+the others, and `run`s it (forward and sampling); theirs only `follow`."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from roseinfer.backends.base import LOGITS_CHUNK_ROWS, Backend, BatchLayout
-from roseinfer.config import EngineConfig
 from roseinfer.engine.request import TokenLogprobs
 from roseinfer.engine.scheduler import ScheduledRequest, SchedulerOutput
 from roseinfer.engine.speculative import accept_draft
 from roseinfer.models.config import ModelConfig
 
 if TYPE_CHECKING:
-    from roseinfer.distributed.workers import Workers
     from roseinfer.engine.sampler import Sampler
 
 PromptLogprobs = list[list[TokenLogprobs]]  # per scheduled request, the prompt logprobs this step took
+StepResult = tuple[list[list[int]], list[TokenLogprobs | None], PromptLogprobs]
+
+
+@dataclass
+class PreparedStep:
+    """One step's flat batch and the rows whose logits rank 0 takes, in the order every rank
+    computes them: the sampled rows in chunks, then the prompt-logprob pieces."""
+
+    items: list[ScheduledRequest]
+    layout: BatchLayout
+    owners: list[int]  # each sampled row's index in items
+    sample_chunks: list[list[int]]
+    prompt_pieces: list[tuple[int, slice, list[int]]]  # (index in items, rows, the tokens they predict)
+
+    @property
+    def logit_rows(self) -> list[list[int] | slice]:
+        return self.sample_chunks + [rows for _, rows, _ in self.prompt_pieces]
 
 
 class ModelRunner:
     def __init__(self, model: nn.Module, model_config: ModelConfig, num_kv_blocks: int, block_size: int,
-                 backend: Backend, sampler: Sampler | None, workers: Workers | None = None) -> None:
+                 backend: Backend, sampler: Sampler | None) -> None:
         """model_config: what this rank computes (its heads: the pool's shape); sampler: None on a
-        rank that only follows; workers: rank 0's handle on the other ranks, None without them."""
+        rank that only follows."""
         self.model = model
-        self.workers = workers
         self.backend = backend
         self.block_size = block_size
         self.device = backend.device
@@ -50,28 +65,36 @@ class ModelRunner:
     def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         return 2 * model_config.num_layers * block_size * model_config.num_kv_heads * model_config.head_dim * dtype.itemsize
 
-    @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[list[list[int]], list[TokenLogprobs | None], PromptLogprobs]:
+    def execute(self, out: SchedulerOutput) -> StepResult:
         """Run one forward over the scheduled tokens; returns the new tokens per scheduled request
         (none for a prompt chunk, one for a decode, 1 to K + 1 for a verified draft), the logprobs of a
         single token, and the prompt logprobs of the prompt positions this step computed."""
+        return self.run(self.prepare(out))
+
+    def prepare(self, out: SchedulerOutput) -> PreparedStep:
+        """The step's flat batch and its logit rows, from the scheduler's requests (rank 0's part)."""
         items = out.scheduled
         layout, sample_rows = self._prepare(items)
         # a draft's request samples every one of its 1 + K rows
         owners = [i for i, item in enumerate(items) if item.samples for _ in range(1 + len(item.draft))]
         chunk = self.backend.logits_chunk_rows or max(len(owners), 1)
         sample_chunks = [sample_rows[start:start + chunk] for start in range(0, len(owners), chunk)]
-        prompt_pieces = self._prompt_pieces(items)
-        if self.workers is not None:  # the other tensor-parallel ranks: the same forward and LM head calls
-            self.workers.step(layout, sample_chunks + [rows for _, rows, _ in prompt_pieces])
-        hidden = self.backend.forward(self.model, layout, self.kv_caches)
+        return PreparedStep(items, layout, owners, sample_chunks, self._prompt_pieces(items))
+
+    @torch.inference_mode()
+    def run(self, step: PreparedStep) -> StepResult:
+        """The forward, the LM head on the sampled rows and sampling (see execute)."""
+        items, owners = step.items, step.owners
+        hidden = self.backend.forward(self.model, step.layout, self.kv_caches)
         # a seeded sampled request's generator before its rows' draws: see Sampler.rewind
         states = {i: item.request.generator.get_state() for i, item in enumerate(items) if item.draft
                   and item.request.generator is not None and not item.request.sampling_params.greedy}
         row_tokens: list[list[int]] = [[] for _ in items]
         logprobs: list[TokenLogprobs | None] = [None] * len(items)
-        for start, rows in zip(range(0, len(owners), chunk), sample_chunks):
-            part = owners[start:start + chunk]
+        start = 0
+        for rows in step.sample_chunks:
+            part = owners[start:start + len(rows)]
+            start += len(rows)
             logits = self.model.compute_logits(self._rows(hidden, rows))
             tokens, lps = self.sampler(logits, [items[i].request for i in part])
             for i, token, lp in zip(part, tokens, lps):
@@ -81,13 +104,13 @@ class ModelRunner:
                    for i, item in enumerate(items)]
         for i, state in states.items():
             self.sampler.rewind(items[i].request.generator, state, len(sampled[i]), self.vocab_size)
-        return sampled, logprobs, self._prompt_logprobs(items, hidden, prompt_pieces)
+        return sampled, logprobs, self._prompt_logprobs(items, hidden, step.prompt_pieces)
 
     @torch.inference_mode()
     def follow(self, layout: BatchLayout, logit_rows: list[list[int] | slice]) -> None:
         """Another tensor-parallel rank's part in a step that rank 0 runs (`execute`): the same
         forward over its share of the model, then the LM head on the same rows in the same order,
-        its slice of their logits going to rank 0 (distributed/workers.py sends both)."""
+        its slice of their logits going to rank 0 (the executor sends both)."""
         hidden = self.backend.forward(self.model, layout, self.kv_caches)
         for rows in logit_rows:
             self.model.compute_logits(self._rows(hidden, rows))
@@ -163,16 +186,3 @@ class ModelRunner:
                              [list(range(blocks))])
         hidden = backend.forward(model, layout, caches)
         model.compute_logits(hidden[-min(num_logits, num_tokens):])
-
-
-def auto_num_blocks(model: nn.Module, model_config: ModelConfig, backend: Backend, config: EngineConfig,
-                    max_model_len: int) -> int:
-    """The KV blocks this rank's budget holds (Backend.kv_pool_bytes: on CUDA what is left after a
-    profiling forward of the largest step), never more than every sequence at full length could
-    use; 0 when not even one fits (the engine says so)."""
-    per_block = ModelRunner.kv_bytes_per_block(model_config, config.block_size, backend.dtype)
-    step_tokens = min(config.max_num_batched_tokens, max_model_len)
-    budget = backend.kv_pool_bytes(config, lambda: ModelRunner.profile(
-        model, model_config, backend, config.block_size, step_tokens, config.max_num_seqs))
-    ceiling = config.max_num_seqs * -(-max_model_len // config.block_size)
-    return max(0, min(int(budget // per_block), ceiling))

@@ -1,0 +1,112 @@
+"""Worker: one rank's model (its share under tensor parallelism), attention backend, KV pool and runner.
+
+The one build path: the engine's rank 0, every other tensor-parallel rank (in its own process) and a
+draft model each build a Worker from a WorkerSpec, in the same steps: the backend (from the model's
+config alone), then the weights, then the pool sized from the budget every rank shares."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from roseinfer.backends import select_backend
+from roseinfer.backends.base import Backend, BatchLayout
+from roseinfer.config import EngineConfig
+from roseinfer.distributed.parallel import SINGLE, TensorParallel
+from roseinfer.loader.model_loader import load_model, load_model_config
+from roseinfer.models.config import ModelConfig
+from roseinfer.worker.model_runner import ModelRunner, PreparedStep, StepResult
+from roseinfer.worker.sharding import shard_config
+
+if TYPE_CHECKING:
+    from roseinfer.engine.scheduler import SchedulerOutput
+
+
+@dataclass
+class WorkerSpec:
+    """What a Worker is built from; the same for every rank (pickled to the other ranks' processes)."""
+
+    config: EngineConfig
+    model_folder: Path
+    backend: str  # a backend's name, or auto; the executor resolves it once, so every rank runs the same
+    dtype: torch.dtype
+    max_model_len: int
+    quantization: str  # EngineConfig.quantization's values
+    world_size: int = 1
+
+
+class Worker:
+    def __init__(self, spec: WorkerSpec, device: torch.device) -> None:
+        """Reads the model's config and picks the backend; the weights load in `load_model`."""
+        self.spec = spec
+        self.device = device
+        self.model_config = load_model_config(spec.model_folder)
+        self.local_config = shard_config(self.model_config, spec.world_size)  # what this rank computes
+        self.backend = select_backend(spec.backend, device, spec.dtype, self.local_config, spec.world_size)
+        self.tp = SINGLE
+        self.runner: ModelRunner | None = None
+
+    def load_model(self, tp: TensorParallel = SINGLE) -> None:
+        """This rank's share of the weights; `tp` is its place in the group (the models' collectives)."""
+        self.tp = tp
+        self.model = load_prepared_model(self.spec.model_folder, self.model_config, self.spec.dtype, self.device,
+                                         self.backend, tp, self.spec.quantization)
+
+    def determine_num_kv_blocks(self) -> int:
+        """The blocks every rank's pool can hold: config.num_kv_blocks, else the smallest of the ranks'
+        budgets (a collective: every rank calls it at once); 0 when not even one fits."""
+        config = self.spec.config
+        if config.num_kv_blocks:
+            return config.num_kv_blocks
+        per_block = ModelRunner.kv_bytes_per_block(self.local_config, config.block_size, self.backend.dtype)
+        step_tokens = min(config.max_num_batched_tokens, self.spec.max_model_len)
+        # on CUDA, what is left after a profiling forward of the largest step (Backend.kv_pool_bytes)
+        budget = self.backend.kv_pool_bytes(config, lambda: ModelRunner.profile(
+            self.model, self.local_config, self.backend, config.block_size, step_tokens, config.max_num_seqs))
+        # never more than every sequence at full length could use
+        ceiling = config.max_num_seqs * -(-self.spec.max_model_len // config.block_size)
+        return self.tp.min(max(0, min(int(budget // per_block), ceiling)))
+
+    def init_kv_cache(self, num_blocks: int, eos_token_ids: set[int] | None = None) -> None:
+        """The pool and the runner. With eos_token_ids this worker samples (rank 0 and a draft model)."""
+        sampler = None
+        if eos_token_ids is not None:
+            # imported here: sampler.py imports llguidance's torch helpers, which import torch's
+            # compiler stack (seconds of a tensor-parallel rank's start, which never samples)
+            from roseinfer.engine.sampler import Sampler
+
+            sampler = Sampler(eos_token_ids, self.device, self.spec.config.seed, self.backend.argmax)
+        self.runner = ModelRunner(self.model, self.local_config, num_blocks, self.spec.config.block_size,
+                                  self.backend, sampler)
+
+    def capture(self) -> None:
+        """What the backend records for later steps (CUDA graphs of decode steps, where it has them)."""
+        self.runner.capture(self.spec.config.max_num_seqs, self.spec.max_model_len)
+
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        return self.runner.execute(out)
+
+    def prepare(self, out: SchedulerOutput) -> PreparedStep:
+        return self.runner.prepare(out)
+
+    def run(self, step: PreparedStep) -> StepResult:
+        return self.runner.run(step)
+
+    def follow(self, layout: BatchLayout, logit_rows: list[list[int] | slice]) -> None:
+        """A rank other than 0: its part in the step rank 0 runs (ModelRunner.follow)."""
+        self.runner.follow(layout, logit_rows)
+
+
+def load_prepared_model(folder: Path, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                        backend: Backend, tp: TensorParallel = SINGLE, quantization: str = "auto") -> nn.Module:
+    """The model with the checkpoint's weights (loader/model_loader.py; GGUF blocks kept where
+    `backend` computes with them), prepared by `backend`, which may swap its own layers in."""
+    if quantization == "gguf" and not backend.quantized_types:
+        raise ValueError(f"quantization gguf: the {backend.name} backend computes with fp32 weights only; "
+                         "use --attention-backend cpu, or --quantization none (or auto) to dequantize at load")
+    model = load_model(folder, model_config, dtype, device, tp, quantization, backend.quantized_types)
+    backend.prepare_model(model)
+    return model
