@@ -29,7 +29,11 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
-ARCHS: list[str] = ["gpt2", "llama", "llama3_rope_untied", "mistral", "qwen2", "qwen3", "llama_mqa"]
+ARCHS: list[str] = ["gpt2", "llama", "llama3_rope_untied", "mistral", "qwen2", "qwen3", "llama_mqa",
+                    "mistral_sliding", "qwen2_sliding"]
+
+# Sliding windows far shorter than the test prompts, so that every mode attends across a window's edge.
+SLIDING_WINDOW = 8
 
 # Archs whose weights are saved in several shards, so the engine's loader must follow
 # model.safetensors.index.json. The whole model is ~0.5 MB, so 150KB gives 3-5 shards.
@@ -167,6 +171,11 @@ def _config(arch: str) -> Any:
                            rope_theta=1_000_000.0, tie_word_embeddings=True)
     if arch == "llama_mqa":
         return LlamaConfig(**{**common, "num_key_value_heads": 1}, tie_word_embeddings=False)
+    if arch == "mistral_sliding":  # every layer slides
+        return MistralConfig(**common, sliding_window=SLIDING_WINDOW, tie_word_embeddings=False)
+    if arch == "qwen2_sliding":  # layer 0 attends the whole context, layer 1 slides
+        return Qwen2Config(**common, use_sliding_window=True, sliding_window=SLIDING_WINDOW, max_window_layers=1,
+                           tie_word_embeddings=True)
     raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
 
 
