@@ -1,8 +1,9 @@
 """Sliding-window attention and attention logit soft-capping (layers/attention.py PagedAttention), per
 layer, in every backend; and the KV blocks given back once they fall outside every layer's window.
 
-Whole models with windows (tiny_models' mistral_sliding: every layer slides; qwen2_sliding: one global
-layer, one sliding) also run every scheduling mode of tests/test_correctness.py, with the rest of ARCHS.
+Whole models with windows: tiny_models' qwen2_sliding (one global layer, one sliding) is in ARCHS, so
+every arch-parametrized test runs it; mistral_sliding (every layer slides) runs tests/test_correctness.py's
+scheduling modes here.
 """
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ from roseinfer.engine.request import Request
 from roseinfer.layers.attention import PagedAttention
 from roseinfer.layers.rotary import apply_rotary
 from roseinfer.models.config import ModelConfig
+from test_correctness import GREEDY as CORRECTNESS_GREEDY
+from test_correctness import MODES as CORRECTNESS_MODES
+from test_correctness import _prompts as correctness_prompts
 from tiny_models import SLIDING_WINDOW, hf_greedy, sample_prompts
 
 CPU = torch.device("cpu")
@@ -205,6 +209,29 @@ def test_a_prompt_many_windows_long_keeps_its_blocks_bounded_by_the_window(tiny_
         assert engine.get_generated_ids(request_id) == expected, f"run {run}"
         assert engine.kv_cache_stats()["used_blocks"] == 0
     assert engine.kv_cache_stats()["prefix_cache_hits"] >= len(prompt) - BLOCK_SIZE
+
+
+@pytest.fixture(scope="module")
+def every_layer_slides(tiny_model_factory):
+    model_dir = tiny_model_factory("mistral_sliding")
+    prompts = correctness_prompts(model_dir)
+    return model_dir, prompts, [hf_greedy(model_dir, p, CORRECTNESS_GREEDY.max_tokens) for p in prompts]
+
+
+@pytest.mark.parametrize("mode", [mode for mode in CORRECTNESS_MODES if mode != "preemption"])
+def test_every_scheduling_mode_where_every_layer_slides(every_layer_slides, mode: str) -> None:
+    """tests/test_correctness.py's modes on mistral_sliding (not in ARCHS: its preemption mode's pool
+    no longer runs short once blocks go back; the preemption test below has its own), with blocks of
+    4 so that they go back often: HF's tokens, prefix hits, and every block free after."""
+    model_dir, prompts, refs = every_layer_slides
+    llm = LLM(model=str(model_dir), **{"num_kv_blocks": 128, "block_size": BLOCK_SIZE, **CORRECTNESS_MODES[mode]})
+    outs = llm.generate(prompts[:6], CORRECTNESS_GREEDY, use_tqdm=False)
+    outs += llm.generate(prompts[6:], CORRECTNESS_GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == refs
+    stats = llm.kv_cache_stats()
+    assert stats["used_blocks"] == 0
+    if llm.engine.config.enable_prefix_caching:
+        assert stats["prefix_cache_hits"] > 0
 
 
 @pytest.mark.parametrize("arch", ["mistral_sliding", "qwen2_sliding"])
