@@ -24,6 +24,8 @@ from roseinfer.models.config import ModelConfig
 from test_correctness import GREEDY as CORRECTNESS_GREEDY
 from test_correctness import MODES as CORRECTNESS_MODES
 from test_correctness import _prompts as correctness_prompts
+from test_speculative import NGRAM
+from test_speculative import _prompts as speculative_prompts
 from tiny_models import SLIDING_WINDOW, hf_greedy, sample_prompts
 
 CPU = torch.device("cpu")
@@ -232,6 +234,19 @@ def test_every_scheduling_mode_where_every_layer_slides(every_layer_slides, mode
     assert stats["used_blocks"] == 0
     if llm.engine.config.enable_prefix_caching:
         assert stats["prefix_cache_hits"] > 0
+
+
+def test_ngram_speculation_while_blocks_go_back(tiny_model_factory) -> None:
+    """Drafts verified across the window's edge while the window's blocks go back (a rejected draft's
+    own blocks go back through BlockManager.shrink): HF's tokens, some drafts accepted, the pool whole."""
+    model_dir = tiny_model_factory("mistral_sliding")
+    prompts = speculative_prompts(model_dir)
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    llm = LLM(model=str(model_dir), num_kv_blocks=128, block_size=BLOCK_SIZE, speculative_config=NGRAM)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [hf_greedy(model_dir, p, params.max_tokens) for p in prompts]
+    assert llm.speculative_stats()["spec_num_accepted_tokens"] > 0, "no draft was accepted: the test proves nothing"
+    assert llm.kv_cache_stats()["used_blocks"] == 0
 
 
 @pytest.mark.parametrize("arch", ["mistral_sliding", "qwen2_sliding"])
