@@ -121,6 +121,23 @@ def test_each_backend_attends_within_the_window_with_capped_scores(backend_name:
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif("triton" not in BACKENDS, reason="triton is not installed")
+@pytest.mark.parametrize("num_splits", [2, 3])
+def test_triton_decode_splits_cover_only_the_window(num_splits: int) -> None:
+    """Split-KV decode (several programs per sequence, merged after; the interpreter's one "SM" never
+    chooses it): the splits share out the window's keys, and an empty split weighs nothing."""
+    from roseinfer.backends.triton import kernels
+
+    q, k, v, caches, layout = _case(11, [(1, 30), (1, 5), (1, 17), (1, 1)])
+    layer = PagedAttention(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5, sliding_window=6, logit_softcap=5.0)
+    k_cache, v_cache = (c.clone() for c in caches)
+    kernels.store_kv(k, v, torch.tensor(layout.slot_mapping), k_cache, v_cache)
+    got = kernels.paged_decode_attention(q, k_cache, v_cache, torch.tensor(layout.block_tables),
+                                         torch.tensor(layout.kv_lens), BLOCK_SIZE, layer.scale, num_splits=num_splits,
+                                         sliding_window=6, logit_softcap=5.0)
+    torch.testing.assert_close(got, _reference(q, k, v, caches, layout, layer), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.skipif("cpu" not in BACKENDS, reason="the CPU kernels do not build here")
 @pytest.mark.parametrize("options", OPTIONS[2:], ids=["window6-cap5", "window1"])
 def test_the_cpu_fused_decode_windows_and_caps_as_the_layer_path(options: tuple[int | None, float | None]) -> None:
