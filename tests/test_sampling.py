@@ -97,7 +97,7 @@ def test_top_p_and_min_p_keep_only_the_nucleus():
 def test_seeded_sampling_and_logprobs_are_the_same_in_logit_chunks(llm, prompts, monkeypatch):
     # Seeded requests draw from their own generators and logprobs are per row, so sampling the
     # batch 4 rows at a time (worker/model_runner.py) must give exactly what one pass gives.
-    from roseinfer.engine import model_runner
+    from roseinfer.worker import model_runner
 
     params = [_sample(seed=40 + i, logprobs=2, top_p=0.9) for i in range(len(prompts))]
     whole = llm.generate(prompts, params)

@@ -29,7 +29,15 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
-ARCHS: list[str] = ["gpt2", "llama", "llama3_rope_untied", "mistral", "qwen2", "qwen3", "llama_mqa"]
+ARCHS: list[str] = ["gpt2", "llama", "llama3_rope_untied", "mistral", "qwen2", "qwen3", "llama_mqa",
+                    "qwen2_sliding"]
+# Built on demand (tiny_model_factory), not run by every arch-parametrized test: every layer of
+# mistral_sliding slides, so its KV blocks go back to the pool as sequences grow and the pools that
+# those tests size to force preemption no longer run short (tests/test_sliding_window.py runs it).
+EXTRA_ARCHS: list[str] = ["mistral_sliding"]
+
+# Sliding windows far shorter than the test prompts, so that every mode attends across a window's edge.
+SLIDING_WINDOW = 8
 
 # Archs whose weights are saved in several shards, so the engine's loader must follow
 # model.safetensors.index.json. The whole model is ~0.5 MB, so 150KB gives 3-5 shards.
@@ -167,7 +175,12 @@ def _config(arch: str) -> Any:
                            rope_theta=1_000_000.0, tie_word_embeddings=True)
     if arch == "llama_mqa":
         return LlamaConfig(**{**common, "num_key_value_heads": 1}, tie_word_embeddings=False)
-    raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
+    if arch == "mistral_sliding":  # every layer slides
+        return MistralConfig(**common, sliding_window=SLIDING_WINDOW, tie_word_embeddings=False)
+    if arch == "qwen2_sliding":  # layer 0 attends the whole context, layer 1 slides
+        return Qwen2Config(**common, use_sliding_window=True, sliding_window=SLIDING_WINDOW, max_window_layers=1,
+                           tie_word_embeddings=True)
+    raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS + EXTRA_ARCHS}")
 
 
 @torch.no_grad()
@@ -209,9 +222,10 @@ def build_tiny_model(arch: str, out_dir: str | pathlib.Path) -> pathlib.Path:
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = _config(arch)
-    torch.manual_seed(ARCHS.index(arch))  # HF's own init, before we overwrite it
+    seed = (ARCHS + EXTRA_ARCHS).index(arch)
+    torch.manual_seed(seed)  # HF's own init, before we overwrite it
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _randomize(model, seed=1000 + ARCHS.index(arch))
+    _randomize(model, seed=1000 + seed)
     model.eval()
     ids = special_ids()
     # Like Qwen2-Instruct: generation stops on either <|im_end|> or <|endoftext|>, so the

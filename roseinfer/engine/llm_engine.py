@@ -91,7 +91,8 @@ class LLMEngine:
         eos = self.tokenizer.eos_token_ids
         self.executor.init_kv_cache(self.num_kv_blocks, eos, capture=not config.enforce_eager)
         self.runner = self.executor.driver.runner  # rank 0's
-        self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+                                          self.model_config.kv_window)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, eos, proposer)
 
     def shutdown(self) -> None:
