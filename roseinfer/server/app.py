@@ -96,7 +96,8 @@ def _app(manager: SchedulerManager | ReplicaSet, served_model_name: str, options
     engine = manager.engine
     started = int(time.time())  # /v1/models reports when this server started serving the model
     serving = OpenAIServing(manager, served_model_name, options.max_sequences_per_request, options.tool_call_parser,
-                            ConstraintLimits(options.max_constraint_bytes, options.constraint_compile_timeout))
+                            ConstraintLimits(options.max_constraint_bytes, options.constraint_compile_timeout),
+                            options.reasoning_parser)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

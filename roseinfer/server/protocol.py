@@ -24,6 +24,7 @@ from roseinfer.server.json_values import integral, takes_int, valid_unicode, val
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit; vLLM's default max_logprobs is 20 too
 MAX_N = 128  # OpenAI's limit on choices per request
 MAX_TOOLS = 128  # OpenAI's limit on tools per request
+SERVER_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt"})
 
 # OpenAI request fields that are refused, and why (the 400's message says it); undeclared, so that
 # the OpenAPI document does not offer them
@@ -288,6 +289,8 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     modalities: list[Literal["text", "audio"]] | None = None  # "audio" is refused
+    # vLLM's: extra variables for the chat template (e.g. enable_thinking), not the ones the server sets
+    chat_template_kwargs: JsonObject | None = None
     # Accepted and ignored, because ignoring them changes nothing a client can see: nothing is
     # stored (store true is refused), there is one service tier, the prefix cache needs no key,
     # and no response echoes these.
@@ -297,6 +300,13 @@ class ChatCompletionRequest(SamplingRequest):
     service_tier: Literal["auto", "default"] | None = None
     prompt_cache_key: Text | None = None
     safety_identifier: Text | None = None
+
+    @model_validator(mode="after")
+    def _template_kwargs(self) -> "ChatCompletionRequest":
+        taken = sorted(set(self.chat_template_kwargs or {}) & SERVER_TEMPLATE_VARIABLES)
+        if taken:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)}: the server sets it from the request")
+        return self
 
 
 class TokenizeRequest(StrictModel):
