@@ -42,11 +42,9 @@ def parser(start: str) -> ReasoningParser:
 def streamed(p: ReasoningParser, pieces: list[str]) -> tuple[str | None, str | None]:
     out = ReasoningDelta()
     for piece in pieces:
-        delta = p.feed(piece)
-        out.reasoning += delta.reasoning
-        out.content += delta.content
-    end = p.finish()
-    return (out.reasoning + end.reasoning) or None, (out.content + end.content) or None
+        out.extend(p.feed(piece))
+    out.extend(p.finish())
+    return out.reasoning or None, out.content or None
 
 
 @pytest.mark.parametrize("text,start,reasoning,content", CASES)

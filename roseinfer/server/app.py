@@ -169,7 +169,8 @@ def _app(manager: SchedulerManager | ReplicaSet, served_model_name: str, options
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", "prompt")
         if body.messages is not None:
-            ids = await serving.chat_prompt(body.messages, shown_tools(body.tools) if body.tools else None)
+            ids = await serving.chat_prompt(body.messages, shown_tools(body.tools) if body.tools else None,
+                                            body.chat_template_kwargs)
         else:
             ids = await serving.run_blocking(engine.tokenizer.encode, body.prompt, body.add_special_tokens)
         return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=engine.max_model_len)

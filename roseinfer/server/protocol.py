@@ -58,6 +58,17 @@ JsonObject = Annotated[dict[str, Any], AfterValidator(valid_unicode_json)]  # fr
 JsonSchema = JsonObject
 
 
+def _not_server_variables(kwargs: dict[str, Any]) -> dict[str, Any]:
+    taken = sorted(set(kwargs) & SERVER_TEMPLATE_VARIABLES)
+    if taken:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)}: the server sets it from the request")
+    return kwargs
+
+
+# vLLM's chat_template_kwargs: extra variables for the chat template (e.g. enable_thinking)
+TemplateKwargs = Annotated[JsonObject, AfterValidator(_not_server_variables)]
+
+
 class StrictModel(BaseModel):
     # strict: a JSON value is taken only as the type the schema states (no false for a number,
     # no 1 or "true" for a boolean), so what the document says is what is accepted
@@ -289,8 +300,7 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     modalities: list[Literal["text", "audio"]] | None = None  # "audio" is refused
-    # vLLM's: extra variables for the chat template (e.g. enable_thinking), not the ones the server sets
-    chat_template_kwargs: JsonObject | None = None
+    chat_template_kwargs: TemplateKwargs | None = None
     # Accepted and ignored, because ignoring them changes nothing a client can see: nothing is
     # stored (store true is refused), there is one service tier, the prefix cache needs no key,
     # and no response echoes these.
@@ -300,13 +310,6 @@ class ChatCompletionRequest(SamplingRequest):
     service_tier: Literal["auto", "default"] | None = None
     prompt_cache_key: Text | None = None
     safety_identifier: Text | None = None
-
-    @model_validator(mode="after")
-    def _template_kwargs(self) -> "ChatCompletionRequest":
-        taken = sorted(set(self.chat_template_kwargs or {}) & SERVER_TEMPLATE_VARIABLES)
-        if taken:
-            raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)}: the server sets it from the request")
-        return self
 
 
 class TokenizeRequest(StrictModel):
@@ -319,6 +322,7 @@ class TokenizeRequest(StrictModel):
     prompt: Text | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     tools: Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None  # rendered as in chat
+    chat_template_kwargs: TemplateKwargs | None = None  # as in chat
     add_special_tokens: bool = True
 
 

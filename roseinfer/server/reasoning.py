@@ -36,6 +36,11 @@ class ReasoningDelta:
     reasoning: str = ""
     content: str = ""
 
+    def extend(self, other: ReasoningDelta) -> ReasoningDelta:
+        self.reasoning += other.reasoning
+        self.content += other.content
+        return self
+
 
 @dataclass(frozen=True)
 class ThinkTags:

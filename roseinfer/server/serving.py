@@ -27,7 +27,7 @@ from roseinfer.sampling_params import SamplingParams
 from roseinfer.server.engine_loop import OverloadedError, RequestStream, SchedulerManager, ShuttingDownError, StreamDelta
 from roseinfer.server.logprobs import LogprobsFormatter
 from roseinfer.server.protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest, error_body
-from roseinfer.server.reasoning import ReasoningDelta, ReasoningParser, pick_reasoning_parser
+from roseinfer.server.reasoning import ReasoningParser, pick_reasoning_parser
 from roseinfer.server.request_body import BodyLimits, parse_body
 from roseinfer.server.request_params import (bad_value, check_chat_fields, check_completion_fields, check_request,
                                              sampling_params)
@@ -286,8 +286,7 @@ class OpenAIServing:
             if reasoner is not None:
                 split = reasoner.feed(delta.text, delta.token_ids)
                 if delta.finished:
-                    finished = reasoner.finish()
-                    split = ReasoningDelta(split.reasoning + finished.reasoning, split.content + finished.content)
+                    split.extend(reasoner.finish())
                 reasoning, content = split.reasoning, split.content
                 reply.reasoning_tokens[index] = reasoner.reasoning_tokens
             if parser is not None:
