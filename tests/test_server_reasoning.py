@@ -2,7 +2,8 @@
 a tiny model whose template opens `<think>` (the reply starts inside the reasoning). A logit_bias
 on `</think>` makes the random model close its reasoning partway, and the split is checked exactly
 against HF transformers' greedy output under the same bias, streamed and not; enable_thinking false
-(chat_template_kwargs) gives the answer alone; an output constraint with reasoning to come is a 400."""
+(chat_template_kwargs) gives the answer alone; an output constraint with reasoning to come is a 400;
+`--reasoning-parser none` leaves the reasoning in content."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -153,3 +154,13 @@ def test_chat_template_kwargs_may_not_set_what_the_server_sets(client: openai.Op
     with pytest.raises(openai.BadRequestError, match="chat_template_kwargs may not set messages"):
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1,
                                        extra_body={"chat_template_kwargs": {"messages": []}})
+
+
+def test_reasoning_parser_none_leaves_the_reasoning_in_content(model_dir: Path, tokenizer: Tokenizer,
+                                                               biased_reply: tuple[list[int], int]) -> None:
+    app = build_app(LLMEngine(EngineConfig(model=str(model_dir))), MODEL, ServerOptions(reasoning_parser="none"))
+    with serve_app(app) as url:
+        reply = openai_client(url).chat.completions.create(**biased(tokenizer))
+    message = reply.choices[0].message
+    assert message.content == tokenizer.decode(biased_reply[0])
+    assert "reasoning_content" not in message.model_extra and reply.usage.completion_tokens_details is None
