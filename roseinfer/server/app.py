@@ -96,7 +96,8 @@ def _app(manager: SchedulerManager | ReplicaSet, served_model_name: str, options
     engine = manager.engine
     started = int(time.time())  # /v1/models reports when this server started serving the model
     serving = OpenAIServing(manager, served_model_name, options.max_sequences_per_request, options.tool_call_parser,
-                            ConstraintLimits(options.max_constraint_bytes, options.constraint_compile_timeout))
+                            ConstraintLimits(options.max_constraint_bytes, options.constraint_compile_timeout),
+                            options.reasoning_parser)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -168,7 +169,8 @@ def _app(manager: SchedulerManager | ReplicaSet, served_model_name: str, options
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", "prompt")
         if body.messages is not None:
-            ids = await serving.chat_prompt(body.messages, shown_tools(body.tools) if body.tools else None)
+            ids = await serving.chat_prompt(body.messages, shown_tools(body.tools) if body.tools else None,
+                                            body.chat_template_kwargs)
         else:
             ids = await serving.run_blocking(engine.tokenizer.encode, body.prompt, body.add_special_tokens)
         return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=engine.max_model_len)

@@ -8,12 +8,14 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from roseinfer.server.reasoning import REASONING_PARSERS
 from roseinfer.server.router import ROUTER_POLICIES
 from roseinfer.server.tool_parsers import PARSERS
 
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 TOOL_CALL_PARSERS = ("auto", *PARSERS)
+REASONING_PARSER_CHOICES = ("auto", "none", *REASONING_PARSERS)
 
 
 @dataclass
@@ -29,6 +31,7 @@ class ServerOptions:
     header_timeout: float = 30.0  # a connection gets this long to send a request's head, then 408 / close
     timeout_keep_alive: float = 5.0  # an idle connection between requests is closed after this long
     tool_call_parser: str = "auto"  # the format tool calls are read in; auto: from the chat template
+    reasoning_parser: str = "auto"  # how <think> reasoning is split from the answer; auto: from the chat template
     data_parallel_size: int = 1  # engine replicas; more than one runs them on Ray (docs/distributed.md)
     ray_address: str | None = None  # join this Ray cluster; None starts a local Ray instance
     router: str = "prefix-affinity"  # which replica gets a request (server/router.py)
@@ -54,6 +57,8 @@ class ServerOptions:
             raise ValueError(f"--router must be one of {', '.join(ROUTER_POLICIES)}")
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}")
+        if self.reasoning_parser not in REASONING_PARSER_CHOICES:
+            raise ValueError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSER_CHOICES)}")
 
     @property
     def max_request_body_bytes(self) -> int:
@@ -107,6 +112,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                        help="the format tool calls are read in: hermes (<tool_call>{...}</tool_call>), llama3_json "
                             "({\"name\": ..., \"parameters\": ...}); auto picks it from the chat template, hermes "
                             "when the template shows no tools (default: auto)")
+    group.add_argument("--reasoning-parser", default=defaults.reasoning_parser, choices=REASONING_PARSER_CHOICES,
+                       help="split <think>...</think> reasoning from the answer into message.reasoning_content and "
+                            "message.reasoning: qwen3 (the reply may open with <think>), deepseek_r1 (the reply "
+                            "starts inside the reasoning); a prompt that ends with <think> or </think> decides where "
+                            "the reply starts either way; auto picks qwen3 when the chat template writes </think>, "
+                            "none keeps reasoning in content (default: auto)")
     group.add_argument("--data-parallel-size", type=int, default=defaults.data_parallel_size,
                        help="engine replicas, each a Ray Serve deployment behind this server's one HTTP endpoint "
                             "(needs the roseinfer[ray] extra when > 1; see docs/distributed.md) (default: 1)")
@@ -127,7 +138,8 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
                          allowed_origins=list(args.allowed_origins), shutdown_timeout=args.shutdown_timeout,
                          max_header_kb=args.max_header_kb, header_timeout=args.header_timeout,
                          timeout_keep_alive=args.timeout_keep_alive,
-                         tool_call_parser=args.tool_call_parser, data_parallel_size=args.data_parallel_size,
+                         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                         data_parallel_size=args.data_parallel_size,
                          ray_address=args.ray_address, router=args.router,
                          max_constraint_bytes=args.max_constraint_bytes,
                          constraint_compile_timeout=args.constraint_compile_timeout)

@@ -24,6 +24,7 @@ from roseinfer.server.json_values import integral, takes_int, valid_unicode, val
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit; vLLM's default max_logprobs is 20 too
 MAX_N = 128  # OpenAI's limit on choices per request
 MAX_TOOLS = 128  # OpenAI's limit on tools per request
+SERVER_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt"})
 
 # OpenAI request fields that are refused, and why (the 400's message says it); undeclared, so that
 # the OpenAPI document does not offer them
@@ -55,6 +56,17 @@ Role = Literal["system", "developer", "user", "assistant", "tool", "function"]  
 FunctionName = Annotated[StrictStr, StringConstraints(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
 JsonObject = Annotated[dict[str, Any], AfterValidator(valid_unicode_json)]  # free-form JSON, keys included
 JsonSchema = JsonObject
+
+
+def _not_server_variables(kwargs: dict[str, Any]) -> dict[str, Any]:
+    taken = sorted(set(kwargs) & SERVER_TEMPLATE_VARIABLES)
+    if taken:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)}: the server sets it from the request")
+    return kwargs
+
+
+# vLLM's chat_template_kwargs: extra variables for the chat template (e.g. enable_thinking)
+TemplateKwargs = Annotated[JsonObject, AfterValidator(_not_server_variables)]
 
 
 class StrictModel(BaseModel):
@@ -288,6 +300,7 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     modalities: list[Literal["text", "audio"]] | None = None  # "audio" is refused
+    chat_template_kwargs: TemplateKwargs | None = None
     # Accepted and ignored, because ignoring them changes nothing a client can see: nothing is
     # stored (store true is refused), there is one service tier, the prefix cache needs no key,
     # and no response echoes these.
@@ -309,6 +322,7 @@ class TokenizeRequest(StrictModel):
     prompt: Text | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     tools: Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None  # rendered as in chat
+    chat_template_kwargs: TemplateKwargs | None = None  # as in chat
     add_special_tokens: bool = True
 
 

@@ -21,6 +21,7 @@ class Choice:
     """One choice, accumulated for a non-streaming response."""
 
     text: str = ""
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     finish_reason: str | None = None
@@ -30,6 +31,7 @@ class Choice:
 
     def add(self, delta: StreamDelta) -> None:
         self.text += delta.text
+        self.token_ids += delta.token_ids
         self.logprobs += delta.logprobs
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
@@ -49,13 +51,18 @@ class Reply:
     include_usage: bool
     continuous_usage: bool = False  # vLLM's continuous_usage_stats: every chunk carries the usage so far
     completion_tokens: dict[int, int] = field(default_factory=dict)  # per choice, totals
+    reasoning_tokens: dict[int, int] | None = None  # per choice, with a reasoning parser (server/reasoning.py)
 
     def record(self, index: int, delta: StreamDelta) -> None:
         self.completion_tokens[index] = delta.num_output_tokens
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         prompt, completion = sum(self.prompt_lens), sum(self.completion_tokens.values())
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                                 "total_tokens": prompt + completion}
+        if self.reasoning_tokens is not None:
+            usage["completion_tokens_details"] = {"reasoning_tokens": sum(self.reasoning_tokens.values())}
+        return usage
 
     def _head(self, stream: bool) -> dict[str, Any]:
         suffix = ".chunk" if stream and self.object == "chat.completion" else ""

@@ -27,6 +27,7 @@ from roseinfer.sampling_params import SamplingParams
 from roseinfer.server.engine_loop import OverloadedError, RequestStream, SchedulerManager, ShuttingDownError, StreamDelta
 from roseinfer.server.logprobs import LogprobsFormatter
 from roseinfer.server.protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest, error_body
+from roseinfer.server.reasoning import ReasoningParser, pick_reasoning_parser
 from roseinfer.server.request_body import BodyLimits, parse_body
 from roseinfer.server.request_params import (bad_value, check_chat_fields, check_completion_fields, check_request,
                                              sampling_params)
@@ -50,7 +51,7 @@ M = TypeVar("M", bound=BaseModel)
 
 class OpenAIServing:
     def __init__(self, manager: SchedulerManager | ReplicaSet, model_name: str, max_sequences_per_request: int,
-                 tool_call_parser: str, constraint_limits: ConstraintLimits) -> None:
+                 tool_call_parser: str, constraint_limits: ConstraintLimits, reasoning_parser: str) -> None:
         engine = manager.engine
         self.manager = manager
         self.model_name = model_name
@@ -66,6 +67,7 @@ class OpenAIServing:
         self._compile_pool = compile_pool()
         template = engine.tokenizer.chat_template
         self.tool_parser = pick_parser(template, tool_call_parser)
+        self.think_tags = pick_reasoning_parser(template, reasoning_parser, engine.tokenizer)
         try:  # templates that never read `tools` get them as a system prompt (server/tool_calls.py)
             self.template_reads_tools = bool(template) and "tools" in template_variables(template)
         except TemplateError:  # a broken template fails each chat request with a 400 instead
@@ -128,8 +130,9 @@ class OpenAIServing:
         constraint = await self.run_blocking(requested_constraint, body, self.constraint_limits.max_bytes)
         tools = await self.run_blocking(plan_tools, body, self.tool_parser, constraint is not None)
         constraint = constraint or tools.constraint
+        ids = await self.chat_prompt(body.messages, tools.shown, body.chat_template_kwargs)
+        reasoners = [self.reasoning_parser(ids, constraint) for _ in range(body.n)]
         grammar = await self._compile(constraint)
-        ids = await self.chat_prompt(body.messages, tools.shown)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_tokens is None:  # OpenAI's chat default: whatever room the context has left
             max_tokens = min(max(1, self.context_limit - len(ids)), self.defaults.get("max_tokens", self.context_limit))
@@ -137,19 +140,24 @@ class OpenAIServing:
                                  body.prompt_logprobs, constraint.params if constraint else None)
         streams = self._submit([ids], body, params, start, grammar)
         reply = Reply(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name, "chat.completion",
-                      [len(ids)], body.include_usage, body.continuous_usage)
+                      [len(ids)], body.include_usage, body.continuous_usage,
+                      reasoning_tokens={} if self.think_tags else None)
         parsers = [tools.parser() if tools.parser else None for _ in streams]
         if body.stream:
-            return EventStream(self._stream_chat(streams, reply, body.logprobs, parsers),
+            return EventStream(self._stream_chat(streams, reply, body.logprobs, parsers, reasoners),
                                lambda: self.abort_unfinished(streams))
         choices = await self._collect(streams, raw)
         if choices is None:
             return Response(status_code=CLIENT_CLOSED)
         out = []
-        for i, (c, parser) in enumerate(zip(choices, parsers)):
+        for i, (c, parser, reasoner) in enumerate(zip(choices, parsers, reasoners)):
             message: dict[str, Any] = {"role": "assistant", "content": c.text}
-            if parser is not None:
-                message["content"], calls = parser.parse(c.text)
+            if reasoner is not None:
+                reasoning, message["content"] = reasoner.parse(c.text, c.token_ids)
+                message["reasoning_content"] = message["reasoning"] = reasoning
+                reply.reasoning_tokens[i] = reasoner.reasoning_tokens
+            if parser is not None:  # the answer's calls: the reasoning may mention calls it did not make
+                message["content"], calls = parser.parse(message["content"] or "")
                 if calls:
                     message["tool_calls"] = [call.to_openai() for call in calls]
             out.append({"index": i, "message": message, "finish_reason": finish_reason(c.finish_reason, parser),
@@ -164,16 +172,30 @@ class OpenAIServing:
             raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
                            "model", "model_not_found")
 
-    async def chat_prompt(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """The conversation's prompt ids, with `tools` shown to the model (server/tool_calls.py)."""
+    async def chat_prompt(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None,
+                          template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """The conversation's prompt ids, with `tools` shown to the model (server/tool_calls.py) and
+        the request's chat_template_kwargs as template variables."""
         def render() -> list[int]:  # in the pool: messages are copied, tool-call arguments parsed
             rendered, variables = chat_inputs(messages, tools, self.tool_parser, self.template_reads_tools)
-            return self.tokenizer.apply_chat_template(rendered, **variables)
+            return self.tokenizer.apply_chat_template(rendered, **{**(template_kwargs or {}), **variables})
 
         try:
             return await self.run_blocking(render)
         except (ValueError, TemplateError) as exc:
             raise APIError(400, f"could not apply the chat template: {exc}", "messages") from None
+
+    def reasoning_parser(self, prompt_ids: list[int], constraint: Constraint | None) -> ReasoningParser | None:
+        """A reply's reasoning parser; a 400 when an output constraint would have to skip reasoning."""
+        if self.think_tags is None:
+            return None
+        reasoner = self.think_tags.parser(prompt_ids, self.tokenizer)
+        if constraint is not None and reasoner.mode != "content":
+            raise APIError(400, f"{constraint.field} constrains the whole output, and this model's reply starts with "
+                                f"reasoning (--reasoning-parser {self.think_tags.kind}), which constraints cannot "
+                                "skip yet: leave it out, or turn thinking off (chat_template_kwargs "
+                                '{"enable_thinking": false} where the template reads it)', constraint.field)
+        return reasoner
 
     async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
         """Run tokenizer work off the event loop."""
@@ -245,9 +267,11 @@ class OpenAIServing:
             yield line
 
     async def _stream_chat(self, streams: list[RequestStream], reply: Reply, want_logprobs: bool,
-                           parsers: list[ToolParser | None]) -> AsyncIterator[str]:
-        """Content as it comes; with a tool parser, each call in OpenAI's delta.tool_calls chunks
-        (its id and name first, then its arguments), one chunk per entry."""
+                           parsers: list[ToolParser | None],
+                           reasoners: list[ReasoningParser | None]) -> AsyncIterator[str]:
+        """Content as it comes, after the reasoning (delta.reasoning_content and delta.reasoning)
+        when a reasoning parser splits it off; with a tool parser, each call in OpenAI's
+        delta.tool_calls chunks (its id and name first, then its arguments), one chunk per entry."""
         for index in range(len(streams)):  # OpenAI's first chunk per choice names the role
             yield sse(reply.chunk({"index": index, "delta": {"role": "assistant", "content": ""},
                                    "logprobs": None, "finish_reason": None}))
@@ -257,13 +281,21 @@ class OpenAIServing:
                 yield sse(error_body(delta.error_status, delta.error))
                 continue
             logprobs = self.logprobs.chat(delta.logprobs) if want_logprobs and delta.logprobs else None
-            content, calls, parser = delta.text, [], parsers[index]
+            content, calls, parser, reasoner = delta.text, [], parsers[index], reasoners[index]
+            reasoning = ""
+            if reasoner is not None:
+                split = reasoner.feed(delta.text, delta.token_ids)
+                if delta.finished:
+                    split.extend(reasoner.finish())
+                reasoning, content = split.reasoning, split.content
+                reply.reasoning_tokens[index] = reasoner.reasoning_tokens
             if parser is not None:
-                parsed = parser.feed(delta.text)
+                parsed = parser.feed(content)
                 if delta.finished:
                     parsed.extend(parser.finish())
                 content, calls = parsed.content, parsed.tool_calls
-            parts = ([{"content": content}] if content else []) + [{"tool_calls": [call]} for call in calls]
+            parts = ([{"reasoning_content": reasoning, "reasoning": reasoning}] if reasoning else []) + \
+                ([{"content": content}] if content else []) + [{"tool_calls": [call]} for call in calls]
             if not parts and (delta.finished or logprobs):
                 parts = [{}]
             for i, part in enumerate(parts):  # logprobs with the first, the finish reason with the last
