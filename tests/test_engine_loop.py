@@ -11,7 +11,7 @@ from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.sampling_params import SamplingParams
 from roseinfer.server.engine_loop import (SHUTDOWN_MESSAGE, OverloadedError, RequestStream, SchedulerManager,
                                          ShuttingDownError, StreamDelta)
-from roseinfer.server.stop_strings import StopStringMatcher
+from roseinfer.stop_strings import StopStringMatcher
 from server_helpers import wait_for
 from step_gate import StepGate
 
@@ -97,7 +97,7 @@ def test_stop_string_across_chunks_is_cut_with_everything_after_it(engine, manag
     start = len(full) // 3
     stop = full[start:start + 6]
     expected = full[:full.index(stop)]
-    deltas = drain(m.submit(ids, greedy(60), stop=[stop, "never-appears-xyz"]))
+    deltas = drain(m.submit(ids, greedy(60, stop=[stop, "never-appears-xyz"])))
     streamed = "".join(d.text for d in deltas)
     assert streamed == expected
     assert deltas[-1].finish_reason == "stop"
