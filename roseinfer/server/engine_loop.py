@@ -19,6 +19,7 @@ import itertools
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 from roseinfer.engine.llm_engine import LLMEngine
@@ -43,6 +44,14 @@ class ShuttingDownError(RuntimeError):
     """The manager takes no new requests: it is draining or shut down (HTTP 503)."""
 
 
+@dataclass
+class _Submission:
+    stream: RequestStream
+    request: Request  # opaque here: built by engine.new_request, handed to the engine core
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
 FinishedHook = Callable[[RequestStream, StreamDelta], None]  # the final delta carries the core's timestamps
 
 
@@ -56,7 +65,7 @@ class SchedulerManager:
         self.on_finished = on_finished  # called in the worker with each final delta (metrics)
         self._cond = threading.Condition()
         # guarded by _cond
-        self._new: list[tuple[RequestStream, Request]] = []
+        self._new: list[_Submission] = []
         self._aborts: list[str] = []
         self._inflight: set[str] = set()
         self._stopping = False
@@ -115,10 +124,11 @@ class SchedulerManager:
         Submitting before start() is fine: the worker picks the request up once it runs.
         """
         tokenized = time.perf_counter()
+        prompt_ids = list(prompt_ids)
         request_id = request_id if request_id is not None else f"srv-{next(self._ids)}"
-        request = self.engine.new_request(list(prompt_ids), params, request_id, grammar)
+        request = self.engine.new_request(prompt_ids, params, request_id, grammar)
         timings = {"submit_start": tokenized if submit_start is None else submit_start, "tokenized": tokenized}
-        stream = RequestStream(request_id, request.num_prompt_tokens, timings)
+        stream = RequestStream(request_id, len(prompt_ids), timings)
         with self._cond:
             if self._stopping or self._draining:
                 raise ShuttingDownError(SHUTDOWN_MESSAGE)
@@ -130,7 +140,7 @@ class SchedulerManager:
                                       "retry shortly")
             self._inflight.add(request_id)
             timings["submit_end"] = time.perf_counter()
-            self._new.append((stream, request))
+            self._new.append(_Submission(stream, request, prompt_ids, params))
             self._cond.notify()
         return stream
 
@@ -176,11 +186,11 @@ class SchedulerManager:
                     self._inflight.difference_update(self._done)
                 return
 
-    def _iterate(self, new: list[tuple[RequestStream, Request]], aborts: list[str], stopping: bool,
+    def _iterate(self, new: list[_Submission], aborts: list[str], stopping: bool,
                  deltas: list[tuple[RequestStream, StreamDelta]]) -> None:
         engine = self.engine
-        for stream, request in new:
-            self._add(stream, request, deltas)
+        for sub in new:
+            self._add(sub, deltas)
         if stopping:
             self._fail_all(SHUTDOWN_MESSAGE, deltas, status=503)
             return
@@ -194,9 +204,10 @@ class SchedulerManager:
             self._route(request_id, delta, deltas)
         engine.pop_finished_ids()
 
-    def _add(self, stream: RequestStream, request: Request, deltas: list[tuple[RequestStream, StreamDelta]]) -> None:
+    def _add(self, sub: _Submission, deltas: list[tuple[RequestStream, StreamDelta]]) -> None:
+        stream = sub.stream
         try:
-            self.engine.core.add(request)
+            self.engine.core.add(sub.request)
         except Exception as exc:  # noqa: BLE001 -- validated in submit(); whatever slips through fails one request
             logger.exception("could not add request %s", stream.request_id)
             # a ValueError is the request's fault (e.g. an id in use): a 400
@@ -207,7 +218,7 @@ class SchedulerManager:
             self._done.append(stream.request_id)
             return
         self._streams[stream.request_id] = stream
-        self._processor.add_request(stream.request_id, request.prompt_token_ids, request.sampling_params)
+        self._processor.add_request(stream.request_id, sub.prompt_ids, sub.params)
 
     def _route(self, request_id: str, delta: StreamDelta, deltas: list[tuple[RequestStream, StreamDelta]]) -> None:
         """A delta to its stream; the first records the core's admission and first-token times, the
