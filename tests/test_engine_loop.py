@@ -110,6 +110,19 @@ def test_stop_string_across_chunks_is_cut_with_everything_after_it(engine, manag
     assert wait_for(lambda: m.stats()["kv_cache_usage_ratio"] == 0.0)
 
 
+def test_include_stop_str_in_output_streams_through_the_stop_and_no_further(engine, manager) -> None:
+    m = manager()
+    ids = engine.tokenizer.encode(PROMPT)
+    full = _reference_text(engine, m, ids, 60)
+    start = len(full) // 3
+    stop = full[start:start + 6]
+    expected = full[:full.index(stop) + len(stop)]
+    deltas = drain(m.submit(ids, greedy(60, stop=[stop], include_stop_str_in_output=True)))
+    assert "".join(d.text for d in deltas) == expected
+    assert (deltas[-1].finish_reason, deltas[-1].stop_reason) == ("stop", stop)
+    assert deltas[-1].num_output_tokens < 60
+
+
 def test_stop_matcher_holds_back_only_what_could_start_a_stop() -> None:
     matcher = StopStringMatcher(["world", "wx"])
     assert matcher.add("hello w") == ("hello ", False)  # "w" may begin either stop string
