@@ -88,7 +88,8 @@ class OutputProcessor:
                 continue
             matched = self._absorb(state, out)
             if matched:
-                result.stopped_ids += [] if out.finished else [out.request_id]
+                if not out.finished:
+                    result.stopped_ids.append(out.request_id)
                 result.deltas.append((out.request_id, self._end(out.request_id, "stop", now, state.stop.matched)))
             elif out.finished:
                 # an error the core reports is the request's (e.g. its grammar failed): a 400

@@ -2,11 +2,15 @@
 (engine/outputs.py): token ids, logprobs, finish reasons and timestamps, never text."""
 from __future__ import annotations
 
-from roseinfer.distributed.workers import Workers
-from roseinfer.engine.model_runner import ModelRunner
+from typing import TYPE_CHECKING
+
 from roseinfer.engine.outputs import EngineCoreOutput, aborted_output
 from roseinfer.engine.request import Request, RequestStatus
 from roseinfer.engine.scheduler import Scheduler, SchedulerOutput
+
+if TYPE_CHECKING:  # built by LLMEngine; the core only calls them
+    from roseinfer.distributed.workers import Workers
+    from roseinfer.engine.model_runner import ModelRunner
 
 
 class EngineCore:
