@@ -127,7 +127,7 @@ class OutputProcessor:
             text += state.detok.flush()
         matched = False
         if state.stop is not None:
-            text, matched = state.stop.add(text)
+            text, matched = state.stop.add(text, state.num_output_tokens > state.params.min_tokens)
             if out.finished and not matched:
                 text += state.stop.flush()
         state.text += text

@@ -36,16 +36,18 @@ class StopStringMatcher:
             raise ValueError("stop strings must not be empty")
         self._tail = max(map(len, self.stops), default=1) - 1
 
-    def add(self, delta: str) -> tuple[str, bool]:
+    def add(self, delta: str, may_match: bool = True) -> tuple[str, bool]:
         """Append `delta`; return (text to release now, whether a stop string matched). The earliest
-        match wins, whichever string it is.
+        match wins, whichever string it is; only a match that ends in `delta` counts, and none while
+        not `may_match` (vLLM's rule: stop strings count once the output is past min_tokens).
 
         A match cannot start in text already released without include_in_output: that text was
         released only because no suffix of it could begin a stop string. So searching the pending
         tail is enough (with include_in_output the tail is kept for that search).
         """
         text = self.pending + delta
-        hits = [(i, i + len(s), s) for i, s in ((text.find(s), s) for s in self.stops) if i >= 0]
+        hits = [(i, i + len(s), s) for i, s in ((text.find(s, max(0, len(self.pending) - len(s) + 1)), s)
+                                                for s in self.stops) if i >= 0] if may_match else []
         if hits:
             start, end, self.matched = min(hits)
             self.pending = ""

@@ -148,3 +148,18 @@ def test_matcher_with_include_keeps_the_stop_and_holds_nothing_back() -> None:
     assert matcher.add("or") == ("or", False)
     assert matcher.add("ld and more") == ("ld", True)  # a match that began in released text ends here
     assert matcher.matched == "world" and matcher.flush() == ""
+
+
+def test_stop_strings_count_only_past_min_tokens(tokenizer: Tokenizer) -> None:
+    """vLLM's rule: a stop string that ends within the first min_tokens tokens does not stop the output."""
+    prompt = tokenizer.encode("A note:")
+    ids = tokenizer.encode(" cat dog cat dog")
+    k = next(k for k in range(1, len(ids)) if tokenizer.decode(prompt + ids[:k]).endswith(" cat dog"))
+    early, _ = _feed(tokenizer, greedy(stop=["cat"]), prompt, ids)
+    assert early == " "
+    late, deltas = _feed(tokenizer, greedy(stop=["cat"], min_tokens=k), prompt, ids)
+    assert late == " cat dog " and deltas[-1].stop_reason == "cat"
+    kept, _ = _feed(tokenizer, greedy(stop=["cat"], min_tokens=k, include_stop_str_in_output=True), prompt, ids)
+    assert kept == " cat dog cat"
+    never, deltas = _feed(tokenizer, greedy(stop=["cat"], min_tokens=len(ids) - 1), prompt, ids)
+    assert never == " cat dog cat dog" and deltas[-1].finish_reason == "length"
