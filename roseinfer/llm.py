@@ -28,7 +28,7 @@ class CompletionOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
-    stop_reason: str | None = None  # the stop string that ended it
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None: EOS)
 
 
 class LLM:

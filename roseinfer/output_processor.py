@@ -31,7 +31,8 @@ class StreamDelta:
     error_status: int = 500
     # with prompt_logprobs, in the first delta: one entry per prompt token, the first None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
-    stop_reason: str | None = None  # the stop string that ended the output (finish_reason "stop")
+    # what ended the output with finish_reason "stop": the stop string or stop token id (None: EOS)
+    stop_reason: str | int | None = None
     num_cached_tokens: int = 0
     times: RequestTimes | None = None  # the core's timestamps, in the first delta and the final one
 
@@ -94,7 +95,7 @@ class OutputProcessor:
             elif out.finished:
                 # an error the core reports is the request's (e.g. its grammar failed): a 400
                 result.deltas.append((out.request_id, self._end(out.request_id, out.finish_reason, now,
-                                                                error=out.error, status=400)))
+                                                                out.stop_reason, out.error, status=400)))
             elif not state.final_only and (not state.flushed or len(state.token_ids) >= self.stream_interval):
                 result.deltas.append((out.request_id, self._flush(state, now)))
         return result
@@ -133,7 +134,7 @@ class OutputProcessor:
         state.text += text
         return matched
 
-    def _end(self, request_id: str, reason: str | None, now: float, stop_reason: str | None = None,
+    def _end(self, request_id: str, reason: str | None, now: float, stop_reason: str | int | None = None,
              error: str | None = None, status: int = 500) -> StreamDelta:
         state = self._states.pop(request_id)
         if state.detok is None:

@@ -95,6 +95,13 @@ def test_stops_that_never_match_change_nothing(llm: LLM, full: tuple[list[int], 
         assert (out.token_ids, out.text, out.finish_reason, out.stop_reason) == (ids, text, "length", None)
 
 
+def test_a_stop_token_id_is_the_stop_reason(llm: LLM, full: tuple[list[int], str]) -> None:
+    ids, _ = full
+    position = next(j for j in range(2, len(ids)) if ids[j] not in ids[:j])
+    out = llm.generate(PROMPT, greedy(stop_token_ids=[ids[position]]), use_tqdm=False)[0]
+    assert (out.token_ids, out.finish_reason, out.stop_reason) == (ids[:position + 1], "stop", ids[position])
+
+
 def test_an_empty_stop_string_is_refused() -> None:
     with pytest.raises(ValueError, match="stop strings"):
         SamplingParams(stop=["a", ""])

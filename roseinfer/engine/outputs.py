@@ -34,6 +34,7 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     # on the output that carries the first token and on the final one
     times: RequestTimes | None = None
+    stop_reason: int | None = None  # the stop_token_ids entry that ended it (not an EOS)
 
     @property
     def finished(self) -> bool:

@@ -227,11 +227,17 @@ class Scheduler:
             if reason is not None:
                 self.running.remove(req)
                 self._finish(req, reason)
-            wants_prompt = first and req.sampling_params.prompt_logprobs is not None
+            params = req.sampling_params
+            wants_prompt = first and params.prompt_logprobs is not None
+            last = emitted[-1]
+            # vLLM's stop_reason: the stop token id, unless the token stopped the request as its EOS
+            stop_token = last if reason == "stop" and last in params.stop_token_ids and not (
+                last in self.eos_token_ids and not params.ignore_eos) else None
             outputs.append(EngineCoreOutput(
                 req.request_id, emitted, reason, [logprob] if logprob is not None else [],
                 list(req.prompt_logprobs) if wants_prompt else None, req.error if reason is not None else None,
-                req.num_prompt_tokens, req.num_cached_tokens, request_times(req) if first or reason else None))
+                req.num_prompt_tokens, req.num_cached_tokens, request_times(req) if first or reason else None,
+                stop_token))
         return outputs
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
