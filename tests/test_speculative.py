@@ -151,11 +151,11 @@ def test_failed_proposals_back_off():
     req = Request("r", [1, 2, 3, 1, 2, 3, 1, 2], GREEDY)
     pauses = []
     for _ in range(3):
-        assert proposer.propose(req, budget=100)
+        assert proposer.propose([req])[0]
         proposer.record(req, 4, 0)
         pauses.append(req.spec_pause)
         while req.spec_pause:
-            assert proposer.propose(req, budget=100) == []
+            assert proposer.propose([req]) == [[]]
     assert pauses == [1, 2, 4]
     proposer.record(req, 4, 2)
     assert req.spec_misses == 0 and proposer.stats.num_draft_tokens == 16

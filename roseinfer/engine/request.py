@@ -52,7 +52,6 @@ class Request:
     step_count: int = 0  # engine steps this request was part of
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     error: str | None = None  # why the engine ended it early, for the caller ("abort")
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
     # with prompt_logprobs: one entry per prompt token taken so far, the first None (no context)
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     generator: torch.Generator | None = None
@@ -61,6 +60,7 @@ class Request:
     # speculative decoding: verifications in a row that accepted nothing, and steps left without drafts
     spec_misses: int = 0
     spec_pause: int = 0
+    draft: list[int] = field(default_factory=list)  # proposed after its last step, verified in its next
     admitted_time: float | None = None
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
@@ -113,16 +113,3 @@ class Request:
     def in_prefill(self) -> bool:
         """True while more than the last token still needs its K/V computed."""
         return self.num_tokens - self.num_computed_tokens > 1
-
-
-@dataclass
-class RequestOutput:
-    """What one engine step produced for one request (a delta, not the whole history)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0

@@ -24,7 +24,9 @@ from pydantic import BaseModel
 from roseinfer.chat_template import template_variables
 from roseinfer.engine.structured_output import CompiledGrammar
 from roseinfer.sampling_params import SamplingParams
-from roseinfer.server.engine_loop import OverloadedError, RequestStream, SchedulerManager, ShuttingDownError, StreamDelta
+from roseinfer.output_processor import StreamDelta
+from roseinfer.server.engine_loop import OverloadedError, SchedulerManager, ShuttingDownError
+from roseinfer.server.request_stream import RequestStream
 from roseinfer.server.logprobs import LogprobsFormatter
 from roseinfer.server.protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest, error_body
 from roseinfer.server.reasoning import ReasoningParser, pick_reasoning_parser
@@ -218,7 +220,6 @@ class OpenAIServing:
     def _submit(self, prompts: list[list[int]], body: SamplingRequest, params: SamplingParams,
                 start: float, grammar: CompiledGrammar | None) -> list[RequestStream]:
         """n engine requests per prompt; with a seed, choice i draws from seed + i."""
-        stop = [body.stop] if isinstance(body.stop, str) else body.stop
         base_id = uuid.uuid4().hex
         streams: list[RequestStream] = []
         try:
@@ -226,8 +227,7 @@ class OpenAIServing:
                 for i in range(body.n):
                     choice_params = params if params.seed is None or i == 0 else \
                         dataclasses.replace(params, seed=params.seed + i)
-                    streams.append(self.manager.submit(ids, choice_params, f"{base_id}-{len(streams)}", stop, start,
-                                                       grammar))
+                    streams.append(self.manager.submit(ids, choice_params, f"{base_id}-{len(streams)}", start, grammar))
         except BaseException as exc:
             for stream in streams:  # all or nothing: no half-submitted choice sets
                 self.manager.abort(stream.request_id)
