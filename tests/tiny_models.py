@@ -29,7 +29,8 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
-ARCHS: list[str] = ["gpt2", "llama", "llama3_rope_untied", "mistral", "qwen2", "qwen3", "llama_mqa"]
+ARCHS: list[str] = ["gpt2", "llama", "llama3_rope_untied", "mistral", "qwen2", "qwen3", "llama_mqa",
+                    "gemma2", "gemma3", "gemma4"]
 
 # Archs whose weights are saved in several shards, so the engine's loader must follow
 # model.safetensors.index.json. The whole model is ~0.5 MB, so 150KB gives 3-5 shards.
@@ -167,7 +168,36 @@ def _config(arch: str) -> Any:
                            rope_theta=1_000_000.0, tie_word_embeddings=True)
     if arch == "llama_mqa":
         return LlamaConfig(**{**common, "num_key_value_heads": 1}, tie_word_embeddings=False)
+    if arch.startswith("gemma"):
+        return _gemma_config(arch, common)
     raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
+
+
+# Gemma: a sliding window shorter than most test prompts, a query scalar other than head_dim,
+# soft-caps small enough to bite, non-default rope bases (Gemma 3: linear scaling on global layers).
+GEMMA_WINDOW = 512
+
+
+def _gemma_config(arch: str, common: dict[str, Any]) -> Any:
+    from transformers import Gemma2Config, Gemma3TextConfig, Gemma4TextConfig
+
+    gemma = {**common, "head_dim": 16, "sliding_window": GEMMA_WINDOW, "hidden_activation": "gelu_pytorch_tanh"}
+    if arch == "gemma2":
+        return Gemma2Config(**gemma, query_pre_attn_scalar=24, attn_logit_softcapping=None,
+                            final_logit_softcapping=3.0, rope_theta=20000.0, tie_word_embeddings=True)
+    if arch == "gemma3":
+        rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 20000.0},
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 500000.0}}
+        return Gemma3TextConfig(**{**gemma, "num_hidden_layers": 3}, query_pre_attn_scalar=24, rope_parameters=rope,
+                                layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                tie_word_embeddings=False)
+    # Gemma 4: global layers of another head shape with values from the key projection, the last
+    # layer reusing layer 1's K/V with a double-wide MLP, per-layer embeddings, proportional rope.
+    return Gemma4TextConfig(**{**gemma, "num_hidden_layers": 3}, global_head_dim=32, num_global_key_value_heads=1,
+                            attention_k_eq_v=True, num_kv_shared_layers=1, use_double_wide_mlp=True,
+                            hidden_size_per_layer_input=8, vocab_size_per_layer_input=common["vocab_size"],
+                            layer_types=["sliding_attention", "full_attention", "full_attention"],
+                            final_logit_softcapping=5.0, tie_word_embeddings=False)
 
 
 @torch.no_grad()
@@ -192,6 +222,9 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
             p.copy_(noise * 0.2)
         else:  # RMSNorm / LayerNorm scale (incl. qwen3 q_norm/k_norm)
             p.copy_(1.0 + noise * 0.2)
+    for name, buffer in model.named_buffers():
+        if name.endswith("layer_scalar"):  # Gemma 4's per-layer output scale, saved with the weights
+            buffer.copy_(1.0 + torch.randn(buffer.shape, generator=gen) * 0.2)
 
 
 def build_tiny_model(arch: str, out_dir: str | pathlib.Path) -> pathlib.Path:
