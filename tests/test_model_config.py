@@ -10,29 +10,68 @@ import pytest
 from transformers import AutoConfig
 
 from roseinfer.loader.model_loader import load_model_config
-from roseinfer.models.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from roseinfer.models.config import MULTIMODAL_WRAPPERS, SUPPORTED_MODEL_TYPES, ModelConfig
 from tiny_models import ARCHS
 
 
 def _expected(hf) -> dict:
     """The engine's fields, read the way transformers' config objects expose them."""
+    if hf.model_type == "gemma4_text":  # head_dim / num_kv_heads vary by layer: _assert_gemma checks them
+        hf.allow_global_per_layer_attribute_access = True
     if hf.model_type == "gpt2":
         return {"hidden_size": hf.n_embd, "num_layers": hf.n_layer, "num_heads": hf.n_head,
                 "intermediate_size": hf.n_inner or 4 * hf.n_embd, "max_position_embeddings": hf.n_positions,
                 "norm_eps": hf.layer_norm_epsilon, "hidden_act": hf.activation_function}
-    window = getattr(hf, "sliding_window", None) if hf.model_type == "mistral" else None
-    max_pos = min(hf.max_position_embeddings, window) if window else hf.max_position_embeddings
-    return {"hidden_size": hf.hidden_size, "num_layers": hf.num_hidden_layers, "num_heads": hf.num_attention_heads,
-            "num_kv_heads": hf.num_key_value_heads, "intermediate_size": hf.intermediate_size,
-            "head_dim": getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
-            "max_position_embeddings": max_pos, "norm_eps": hf.rms_norm_eps, "hidden_act": hf.hidden_act,
-            "tie_word_embeddings": hf.tie_word_embeddings}
+    expected = {"hidden_size": hf.hidden_size, "num_layers": hf.num_hidden_layers,
+                "num_heads": hf.num_attention_heads, "num_kv_heads": hf.num_key_value_heads,
+                "intermediate_size": hf.intermediate_size,
+                "head_dim": getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
+                "max_position_embeddings": hf.max_position_embeddings, "norm_eps": hf.rms_norm_eps,
+                "hidden_act": getattr(hf, "hidden_activation", None) or hf.hidden_act,
+                "tie_word_embeddings": hf.tie_word_embeddings}
+    if hf.model_type.startswith("gemma"):
+        expected |= {"layer_types": tuple(hf.layer_types), "final_logit_softcap": hf.final_logit_softcapping,
+                     "attn_logit_softcap": getattr(hf, "attn_logit_softcapping", None) if hf.model_type == "gemma2"
+                     else None}
+    if hf.model_type == "gemma4_text":  # head_dim / num_kv_heads are the KV pool's row; each layer's own:
+        del expected["head_dim"], expected["num_kv_heads"]
+    return expected
+
+
+def _assert_gemma(cfg: ModelConfig, hf) -> None:
+    """Gemma's rope per layer type, attention scale and (Gemma 4) per-layer head shapes."""
+    for kind in set(hf.layer_types):
+        assert cfg.raw_config["rope_parameters"][kind] == hf.rope_parameters[kind] if \
+            hf.model_type != "gemma2" else cfg.raw_config["rope_parameters"][kind]["rope_theta"] == \
+            hf.rope_parameters["rope_theta"]
+    if hf.model_type != "gemma4_text":
+        assert cfg.attn_scale == hf.query_pre_attn_scalar ** -0.5
+        return
+    assert cfg.attn_scale == 1.0
+    shapes = [(hf.per_layer_config[i].num_key_value_heads, hf.per_layer_config[i].head_dim)
+              for i in range(hf.num_hidden_layers)]
+    assert list(cfg.gemma4.head_shapes) == shapes
+    assert cfg.gemma4.kv_shared_layers == hf.num_kv_shared_layers and cfg.gemma4.k_eq_v == hf.attention_k_eq_v
+    assert cfg.gemma4.per_layer_input_size == hf.hidden_size_per_layer_input
+    assert cfg.gemma4.per_layer_vocab_size == hf.vocab_size_per_layer_input
+
+
+def _expected_windows(hf) -> list[int | None]:
+    """Each layer's sliding window as transformers' modeling files apply it: to every layer where
+    the config has no `layer_types` (Mistral), else to its sliding ones."""
+    window = getattr(hf, "sliding_window", None)
+    layer_types = getattr(hf, "layer_types", None) or ["sliding_attention"] * hf.num_hidden_layers
+    return [window if kind == "sliding_attention" else None for kind in layer_types]
 
 
 def _assert_matches(cfg: ModelConfig, hf) -> None:
     assert cfg.vocab_size == hf.vocab_size
     for key, value in _expected(hf).items():
         assert getattr(cfg, key) == value, key
+    if hf.model_type != "gpt2":
+        assert [cfg.layer_sliding_window(i) for i in range(cfg.num_layers)] == _expected_windows(hf)
+    if hf.model_type.startswith("gemma"):
+        _assert_gemma(cfg, hf)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -50,9 +89,11 @@ MINIMAL = {
 
 @pytest.mark.parametrize("model_type", SUPPORTED_MODEL_TYPES)
 def test_missing_fields_take_transformers_defaults(model_type: str) -> None:
-    raw = {"model_type": model_type, **MINIMAL["gpt2" if model_type == "gpt2" else "llama"]}
-    fields = {k: v for k, v in raw.items() if k != "model_type"}
-    _assert_matches(ModelConfig.from_dict(raw), AutoConfig.for_model(model_type, **fields))
+    fields = dict(MINIMAL["gpt2" if model_type == "gpt2" else "llama"])
+    if model_type in MULTIMODAL_WRAPPERS:  # the text model's fields, as Gemma3ForConditionalGeneration has them
+        fields = {"text_config": {"model_type": MULTIMODAL_WRAPPERS[model_type], **fields}}
+    hf = AutoConfig.for_model(model_type, **fields)
+    _assert_matches(ModelConfig.from_dict({"model_type": model_type, **fields}), getattr(hf, "text_config", hf))
 
 
 def test_missing_required_field_is_a_clear_error() -> None:

@@ -181,4 +181,5 @@ def test_cuda_marker() -> None:
 
 
 def test_archs_list() -> None:
-    assert ARCHS == ["gpt2", "llama", "llama3_rope_untied", "mistral", "qwen2", "qwen3", "llama_mqa"]
+    assert ARCHS == ["gpt2", "llama", "llama3_rope_untied", "mistral", "qwen2", "qwen3", "llama_mqa",
+                     "gemma2", "gemma3", "gemma4"]

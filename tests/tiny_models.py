@@ -175,7 +175,7 @@ def _config(arch: str) -> Any:
 
 # Gemma: a sliding window shorter than most test prompts, a query scalar other than head_dim,
 # soft-caps small enough to bite, non-default rope bases (Gemma 3: linear scaling on global layers).
-GEMMA_WINDOW = 512
+GEMMA_WINDOW = 8
 
 
 def _gemma_config(arch: str, common: dict[str, Any]) -> Any:
@@ -183,14 +183,14 @@ def _gemma_config(arch: str, common: dict[str, Any]) -> Any:
 
     gemma = {**common, "head_dim": 16, "sliding_window": GEMMA_WINDOW, "hidden_activation": "gelu_pytorch_tanh"}
     if arch == "gemma2":
-        return Gemma2Config(**gemma, query_pre_attn_scalar=24, attn_logit_softcapping=None,
-                            final_logit_softcapping=3.0, rope_theta=20000.0, tie_word_embeddings=True)
+        return Gemma2Config(**gemma, query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
+                            final_logit_softcapping=12.0, rope_theta=20000.0, tie_word_embeddings=False)
     if arch == "gemma3":
         rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 20000.0},
                 "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 500000.0}}
         return Gemma3TextConfig(**{**gemma, "num_hidden_layers": 3}, query_pre_attn_scalar=24, rope_parameters=rope,
                                 layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-                                tie_word_embeddings=False)
+                                tie_word_embeddings=True)
     # Gemma 4: global layers of another head shape with values from the key projection, the last
     # layer reusing layer 1's K/V with a double-wide MLP, per-layer embeddings, proportional rope.
     return Gemma4TextConfig(**{**gemma, "num_hidden_layers": 3}, global_head_dim=32, num_global_key_value_heads=1,
@@ -245,6 +245,11 @@ def build_tiny_model(arch: str, out_dir: str | pathlib.Path) -> pathlib.Path:
     torch.manual_seed(ARCHS.index(arch))  # HF's own init, before we overwrite it
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(model, seed=1000 + ARCHS.index(arch))
+    if arch.startswith("gemma") and config.tie_word_embeddings:
+        # Gemma multiplies embeddings by sqrt(hidden): unscaled, a tied table makes every token
+        # predict itself. Trained tables are that much smaller; so is this one.
+        with torch.no_grad():
+            model.get_input_embeddings().weight.div_(config.hidden_size ** 0.5)
     model.eval()
     ids = special_ids()
     # Like Qwen2-Instruct: generation stops on either <|im_end|> or <|endoftext|>, so the

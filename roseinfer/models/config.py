@@ -28,13 +28,26 @@ class ModelConfig:
     qk_norm: bool = False
     hidden_act: str = "silu"
     raw_config: dict[str, Any] = field(default_factory=dict)  # config.json (a wrapper's text_config), for rotary
-    # per layer "sliding_attention" or "full_attention" (HF's names); empty: every layer full
+    # per layer: its attention's sliding window (layers/attention.py PagedAttention), None where it
+    # attends the whole context; empty: no layer slides
+    sliding_windows: tuple[int | None, ...] = ()
+    # per layer "sliding_attention" or "full_attention" (HF's names, Gemma's rope tables); empty: all full
     layer_types: tuple[str, ...] = ()
-    sliding_window: int | None = None  # keys a sliding layer's query sees, itself included
     attn_scale: float | None = None  # None: head_dim ** -0.5
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
     gemma4: Gemma4Layout | None = None
+
+    def layer_sliding_window(self, layer: int) -> int | None:
+        return self.sliding_windows[layer] if self.sliding_windows else None
+
+    @property
+    def kv_window(self) -> int | None:
+        """How many trailing positions any layer can still attend to, where every layer slides: the
+        KV blocks wholly before that are dead. None where some layer attends the whole context."""
+        if len(self.sliding_windows) < self.num_layers or None in self.sliding_windows:
+            return None
+        return max(self.sliding_windows)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
@@ -60,33 +73,46 @@ class ModelConfig:
             return _gemma_config(cls, raw, get)
         num_heads = get("num_attention_heads")
         head_dim = get("head_dim") or get("hidden_size") // num_heads
-        max_pos = get("max_position_embeddings")
-        # Mistral-style sliding window: we attend to the whole context, so cap the context at
-        # the window, where both agree.
-        window = get("sliding_window") if model_type == "mistral" else None
-        if window:
-            max_pos = min(max_pos, window)
         return cls(
             model_type=model_type, vocab_size=get("vocab_size"), hidden_size=get("hidden_size"),
             num_layers=get("num_hidden_layers"), num_heads=num_heads,
             num_kv_heads=get("num_key_value_heads") or num_heads, head_dim=head_dim,
-            intermediate_size=get("intermediate_size"), max_position_embeddings=max_pos, norm_eps=get("rms_norm_eps"),
+            intermediate_size=get("intermediate_size"), max_position_embeddings=get("max_position_embeddings"), norm_eps=get("rms_norm_eps"),
             tie_word_embeddings=bool(get("tie_word_embeddings")),
             attention_bias=bool(get("attention_bias")) or model_type == "qwen2",
             qk_norm=model_type == "qwen3", hidden_act=get("hidden_act"), raw_config=raw,
+            sliding_windows=_sliding_windows(get, get("num_hidden_layers")),
         )
+
+
+def _sliding_windows(get: "_Fields", num_layers: int) -> tuple[int | None, ...]:
+    """Each layer's window as transformers applies it: Mistral's `sliding_window` to every layer;
+    Qwen2/Qwen3's, under `use_sliding_window`, to the layers `layer_types` names sliding (by default
+    those from `max_window_layers` on)."""
+    model_type = get("model_type")
+    if model_type == "mistral":
+        return (get("sliding_window"),) * num_layers if get("sliding_window") is not None else ()
+    if model_type not in ("qwen2", "qwen3") or not get("use_sliding_window") or get("sliding_window") is None:
+        return ()
+    layer_types = get("layer_types") or ["sliding_attention" if i >= get("max_window_layers") else "full_attention"
+                                         for i in range(num_layers)]
+    return tuple(get("sliding_window") if kind == "sliding_attention" else None for kind in layer_types)
 
 
 _LLAMA_DEFAULTS = {"rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False,
                    "num_key_value_heads": None, "head_dim": None, "attention_bias": False}
+_QWEN_WINDOW_DEFAULTS = {"use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28,
+                         "layer_types": None}
 # What transformers' config classes assume for fields a config.json leaves out.
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "gpt2": {"n_inner": None, "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5, "n_positions": 1024},
     "llama": {**_LLAMA_DEFAULTS, "max_position_embeddings": 2048},
     "mistral": {**_LLAMA_DEFAULTS, "max_position_embeddings": 131072, "sliding_window": 4096,
                 "num_key_value_heads": 8},
-    "qwen2": {**_LLAMA_DEFAULTS, "max_position_embeddings": 32768, "num_key_value_heads": 32},
-    "qwen3": {**_LLAMA_DEFAULTS, "max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": 128},
+    "qwen2": {**_LLAMA_DEFAULTS, **_QWEN_WINDOW_DEFAULTS, "max_position_embeddings": 32768,
+              "num_key_value_heads": 32},
+    "qwen3": {**_LLAMA_DEFAULTS, **_QWEN_WINDOW_DEFAULTS, "max_position_embeddings": 32768,
+              "num_key_value_heads": 32, "head_dim": 128},
 }
 
 _GEMMA_DEFAULTS = {"hidden_size": 2304, "intermediate_size": 9216, "num_attention_heads": 8, "rms_norm_eps": 1e-6, "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True,
@@ -101,8 +127,7 @@ _DEFAULTS.update({
     "gemma4_text": {**_GEMMA_DEFAULTS, "vocab_size": 262144, "num_hidden_layers": 30, "max_position_embeddings": 131072, "sliding_window": 512,
                     "global_head_dim": 512, "num_global_key_value_heads": None, "attention_k_eq_v": False,
                     "num_kv_shared_layers": 0, "hidden_size_per_layer_input": 256,
-                    "vocab_size_per_layer_input": 262144, "use_double_wide_mlp": False, "enable_moe_block": False,
-                    "use_bidirectional_attention": None},
+                    "vocab_size_per_layer_input": 262144, "use_double_wide_mlp": False, "enable_moe_block": False},
 })
 # Gemma 4's rope when config.json gives none: proportional rope on a quarter of the global layers' dims
 _GEMMA4_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
@@ -180,11 +205,12 @@ def _gemma_config(cls: type[ModelConfig], raw: dict[str, Any], get: _Fields) -> 
     head_dim, kv_heads = get("head_dim"), get("num_key_value_heads")
     gemma4 = None
     scale = get("query_pre_attn_scalar") ** -0.5
+    if raw.get("use_bidirectional_attention") in (True, "all"):
+        raise ValueError(f"{model_type} with use_bidirectional_attention={raw['use_bidirectional_attention']!r} "
+                         "attends both ways (an embedding model), not a causal LM; not supported")
     if model_type == "gemma4_text":
         if get("enable_moe_block"):
             raise ValueError("Gemma 4 mixture-of-experts checkpoints (enable_moe_block) are not supported yet")
-        if get("use_bidirectional_attention") == "all":
-            raise ValueError("Gemma 4 with use_bidirectional_attention='all' is not a causal LM; not supported")
         shapes = _gemma4_head_shapes(raw, get, layer_types)
         gemma4 = Gemma4Layout(
             head_shapes=shapes, k_eq_v=bool(get("attention_k_eq_v")), kv_shared_layers=get("num_kv_shared_layers"),
@@ -201,7 +227,8 @@ def _gemma_config(cls: type[ModelConfig], raw: dict[str, Any], get: _Fields) -> 
         max_position_embeddings=get("max_position_embeddings"), norm_eps=get("rms_norm_eps"),
         tie_word_embeddings=bool(get("tie_word_embeddings")), attention_bias=bool(get("attention_bias")),
         qk_norm=model_type != "gemma2", hidden_act=get("hidden_activation"), raw_config=text,
-        layer_types=layer_types, sliding_window=get("sliding_window"), attn_scale=scale,
+        layer_types=layer_types, attn_scale=scale,
+        sliding_windows=tuple(get("sliding_window") if kind != "full_attention" else None for kind in layer_types),
         attn_logit_softcap=get("attn_logit_softcapping") if model_type == "gemma2" else None,
         final_logit_softcap=get("final_logit_softcapping"), gemma4=gemma4)
 

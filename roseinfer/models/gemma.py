@@ -71,10 +71,10 @@ class GemmaAttention(nn.Module):
             else None
         self.norm_eps = cfg.norm_eps
         self.norms_values = cfg.gemma4 is not None  # Gemma 4: RMS-normed values, no weight
-        window = cfg.sliding_window if self.layer_type != FULL else None
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, head_dim,
                                    cfg.attn_scale if cfg.attn_scale is not None else head_dim ** -0.5,
-                                   sliding_window=window, logit_softcap=cfg.attn_logit_softcap)
+                                   sliding_window=cfg.layer_sliding_window(layer),
+                                   logit_softcap=cfg.attn_logit_softcap)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
                 shared: SharedKV) -> torch.Tensor:
