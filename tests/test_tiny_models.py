@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tiny_models import (ARCHS, CHAT_TEMPLATE, SHARDED_ARCHS, build_tiny_model, hf_greedy,
+from tiny_models import (ARCHS, CHAT_TEMPLATE, SHARDED_ARCHS, SLIDING_WINDOW, build_tiny_model, hf_greedy,
                          load_hf_model, sample_prompts)
 
 
@@ -70,6 +70,13 @@ def test_arch_specific_layout(tiny_model_factory) -> None:
 
     cfg, w = load("llama_mqa")
     assert cfg["num_key_value_heads"] == 1 and w["model.layers.0.self_attn.v_proj.weight"] == (16, 64)
+
+    cfg, w = load("mistral_sliding")
+    assert cfg["sliding_window"] == SLIDING_WINDOW
+
+    cfg, w = load("qwen2_sliding")
+    assert cfg["use_sliding_window"] and cfg["sliding_window"] == SLIDING_WINDOW
+    assert cfg["layer_types"] == ["full_attention", "sliding_attention"]
 
 
 def test_sharded_index(tiny_model_factory) -> None:
@@ -182,4 +189,4 @@ def test_cuda_marker() -> None:
 
 def test_archs_list() -> None:
     assert ARCHS == ["gpt2", "llama", "llama3_rope_untied", "mistral", "qwen2", "qwen3", "llama_mqa",
-                     "gemma2", "gemma3", "gemma4"]
+                     "mistral_sliding", "qwen2_sliding", "gemma2", "gemma3", "gemma4"]

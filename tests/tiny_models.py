@@ -30,7 +30,10 @@ CHAT_TEMPLATE = (
 )
 
 ARCHS: list[str] = ["gpt2", "llama", "llama3_rope_untied", "mistral", "qwen2", "qwen3", "llama_mqa",
-                    "gemma2", "gemma3", "gemma4"]
+                    "mistral_sliding", "qwen2_sliding", "gemma2", "gemma3", "gemma4"]
+
+# Sliding windows far shorter than the test prompts, so that every mode attends across a window's edge.
+SLIDING_WINDOW = 8
 
 # Archs whose weights are saved in several shards, so the engine's loader must follow
 # model.safetensors.index.json. The whole model is ~0.5 MB, so 150KB gives 3-5 shards.
@@ -170,18 +173,22 @@ def _config(arch: str) -> Any:
         return LlamaConfig(**{**common, "num_key_value_heads": 1}, tie_word_embeddings=False)
     if arch.startswith("gemma"):
         return _gemma_config(arch, common)
+    if arch == "mistral_sliding":  # every layer slides
+        return MistralConfig(**common, sliding_window=SLIDING_WINDOW, tie_word_embeddings=False)
+    if arch == "qwen2_sliding":  # layer 0 attends the whole context, layer 1 slides
+        return Qwen2Config(**common, use_sliding_window=True, sliding_window=SLIDING_WINDOW, max_window_layers=1,
+                           tie_word_embeddings=True)
     raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
 
 
-# Gemma: a sliding window shorter than most test prompts, a query scalar other than head_dim,
-# soft-caps small enough to bite, non-default rope bases (Gemma 3: linear scaling on global layers).
-GEMMA_WINDOW = 8
+# Gemma: the sliding window above, a query scalar other than head_dim, soft-caps small enough to
+# bite, non-default rope bases (Gemma 3: linear scaling on global layers).
 
 
 def _gemma_config(arch: str, common: dict[str, Any]) -> Any:
     from transformers import Gemma2Config, Gemma3TextConfig, Gemma4TextConfig
 
-    gemma = {**common, "head_dim": 16, "sliding_window": GEMMA_WINDOW, "hidden_activation": "gelu_pytorch_tanh"}
+    gemma = {**common, "head_dim": 16, "sliding_window": SLIDING_WINDOW, "hidden_activation": "gelu_pytorch_tanh"}
     if arch == "gemma2":
         return Gemma2Config(**gemma, query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
                             final_logit_softcapping=12.0, rope_theta=20000.0, tie_word_embeddings=False)
