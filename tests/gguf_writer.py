@@ -37,6 +37,10 @@ _LLAMA_BLOCK = {
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
 }  # fmt: skip
+_GEMMA_BLOCK = _LLAMA_BLOCK | {
+    "pre_feedforward_layernorm": "ffn_norm", "post_attention_layernorm": "post_attention_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}  # fmt: skip
 _LLAMA_GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 _GPT2_BLOCK = {
     "ln_1": "attn_norm", "attn.c_attn": "attn_qkv", "attn.c_proj": "attn_output",
@@ -44,7 +48,8 @@ _GPT2_BLOCK = {
 }  # fmt: skip
 _GPT2_GLOBAL = {"transformer.wte": "token_embd", "transformer.wpe": "position_embd", "transformer.ln_f": "output_norm"}
 # llama.cpp writes mistral as llama.
-_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2"}
+_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2",
+         "gemma2": "gemma2", "gemma3_text": "gemma3"}
 # Byte offsets of the fp16 scale fields (d, dmin) inside one K-quant block (ggml-common.h).
 _K_FP16_FIELDS = {QT.Q2_K: (-4, -2), QT.Q3_K: (-2,), QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (-2,)}
 
@@ -84,7 +89,8 @@ def gguf_tensor_names(hf_model: torch.nn.Module) -> dict[str, str]:
     if model_type == "gpt2":
         block_prefix, block, glob = "transformer.h.", _GPT2_BLOCK, _GPT2_GLOBAL
     else:
-        block_prefix, block, glob = "model.layers.", _LLAMA_BLOCK, _LLAMA_GLOBAL
+        block = _GEMMA_BLOCK if model_type.startswith("gemma") else _LLAMA_BLOCK
+        block_prefix, glob = "model.layers.", _LLAMA_GLOBAL
     names: dict[str, str] = {}
     for hf_name in hf_model.state_dict():
         stem, _, suffix = hf_name.rpartition(".")
@@ -164,7 +170,7 @@ _K_QUANTIZERS = {QT.Q4_K: _quantize_q4_k, QT.Q6_K: _quantize_q6_k}
 def write_tiny_gguf(
     path: str | Path, hf_model: torch.nn.Module, tokenizer: Any | None = None, qtype: str | QT = QT.F32
 ) -> Path:
-    """Write hf_model (llama / mistral / qwen2 / qwen3 / gpt2) as a GGUF file and return its path.
+    """Write hf_model (llama / mistral / qwen2 / qwen3 / gpt2 / gemma2 / gemma3) as a GGUF file and return its path.
 
     tokenizer: a byte-level BPE fast tokenizer (e.g. make_tiny_tokenizer()) whose vocab, merges,
     special tokens and chat template go into the metadata, or None for no tokenizer at all.
@@ -194,10 +200,13 @@ def write_tiny_gguf(
         w.add_head_count_kv(cfg.num_key_value_heads)
         w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
         rope = getattr(cfg, "rope_parameters", None) or {}
-        w.add_rope_freq_base(float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))))
+        if model_type != "gemma3_text":  # rope per layer type: _add_gemma_metadata
+            w.add_rope_freq_base(float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))))
         w.add_rope_dimension_count(head_dim)
         w.add_key_length(head_dim)  # convert_hf_to_gguf writes these when config has head_dim
         w.add_value_length(head_dim)
+        if arch.startswith("gemma"):
+            _add_gemma_metadata(w, cfg)
     w.add_vocab_size(cfg.vocab_size)
     if tokenizer is not None:
         _add_tokenizer(w, tokenizer)
@@ -213,6 +222,8 @@ def write_tiny_gguf(
             data = llama_permute(data, cfg.num_attention_heads, cfg.num_key_value_heads)
         elif arch == "gpt2" and gguf_name.split(".")[-2] in ("attn_qkv", "attn_output", "ffn_up", "ffn_down"):
             data = data.T if gguf_name.endswith(".weight") else data  # Conv1D (in, out) -> (out, in)
+        elif arch.startswith("gemma") and hf_name.endswith("norm.weight"):
+            data = data + np.float32(1.0)  # convert_hf_to_gguf stores the (1 + w) Gemma scales by
         stored, stored_type = encode_weights(np.ascontiguousarray(data), qtype, rng)
         if stored_type in (QT.F32, QT.F16):
             w.add_tensor(gguf_name, stored)
@@ -223,6 +234,23 @@ def write_tiny_gguf(
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _add_gemma_metadata(w: gguf.GGUFWriter, cfg: Any) -> None:
+    """What convert_hf_to_gguf's Gemma2Model / Gemma3Model add: the window, soft-caps and (Gemma 3)
+    the global layers' rope; llama.cpp fixes the layer pattern, the local rope base and the query scale."""
+    w.add_sliding_window(cfg.sliding_window)
+    if cfg.model_type == "gemma2":
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+        return
+    if cfg.final_logit_softcapping:
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    full = cfg.rope_parameters["full_attention"]
+    w.add_rope_freq_base(float(full["rope_theta"]))
+    if full["rope_type"] == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(full["factor"]))
 
 
 def _add_tokenizer(w: gguf.GGUFWriter, tokenizer: Any) -> None:
