@@ -114,3 +114,21 @@ def test_default_rope_model_loads_without_transformers(tiny_model_factory) -> No
             "print('transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# config.json as Google's checkpoints ship it (transformers 4 field names): Gemma 3 1B and the text
+# model of Gemma 3 4B, whose wrapper leaves most fields to the defaults
+GEMMA3_1B = {"model_type": "gemma3_text", "head_dim": 256, "hidden_size": 1152, "intermediate_size": 6912,
+             "max_position_embeddings": 32768, "num_attention_heads": 4, "num_hidden_layers": 26,
+             "num_key_value_heads": 1, "query_pre_attn_scalar": 256, "rope_local_base_freq": 10000,
+             "rope_scaling": None, "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6,
+             "vocab_size": 262144, "final_logit_softcapping": None, "attn_logit_softcapping": None}
+GEMMA3_4B = {"model_type": "gemma3", "text_config": {
+    "hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text", "num_hidden_layers": 34,
+    "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024}}
+
+
+@pytest.mark.parametrize("raw", [GEMMA3_1B, GEMMA3_4B], ids=["gemma3_1b", "gemma3_4b"])
+def test_released_gemma_configs_match_transformers(raw: dict) -> None:
+    hf = AutoConfig.for_model(**raw)
+    _assert_matches(ModelConfig.from_dict(raw), getattr(hf, "text_config", hf))
