@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ from safetensors.torch import load_file as load_torch, save_file
 from roseinfer import LLM, SamplingParams
 from roseinfer.config import EngineConfig
 from roseinfer.engine.llm_engine import LLMEngine
+from roseinfer.layers.rotary import rope_parameters
 from roseinfer.loader.gguf import convert_gguf
 from roseinfer.models.config import ModelConfig
 from roseinfer.server.app import build_app
@@ -76,7 +78,8 @@ def test_unsupported_gemma_variants_are_refused_with_the_reason() -> None:
 
 def _tiny_gemma(model_type: str, vocab_size: int) -> torch.nn.Module:
     """What llama.cpp can represent: its fixed layer pattern (Gemma 3: 5 local, 1 global), local
-    rope base and query scale (head_dim); a window, soft-caps and global rope scaling that bite."""
+    rope base and query scale (head_dim); a window, soft-caps and global rope scaling that bite.
+    Gemma 4's norms scale by w (not 1 + w): they are drawn around 1."""
     torch.manual_seed(0)
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, max_position_embeddings=128,
@@ -84,19 +87,28 @@ def _tiny_gemma(model_type: str, vocab_size: int) -> torch.nn.Module:
     if model_type == "gemma2":
         cfg = transformers.Gemma2Config(**common, num_hidden_layers=2, attn_logit_softcapping=5.0,
                                         final_logit_softcapping=12.0)
+    elif model_type == "gemma4_text":  # as tiny_models' gemma4: every Gemma 4 feature but mixture-of-experts
+        cfg = transformers.Gemma4TextConfig(
+            **common, num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "full_attention"],
+            global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True, num_kv_shared_layers=1,
+            use_double_wide_mlp=True, hidden_size_per_layer_input=8, vocab_size_per_layer_input=vocab_size,
+            final_logit_softcapping=5.0, tie_word_embeddings=False)
     else:
         rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                 "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 500000.0}}
         cfg = transformers.Gemma3TextConfig(**common, num_hidden_layers=6, rope_parameters=rope,
                                             tie_word_embeddings=False)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.randn_like(p) * (0.2 if p.ndim > 1 else 0.3))
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * (0.2 if p.ndim > 1 else 0.3) + (p.ndim == 1 and model_type == "gemma4_text"))
+        for name, buffer in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                buffer.copy_(1.0 + torch.randn_like(buffer) * 0.2)
     return model.eval()
 
 
-@pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text"])
+@pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text", "gemma4_text"])
 def test_gguf_roundtrip_and_engine_match_hf(tmp_path: Path, model_type: str) -> None:
     tok = make_tiny_tokenizer(300)
     model = _tiny_gemma(model_type, len(tok))
@@ -108,13 +120,17 @@ def test_gguf_roundtrip_and_engine_match_hf(tmp_path: Path, model_type: str) -> 
     assert set(saved) == set(gguf_tensor_names(model))
     for name, tensor in saved.items():
         ref = state[name].numpy()
-        if name.endswith("norm.weight"):
+        if name.endswith("norm.weight") and model_type != "gemma4_text":
             np.testing.assert_array_equal(tensor + np.float32(1.0), ref + np.float32(1.0), err_msg=name)
         else:
             np.testing.assert_array_equal(tensor, ref, err_msg=name)
     config = json.loads((folder / "config.json").read_text())
     assert config["model_type"] == model_type and config["sliding_window"] == SLIDING_WINDOW
     assert config["layer_types"] == model.config.layer_types
+    engine_config, original = ModelConfig.from_dict(config), ModelConfig.from_dict(model.config.to_dict())
+    assert replace(engine_config, raw_config={}) == replace(original, raw_config={})
+    for kind in ("sliding_attention", "full_attention"):  # the rope (Gemma 2: one for both)
+        assert rope_parameters(engine_config.raw_config, kind) == rope_parameters(original.raw_config, kind)
 
     # transformers on the converted folder and the engine on the file both match the original
     loaded = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()

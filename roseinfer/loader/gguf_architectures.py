@@ -11,9 +11,12 @@ from typing import Any
 
 import numpy as np
 
+from roseinfer.loader.gguf_gemma import (GEMMA_ARCHITECTURES, gemma_block_names, gemma_config, gemma_global_names,
+                                         gemma_hf_name, gemma_norm_transform)
+
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma2", "gemma3")
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gpt2") + GEMMA_ARCHITECTURES
 
 # GGUF per-block tensor name -> HF name inside `model.layers.N.` (llama-like families).
 _LLAMA_BLOCK_NAMES: dict[str, str] = {
@@ -21,11 +24,6 @@ _LLAMA_BLOCK_NAMES: dict[str, str] = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-}  # fmt: skip
-# Gemma: norms after attention and the MLP too; ffn_norm is the one before the MLP.
-_GEMMA_BLOCK_NAMES: dict[str, str] = _LLAMA_BLOCK_NAMES | {
-    "ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
 }  # fmt: skip
 _LLAMA_GLOBAL_NAMES: dict[str, str] = {
     "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -47,15 +45,9 @@ _GPT2_CONV1D = frozenset({"attn_qkv", "attn_output", "ffn_up", "ffn_down"})
 _SKIPPED_TENSORS = frozenset({"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"})
 _HF_CLASSES: dict[str, str] = dict(llama="LlamaForCausalLM", mistral="MistralForCausalLM",
                                     qwen2="Qwen2ForCausalLM", qwen3="Qwen3ForCausalLM", gpt2="GPT2LMHeadModel",
-                                    gemma2="Gemma2ForCausalLM", gemma3="Gemma3ForCausalLM")
-_HF_MODEL_TYPES: dict[str, str] = {"gemma3": "gemma3_text"}
-# llama.cpp fixes these where transformers' configs carry them: the sliding layers' rope base
-# (Gemma 3) and the global/sliding layer pattern (where the file has no sliding_window_pattern).
-_GEMMA3_LOCAL_ROPE_BASE = 10000.0
-_GEMMA_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
-# Gemma's 27B models scale queries by hidden / heads instead of head_dim (llama.cpp keys this on
-# the layer count; transformers reads query_pre_attn_scalar)
-_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+                                    gemma2="Gemma2ForCausalLM", gemma3="Gemma3ForCausalLM",
+                                    gemma4="Gemma4ForCausalLM")
+_HF_MODEL_TYPES: dict[str, str] = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^([a-z0-9_]+)\.(weight|bias)$")
 
@@ -79,7 +71,9 @@ class TensorPlan:
         return int(np.prod(self.stored_shape, dtype=np.int64)) * (1 if self.blocks else 4)
 
 
-def build_config(arch: str, meta: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+def build_config(arch: str, meta: dict[str, Any], shapes: dict[str, tuple[int, ...]],
+                 rope_freqs: np.ndarray | None = None) -> dict[str, Any]:
+    """config.json for a file; rope_freqs: the values of its rope_freqs tensor, where it has one."""
     def get(key: str, default: Any = None, required: bool = False) -> Any:
         if required and f"{arch}.{key}" not in meta:
             raise ValueError(f"GGUF metadata lacks required key {arch}.{key}")
@@ -109,11 +103,13 @@ def build_config(arch: str, meta: dict[str, Any], shapes: dict[str, tuple[int, .
         }  # fmt: skip
 
     n_kv = get("attention.head_count_kv", n_heads)
-    if isinstance(n_kv, list):
+    n_ff = get("feed_forward_length", required=True)
+    if isinstance(n_kv, list) and arch != "gemma4":  # Gemma 4's per-layer lists: gguf_gemma.py
         raise ValueError("per-layer attention.head_count_kv is not supported")
     config = common | {
-        "hidden_size": hidden, "intermediate_size": int(get("feed_forward_length", required=True)),
-        "num_hidden_layers": n_layers, "num_attention_heads": n_heads, "num_key_value_heads": int(n_kv),
+        "hidden_size": hidden, "intermediate_size": int(n_ff[0] if isinstance(n_ff, list) else n_ff),
+        "num_hidden_layers": n_layers, "num_attention_heads": n_heads,
+        "num_key_value_heads": int(n_kv[0] if isinstance(n_kv, list) else n_kv),
         # key_length is only written when head_dim != hidden / heads (e.g. Qwen3).
         "head_dim": int(get("attention.key_length", hidden // n_heads)),
         "rms_norm_eps": _f32(get("attention.layer_norm_rms_epsilon", 1e-6)),
@@ -128,37 +124,14 @@ def build_config(arch: str, meta: dict[str, Any], shapes: dict[str, tuple[int, .
     # qwen2 always has q/k/v biases in HF; nothing to set.
     if (rope_scaling := _rope_scaling(get)) is not None:
         config["rope_scaling"] = rope_scaling
+    if arch in GEMMA_ARCHITECTURES:
+        def get_float(key: str) -> float | None:
+            return None if (value := get(key)) is None else _f32(value)
+
+        return gemma_config(arch, get, get_float, config, shapes, rope_freqs)
     if "rope_freqs.weight" in shapes:
         logger.warning("dropping rope_freqs.weight (llama3-style rope factors are not reconstructed)")
-    if arch in _GEMMA_SWA_PATTERN:
-        config.update(_gemma_config(arch, get, config))
     return config
-
-
-def _gemma_config(arch: str, get: Callable[..., Any], config: dict[str, Any]) -> dict[str, Any]:
-    """What a Gemma 2 / 3 file adds: windows, soft-caps, query scale and (Gemma 3, taking config's
-    rope_theta and rope_scaling for its global layers) rope per layer type."""
-    layers, head_dim = config["num_hidden_layers"], config["head_dim"]
-    pattern = get("attention.sliding_window_pattern", _GEMMA_SWA_PATTERN[arch])
-    sliding = pattern if isinstance(pattern, list) else [(i + 1) % pattern != 0 for i in range(layers)]
-    scalar = config["hidden_size"] // config["num_attention_heads"] if layers == _GEMMA_27B_LAYERS[arch] else head_dim
-    gemma: dict[str, Any] = {
-        "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": scalar,
-        "sliding_window": int(get("attention.sliding_window", 4096)),
-        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
-        "final_logit_softcapping": _optional_f32(get("final_logit_softcapping")),
-    }  # fmt: skip
-    if arch == "gemma2":
-        return gemma | {"attn_logit_softcapping": _optional_f32(get("attn_logit_softcapping"))}
-    full = {"rope_type": "default", "rope_theta": config.pop("rope_theta")}
-    full |= config.pop("rope_scaling", {})
-    full.pop("type", None)
-    local = {"rope_type": "default", "rope_theta": _f32(get("rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_BASE))}
-    return gemma | {"rope_parameters": {"full_attention": full, "sliding_attention": local}}
-
-
-def _optional_f32(value: Any) -> float | None:
-    return None if value is None else _f32(value)
 
 
 def _f32(value: Any) -> float:
@@ -196,15 +169,13 @@ def _unpermute_rotary(n_head: int) -> Callable[[np.ndarray], np.ndarray]:
     return fn
 
 
-def _minus_one(w: np.ndarray) -> np.ndarray:
-    return w - np.float32(1.0)
-
-
 def plan_tensors(arch: str, config: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> list[TensorPlan]:
     is_gpt2 = arch == "gpt2"
-    is_gemma = arch in _GEMMA_SWA_PATTERN
-    block_names = _GPT2_BLOCK_NAMES if is_gpt2 else _GEMMA_BLOCK_NAMES if is_gemma else _LLAMA_BLOCK_NAMES
-    global_names = _GPT2_GLOBAL_NAMES if is_gpt2 else _LLAMA_GLOBAL_NAMES
+    is_gemma = arch in GEMMA_ARCHITECTURES
+    block_names = _GPT2_BLOCK_NAMES if is_gpt2 else gemma_block_names(arch, _LLAMA_BLOCK_NAMES) if is_gemma \
+        else _LLAMA_BLOCK_NAMES
+    global_names = _GPT2_GLOBAL_NAMES if is_gpt2 else gemma_global_names(arch, _LLAMA_GLOBAL_NAMES) if is_gemma \
+        else _LLAMA_GLOBAL_NAMES
     block_prefix = "transformer.h" if is_gpt2 else "model.layers"
     # Only the llama family is stored permuted: qwen2/qwen3 use NEOX-style rope in
     # llama.cpp, which matches HF's half-split layout as is.
@@ -231,7 +202,7 @@ def plan_tensors(arch: str, config: dict[str, Any], shapes: dict[str, tuple[int,
             hf = f"{global_names[m.group(1)]}.{m.group(2)}"
         else:
             raise ValueError(f"unexpected tensor {name!r} for architecture {arch!r}")
-        if is_gemma and hf.endswith("norm.weight"):
-            transform = _minus_one  # convert_hf_to_gguf stores Gemma's norms as the (1 + w) they scale by
+        if is_gemma:
+            hf, transform = gemma_hf_name(hf), gemma_norm_transform(arch, hf) or transform
         plans.append(TensorPlan(name, hf, shape, transform, transposed))
     return plans
