@@ -11,7 +11,7 @@ from transformers import AutoConfig
 
 from roseinfer.loader.model_loader import load_model_config
 from roseinfer.models.config import MULTIMODAL_WRAPPERS, SUPPORTED_MODEL_TYPES, ModelConfig
-from tiny_models import ARCHS
+from tiny_models import ARCHS, EXTRA_ARCHS
 
 
 def _expected(hf) -> dict:
@@ -74,7 +74,7 @@ def _assert_matches(cfg: ModelConfig, hf) -> None:
         _assert_gemma(cfg, hf)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + EXTRA_ARCHS)
 def test_checkpoint_configs_match_transformers(tiny_model_factory, arch: str) -> None:
     folder = tiny_model_factory(arch)
     _assert_matches(load_model_config(folder), AutoConfig.from_pretrained(folder))

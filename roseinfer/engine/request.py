@@ -47,6 +47,8 @@ class Request:
     # prefix-cache bookkeeping: blocks already indexed and the chain key of the last one
     num_indexed_blocks: int = 0
     last_block_key: int | None = None
+    # leading block_table entries given back to the pool, outside every layer's window (block_manager.py)
+    num_released_blocks: int = 0
     step_count: int = 0  # engine steps this request was part of
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     error: str | None = None  # why the engine ended it early, for the caller ("abort")
