@@ -115,19 +115,22 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
               "num_key_value_heads": 32, "head_dim": 128},
 }
 
-_GEMMA_DEFAULTS = {"hidden_size": 2304, "intermediate_size": 9216, "num_attention_heads": 8, "rms_norm_eps": 1e-6, "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True,
-                   "num_key_value_heads": 4, "head_dim": 256, "attention_bias": False, "sliding_window": 4096,
-                   "query_pre_attn_scalar": 256, "final_logit_softcapping": None, "layer_types": None,
-                   "rope_parameters": None, "rope_scaling": None}
+_GEMMA_DEFAULTS = {"hidden_size": 2304, "intermediate_size": 9216, "num_attention_heads": 8,
+                   "num_key_value_heads": 4, "head_dim": 256, "rms_norm_eps": 1e-6,
+                   "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True, "attention_bias": False,
+                   "sliding_window": 4096, "query_pre_attn_scalar": 256, "final_logit_softcapping": None,
+                   "layer_types": None, "rope_parameters": None, "rope_scaling": None}
 _DEFAULTS.update({
-    "gemma2": {**_GEMMA_DEFAULTS, "vocab_size": 256000, "num_hidden_layers": 26, "max_position_embeddings": 8192, "final_logit_softcapping": 30.0,
-               "attn_logit_softcapping": 50.0, "rope_theta": 10000.0},
-    "gemma3_text": {**_GEMMA_DEFAULTS, "vocab_size": 262208, "num_hidden_layers": 26, "max_position_embeddings": 131072, "sliding_window_pattern": 6,
-                    "rope_theta": 1_000_000.0, "rope_local_base_freq": 10000.0},
-    "gemma4_text": {**_GEMMA_DEFAULTS, "vocab_size": 262144, "num_hidden_layers": 30, "max_position_embeddings": 131072, "sliding_window": 512,
-                    "global_head_dim": 512, "num_global_key_value_heads": None, "attention_k_eq_v": False,
-                    "num_kv_shared_layers": 0, "hidden_size_per_layer_input": 256,
-                    "vocab_size_per_layer_input": 262144, "use_double_wide_mlp": False, "enable_moe_block": False},
+    "gemma2": {**_GEMMA_DEFAULTS, "vocab_size": 256000, "num_hidden_layers": 26, "max_position_embeddings": 8192,
+               "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0, "rope_theta": 10000.0},
+    "gemma3_text": {**_GEMMA_DEFAULTS, "vocab_size": 262208, "num_hidden_layers": 26,
+                    "max_position_embeddings": 131072, "sliding_window_pattern": 6, "rope_theta": 1_000_000.0,
+                    "rope_local_base_freq": 10000.0},
+    "gemma4_text": {**_GEMMA_DEFAULTS, "vocab_size": 262144, "num_hidden_layers": 30,
+                    "max_position_embeddings": 131072, "sliding_window": 512, "global_head_dim": 512,
+                    "num_global_key_value_heads": None, "attention_k_eq_v": False, "num_kv_shared_layers": 0,
+                    "hidden_size_per_layer_input": 256, "vocab_size_per_layer_input": 262144,
+                    "use_double_wide_mlp": False, "enable_moe_block": False},
 })
 # Gemma 4's rope when config.json gives none: proportional rope on a quarter of the global layers' dims
 _GEMMA4_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
@@ -146,7 +149,8 @@ class Gemma4Layout:
     double_wide_mlp: bool  # KV-shared layers' MLPs are twice as wide
 
 
-def _gemma4_head_shapes(raw: dict[str, Any], get: _Fields, layer_types: tuple[str, ...]) -> tuple[tuple[int, int], ...]:
+def _gemma4_head_shapes(raw: dict[str, Any], get: _Fields,
+                        layer_types: tuple[str, ...]) -> tuple[tuple[int, int], ...]:
     """transformers 5 writes each global layer's shape into `per_layer_config`; older files give
     global_head_dim and (where k_eq_v) num_global_key_value_heads."""
     shapes = []
@@ -187,13 +191,15 @@ def _gemma_rope(model_type: str, raw: dict[str, Any], get: _Fields) -> dict[str,
     params = get("rope_parameters")
     if model_type == "gemma2":
         theta = (params or {}).get("rope_theta", get("rope_theta"))
-        return {kind: {"rope_type": "default", "rope_theta": theta} for kind in ("sliding_attention", "full_attention")}
+        return {kind: {"rope_type": "default", "rope_theta": theta}
+                for kind in ("sliding_attention", "full_attention")}
     if model_type == "gemma4_text":
         return params or _GEMMA4_ROPE
     if params and "full_attention" in params:
         return params
-    full = {"rope_type": "default", **(get("rope_scaling") or {}), "rope_theta": get("rope_theta")}
-    full["rope_type"] = full.get("rope_type", full.get("type", "default"))
+    full = {**(get("rope_scaling") or {}), "rope_theta": get("rope_theta")}
+    full["rope_type"] = full.pop("rope_type", None) or full.pop("type", "default")
+    full.pop("type", None)
     return {"full_attention": full,
             "sliding_attention": {"rope_type": "default", "rope_theta": get("rope_local_base_freq")}}
 

@@ -77,22 +77,23 @@ class GemmaAttention(nn.Module):
                                    logit_softcap=cfg.attn_logit_softcap)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
-                shared: SharedKV) -> torch.Tensor:
+                shared: SharedKV | None) -> torch.Tensor:
+        """shared: Gemma 4's K/V by layer type, filled by the layers that compute their own."""
         qkv = self.qkv_proj.forward(x)
         tokens = qkv.shape[0]
         kv_cache = kv_cache_view(kv_cache, self.num_kv_heads, self.head_dim)
-        if self.q_norm is None:
-            out = self.attn.forward_qkv(qkv, rope, kv_cache, meta)  # Gemma 2: rotary on the fused output
+        if self.q_norm is None:  # Gemma 2: rotary on the fused output, as for Llama
+            out = self.attn.forward_qkv(qkv, rope, kv_cache, meta)
             return self.tp.all_reduce(self.o_proj.forward(out))
         q = qkv[:, :self.q_size].view(tokens, self.num_heads, self.head_dim)
-        q = meta.rotate(self.q_norm.forward(q) if self.q_norm is not None else q, rope)
+        q = meta.rotate(self.q_norm.forward(q), rope)
         if self.shares_kv:
             k, v, kv_cache = shared[self.layer_type]  # written again to the same slots: the same values
         else:
             k = qkv[:, self.q_size:self.q_size + self.kv_size].view(tokens, self.num_kv_heads, self.head_dim)
             v = k if self.k_eq_v else qkv[:, self.q_size + self.kv_size:].view(tokens, self.num_kv_heads,
                                                                                 self.head_dim)
-            k = meta.rotate(self.k_norm.forward(k) if self.k_norm is not None else k, rope)
+            k = meta.rotate(self.k_norm.forward(k), rope)
             if self.norms_values:
                 v = rms_normalise(v.float(), self.norm_eps).to(v.dtype)
                 shared[self.layer_type] = (k, v, kv_cache)
