@@ -22,7 +22,7 @@ from roseinfer.loader.gguf import convert_gguf
 from roseinfer.models.config import ModelConfig
 from roseinfer.server.app import build_app
 from gguf_writer import gguf_tensor_names, make_tiny_tokenizer, write_tiny_gguf
-from server_helpers import openai_client, serve_app
+from server_helpers import model_copy, openai_client, serve_app
 from tiny_models import SLIDING_WINDOW, hf_greedy, sample_prompts
 
 MAX_TOKENS = 12
@@ -145,10 +145,10 @@ def test_gguf_roundtrip_and_engine_match_hf(tmp_path: Path, model_type: str) -> 
 
 def test_serve_gemma_with_its_chat_template(tiny_model_factory, tmp_path: Path) -> None:
     """The OpenAI client against `roseinfer serve`'s app: the folder's (non-ChatML) template renders
-    the prompt, and the reply is HF's greedy continuation of it."""
-    folder = tmp_path / "gemma3_chat"
-    shutil.copytree(tiny_model_factory("gemma3"), folder)
-    (folder / "chat_template.jinja").write_text(GEMMA_TEMPLATE)
+    the prompt, and the reply is HF's greedy continuation of it; tools and structured output work."""
+    # room for the tools prompt; the template in tokenizer_config.json, as Gemma 3 ships it
+    folder = model_copy(tiny_model_factory("gemma3"), tmp_path / "gemma3_chat", max_position_embeddings=1024,
+                        chat_template=GEMMA_TEMPLATE)
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -156,9 +156,22 @@ def test_serve_gemma_with_its_chat_template(tiny_model_factory, tmp_path: Path) 
                       "<start_of_turn>model\n")
     prompt_ids = tokenizer(prompt, add_special_tokens=False).input_ids
     expected = tokenizer.decode(hf_greedy(folder, prompt_ids, MAX_TOKENS), skip_special_tokens=True)
+    params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+              "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": params}}]
     engine = LLMEngine(EngineConfig(model=str(folder), num_kv_blocks=64))
     with serve_app(build_app(engine, "gemma")) as url:
-        reply = openai_client(url).chat.completions.create(
+        client = openai_client(url)
+        reply = client.chat.completions.create(
             model="gemma", messages=messages, temperature=0, max_tokens=MAX_TOKENS, extra_body={"ignore_eos": True})
+        # a random model's tool call and JSON: the constraints alone make them valid
+        call = client.chat.completions.create(model="gemma", messages=messages, tools=tools, tool_choice="required",
+                                              temperature=0, max_tokens=256).choices[0]
+        structured = client.chat.completions.create(
+            model="gemma", messages=messages, temperature=0, max_tokens=256,
+            response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": params}})
     assert reply.usage.prompt_tokens == len(prompt_ids)
     assert reply.choices[0].message.content == expected
+    assert call.finish_reason == "tool_calls" and call.message.tool_calls[0].function.name == "get_weather"
+    assert set(json.loads(call.message.tool_calls[0].function.arguments)) == {"city"}
+    assert set(json.loads(structured.choices[0].message.content)) == {"city"}
