@@ -21,15 +21,17 @@ from roseinfer.layers.rotary import rope_parameters
 from roseinfer.loader.gguf import convert_gguf
 from roseinfer.models.config import ModelConfig
 from roseinfer.server.app import build_app
+from roseinfer.server.tool_calls import takes_system_role
 from gguf_writer import gguf_tensor_names, make_tiny_tokenizer, write_tiny_gguf
 from server_helpers import model_copy, openai_client, serve_app
 from tiny_models import SLIDING_WINDOW, hf_greedy, sample_prompts
 
 MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-# Gemma's turn markup (Gemma 2 and 3 instruct checkpoints), which is not ChatML
+# Gemma 2 instruct's turn markup, which is not ChatML and refuses a system role
 GEMMA_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for message in messages %}"
     "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
     "{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
@@ -145,7 +147,8 @@ def test_gguf_roundtrip_and_engine_match_hf(tmp_path: Path, model_type: str) -> 
 
 def test_serve_gemma_with_its_chat_template(tiny_model_factory, tmp_path: Path) -> None:
     """The OpenAI client against `roseinfer serve`'s app: the folder's (non-ChatML) template renders
-    the prompt, and the reply is HF's greedy continuation of it; tools and structured output work."""
+    the prompt, and the reply is HF's greedy continuation of it; tools (their prompt in the first
+    user message, the template refusing a system one) and structured output work."""
     # room for the tools prompt; the template in tokenizer_config.json, as Gemma 3 ships it
     folder = model_copy(tiny_model_factory("gemma3"), tmp_path / "gemma3_chat", max_position_embeddings=1024,
                         chat_template=GEMMA_TEMPLATE)
@@ -160,6 +163,7 @@ def test_serve_gemma_with_its_chat_template(tiny_model_factory, tmp_path: Path) 
               "additionalProperties": False}
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": params}}]
     engine = LLMEngine(EngineConfig(model=str(folder), num_kv_blocks=64))
+    assert not takes_system_role(engine.tokenizer)
     with serve_app(build_app(engine, "gemma")) as url:
         client = openai_client(url)
         reply = client.chat.completions.create(
