@@ -36,6 +36,10 @@ ARCHS: list[str] = ["gpt2", "llama", "llama3_rope_untied", "mistral", "qwen2", "
 # those tests size to force preemption no longer run short (tests/test_sliding_window.py runs it).
 EXTRA_ARCHS: list[str] = ["mistral_sliding"]
 
+# Weights that do not move when archs are added before these ones: these draws were checked to give
+# references far from ties (test_reference_not_degenerate), which some draws of random weights do not.
+PINNED_SEEDS: dict[str, int] = {"gemma2": 8, "gemma3": 9, "gemma4": 10}
+
 # Sliding windows far shorter than the test prompts, so that every mode attends across a window's edge.
 SLIDING_WINDOW = 8
 
@@ -253,7 +257,7 @@ def build_tiny_model(arch: str, out_dir: str | pathlib.Path) -> pathlib.Path:
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = _config(arch)
-    seed = (ARCHS + EXTRA_ARCHS).index(arch)
+    seed = PINNED_SEEDS.get(arch, (ARCHS + EXTRA_ARCHS).index(arch))
     torch.manual_seed(seed)  # HF's own init, before we overwrite it
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(model, seed=1000 + seed)
