@@ -189,4 +189,4 @@ def test_cuda_marker() -> None:
 
 def test_archs_list() -> None:
     assert ARCHS == ["gpt2", "llama", "llama3_rope_untied", "mistral", "qwen2", "qwen3", "llama_mqa",
-                     "qwen2_sliding"]
+                     "qwen2_sliding", "gemma2", "gemma3", "gemma4"]

@@ -1,4 +1,5 @@
-"""Rotary position embeddings, with the scaled variants transformers defines (llama3, linear, yarn).
+"""Rotary position embeddings, with the scaled variants transformers defines (llama3, linear, yarn,
+proportional).
 
 HF checkpoints rotate each head as two halves (x[i] pairs with x[i + d/2]). Here the pairs are
 adjacent (x[2i], x[2i+1]) so that a rotation is one complex multiply: one kernel instead of the
@@ -13,12 +14,15 @@ from typing import Any
 import torch
 from torch import nn
 
-STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 
 
-def rope_parameters(config: dict[str, Any]) -> dict:
+def rope_parameters(config: dict[str, Any], layer_type: str | None = None) -> dict:
     """The rope settings of a config.json: `rope_parameters` (transformers 5) or the older
-    `rope_scaling` + `rope_theta`."""
+    `rope_scaling` + `rope_theta`; with layer_type, that type's entry of a per-type
+    `rope_parameters` (Gemma 3 and 4)."""
+    if layer_type is not None:
+        return dict(config["rope_parameters"][layer_type])
     params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
     params.setdefault("rope_type", params.get("type", "default"))
     params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
@@ -28,9 +32,10 @@ def rope_parameters(config: dict[str, Any]) -> dict:
 class RotaryEmbedding(nn.Module):
     """Precomputes cos + i*sin for every position once; a step looks its rows up once."""
 
-    def __init__(self, head_dim: int, max_positions: int, config: dict[str, Any]) -> None:
+    def __init__(self, head_dim: int, max_positions: int, config: dict[str, Any],
+                 layer_type: str | None = None) -> None:
         super().__init__()
-        params = rope_parameters(config)
+        params = rope_parameters(config, layer_type)
         rope_type = params["rope_type"]
         if rope_type not in STATIC_ROPE_TYPES:
             raise ValueError(f"rope type {rope_type!r} is not supported; supported: {', '.join(STATIC_ROPE_TYPES)}")
@@ -45,7 +50,8 @@ class RotaryEmbedding(nn.Module):
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
             fields = {k: v for k, v in config.items() if k != "model_type"}
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](AutoConfig.for_model(config["model_type"], **fields))
+            hf_config = AutoConfig.for_model(config["model_type"], **fields)
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, layer_type=layer_type)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq.float())
         # The same float32 cos/sin as transformers, one complex number per pair. A plain attribute,

@@ -139,7 +139,9 @@ def _convert_into(src: Path, out: Path, keep_blocks: bool) -> None:
             f"{src}: unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     shapes = {name: t.shape for name, t in tensors.items()}
-    config = build_config(arch, meta, shapes)
+    freqs = tensors.get("rope_freqs.weight")  # Gemma 4 reads which pairs it rotates from it
+    rope_freqs = None if freqs is None else _dequantize(freqs, TensorPlan(freqs.name, freqs.name, freqs.shape))
+    config = build_config(arch, meta, shapes, rope_freqs)
     plans = plan_tensors(arch, config, shapes)
     if keep_blocks:
         plans = [_kept_as_blocks(plan, tensors[plan.gguf_name]) for plan in plans]
@@ -149,7 +151,7 @@ def _convert_into(src: Path, out: Path, keep_blocks: bool) -> None:
     # Leaving the `with` waits for the thread even on error, so it never writes into a
     # temp dir that the caller is already removing.
     with ThreadPoolExecutor(max_workers=1) as pool:
-        tok_job = pool.submit(_save_tokenizer, src, out) if "tokenizer.ggml.model" in meta else None
+        tok_job = pool.submit(_save_tokenizer, src, out, arch) if "tokenizer.ggml.model" in meta else None
         _write_safetensors(out, plans, lambda p: _stored(tensors[p.gguf_name], p))
     if tok_job is not None:
         tok_job.result()  # re-raises a tokenizer failure
@@ -225,11 +227,14 @@ def _write_safetensors(out: Path, plans: list[TensorPlan], produce: Callable[[Te
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
-def _save_tokenizer(src: Path, out: Path) -> None:
+def _save_tokenizer(src: Path, out: Path, arch: str) -> None:
     # transformers rebuilds a fast tokenizer (vocab, merges, special tokens, chat
     # template) from the GGUF metadata; saving it makes the folder self-contained.
-    from transformers import AutoTokenizer
+    # AutoTokenizer reads the file's model config first, which fails on Gemma 4's per-layer lists:
+    # there the fast tokenizer class is named directly.
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+    tokenizer_class = PreTrainedTokenizerFast if arch == "gemma4" else AutoTokenizer
+    tok = tokenizer_class.from_pretrained(str(src.parent), gguf_file=src.name)
     tok.save_pretrained(str(out))
 

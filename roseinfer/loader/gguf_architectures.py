@@ -11,9 +11,12 @@ from typing import Any
 
 import numpy as np
 
+from roseinfer.loader.gguf_gemma import (GEMMA_ARCHITECTURES, gemma_block_names, gemma_config, gemma_global_names,
+                                         gemma_hf_name, gemma_norm_transform)
+
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gpt2") + GEMMA_ARCHITECTURES
 
 # GGUF per-block tensor name -> HF name inside `model.layers.N.` (llama-like families).
 _LLAMA_BLOCK_NAMES: dict[str, str] = {
@@ -41,7 +44,10 @@ _GPT2_CONV1D = frozenset({"attn_qkv", "attn_output", "ffn_up", "ffn_down"})
 # exactly, so the tensor is dropped with a warning.
 _SKIPPED_TENSORS = frozenset({"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"})
 _HF_CLASSES: dict[str, str] = dict(llama="LlamaForCausalLM", mistral="MistralForCausalLM",
-                                    qwen2="Qwen2ForCausalLM", qwen3="Qwen3ForCausalLM", gpt2="GPT2LMHeadModel")
+                                    qwen2="Qwen2ForCausalLM", qwen3="Qwen3ForCausalLM", gpt2="GPT2LMHeadModel",
+                                    gemma2="Gemma2ForCausalLM", gemma3="Gemma3ForCausalLM",
+                                    gemma4="Gemma4ForCausalLM")
+_HF_MODEL_TYPES: dict[str, str] = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^([a-z0-9_]+)\.(weight|bias)$")
 
@@ -65,7 +71,9 @@ class TensorPlan:
         return int(np.prod(self.stored_shape, dtype=np.int64)) * (1 if self.blocks else 4)
 
 
-def build_config(arch: str, meta: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+def build_config(arch: str, meta: dict[str, Any], shapes: dict[str, tuple[int, ...]],
+                 rope_freqs: np.ndarray | None = None) -> dict[str, Any]:
+    """config.json for a file; rope_freqs: the values of its rope_freqs tensor, where it has one."""
     def get(key: str, default: Any = None, required: bool = False) -> Any:
         if required and f"{arch}.{key}" not in meta:
             raise ValueError(f"GGUF metadata lacks required key {arch}.{key}")
@@ -81,7 +89,7 @@ def build_config(arch: str, meta: dict[str, Any], shapes: dict[str, tuple[int, .
     n_heads = int(get("attention.head_count", required=True))
     ctx = int(get("context_length", 2048))
     common: dict[str, Any] = {
-        "architectures": [_HF_CLASSES[arch]], "model_type": arch, "vocab_size": vocab_size,
+        "architectures": [_HF_CLASSES[arch]], "model_type": _HF_MODEL_TYPES.get(arch, arch), "vocab_size": vocab_size,
         "tie_word_embeddings": "output.weight" not in shapes, "torch_dtype": "float32",
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
@@ -95,11 +103,13 @@ def build_config(arch: str, meta: dict[str, Any], shapes: dict[str, tuple[int, .
         }  # fmt: skip
 
     n_kv = get("attention.head_count_kv", n_heads)
-    if isinstance(n_kv, list):
+    n_ff = get("feed_forward_length", required=True)
+    if isinstance(n_kv, list) and arch != "gemma4":  # Gemma 4's per-layer lists: gguf_gemma.py
         raise ValueError("per-layer attention.head_count_kv is not supported")
     config = common | {
-        "hidden_size": hidden, "intermediate_size": int(get("feed_forward_length", required=True)),
-        "num_hidden_layers": n_layers, "num_attention_heads": n_heads, "num_key_value_heads": int(n_kv),
+        "hidden_size": hidden, "intermediate_size": int(n_ff[0] if isinstance(n_ff, list) else n_ff),
+        "num_hidden_layers": n_layers, "num_attention_heads": n_heads,
+        "num_key_value_heads": int(n_kv[0] if isinstance(n_kv, list) else n_kv),
         # key_length is only written when head_dim != hidden / heads (e.g. Qwen3).
         "head_dim": int(get("attention.key_length", hidden // n_heads)),
         "rms_norm_eps": _f32(get("attention.layer_norm_rms_epsilon", 1e-6)),
@@ -114,6 +124,11 @@ def build_config(arch: str, meta: dict[str, Any], shapes: dict[str, tuple[int, .
     # qwen2 always has q/k/v biases in HF; nothing to set.
     if (rope_scaling := _rope_scaling(get)) is not None:
         config["rope_scaling"] = rope_scaling
+    if arch in GEMMA_ARCHITECTURES:
+        def get_float(key: str) -> float | None:
+            return None if (value := get(key)) is None else _f32(value)
+
+        return gemma_config(arch, get, get_float, config, shapes, rope_freqs)
     if "rope_freqs.weight" in shapes:
         logger.warning("dropping rope_freqs.weight (llama3-style rope factors are not reconstructed)")
     return config
@@ -156,8 +171,11 @@ def _unpermute_rotary(n_head: int) -> Callable[[np.ndarray], np.ndarray]:
 
 def plan_tensors(arch: str, config: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> list[TensorPlan]:
     is_gpt2 = arch == "gpt2"
-    block_names = _GPT2_BLOCK_NAMES if is_gpt2 else _LLAMA_BLOCK_NAMES
-    global_names = _GPT2_GLOBAL_NAMES if is_gpt2 else _LLAMA_GLOBAL_NAMES
+    is_gemma = arch in GEMMA_ARCHITECTURES
+    block_names = _GPT2_BLOCK_NAMES if is_gpt2 else gemma_block_names(arch, _LLAMA_BLOCK_NAMES) if is_gemma \
+        else _LLAMA_BLOCK_NAMES
+    global_names = _GPT2_GLOBAL_NAMES if is_gpt2 else gemma_global_names(arch, _LLAMA_GLOBAL_NAMES) if is_gemma \
+        else _LLAMA_GLOBAL_NAMES
     block_prefix = "transformer.h" if is_gpt2 else "model.layers"
     # Only the llama family is stored permuted: qwen2/qwen3 use NEOX-style rope in
     # llama.cpp, which matches HF's half-split layout as is.
@@ -184,5 +202,7 @@ def plan_tensors(arch: str, config: dict[str, Any], shapes: dict[str, tuple[int,
             hf = f"{global_names[m.group(1)]}.{m.group(2)}"
         else:
             raise ValueError(f"unexpected tensor {name!r} for architecture {arch!r}")
+        if is_gemma:
+            hf, transform = gemma_hf_name(hf), gemma_norm_transform(arch, hf) or transform
         plans.append(TensorPlan(name, hf, shape, transform, transposed))
     return plans

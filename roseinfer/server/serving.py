@@ -37,7 +37,7 @@ from roseinfer.server.responses import (Choice, EventStream, Reply, prompt_entri
                                         without_output)
 from roseinfer.server.structured import (Constraint, ConstraintLimits, compile_constraint, compile_pool,
                                          requested_constraint)
-from roseinfer.server.tool_calls import chat_inputs, pick_parser, plan_tools
+from roseinfer.server.tool_calls import chat_inputs, pick_parser, plan_tools, takes_system_role
 from roseinfer.server.tool_parsers import NamedCallParser, ToolParser
 
 if TYPE_CHECKING:  # Ray is imported only when replicas are asked for
@@ -74,6 +74,7 @@ class OpenAIServing:
             self.template_reads_tools = bool(template) and "tools" in template_variables(template)
         except TemplateError:  # a broken template fails each chat request with a 400 instead
             self.template_reads_tools = False
+        self.template_takes_system = takes_system_role(engine.tokenizer) if template else True
 
     # ---- endpoints ---------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
@@ -179,7 +180,8 @@ class OpenAIServing:
         """The conversation's prompt ids, with `tools` shown to the model (server/tool_calls.py) and
         the request's chat_template_kwargs as template variables."""
         def render() -> list[int]:  # in the pool: messages are copied, tool-call arguments parsed
-            rendered, variables = chat_inputs(messages, tools, self.tool_parser, self.template_reads_tools)
+            rendered, variables = chat_inputs(messages, tools, self.tool_parser, self.template_reads_tools,
+                                              self.template_takes_system)
             return self.tokenizer.apply_chat_template(rendered, **{**(template_kwargs or {}), **variables})
 
         try:
