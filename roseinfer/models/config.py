@@ -4,7 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+from roseinfer.layers.rope_parameters import long_rope_original_positions
+
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3")
 SUPPORTED_MODEL_TYPES = ("gpt2",) + LLAMA_FAMILY
 
 
@@ -24,6 +26,9 @@ class ModelConfig:
     attention_bias: bool = False
     qk_norm: bool = False
     hidden_act: str = "silu"
+    nope_layers: tuple[int, ...] = ()  # layers whose attention has no rotary (SmolLM3's NoPE layers)
+    # LongRoPE (Phi-3/4): a sequence longer than this is rotated with the long factors throughout
+    long_rope_prompts_from: int | None = None
     raw_config: dict[str, Any] = field(default_factory=dict)  # config.json, for rotary scaling
 
     @classmethod
@@ -48,7 +53,9 @@ class ModelConfig:
         max_pos = get("max_position_embeddings")
         # Mistral-style sliding window: we attend to the whole context, so cap the context at
         # the window, where both agree.
-        window = get("sliding_window") if model_type == "mistral" else None
+        window = get("sliding_window") if model_type in ("mistral", "phi3") else None
+        if model_type == "smollm3" and get("use_sliding_window"):
+            window = get("sliding_window")
         if window:
             max_pos = min(max_pos, window)
         return cls(
@@ -59,6 +66,8 @@ class ModelConfig:
             tie_word_embeddings=bool(get("tie_word_embeddings")),
             attention_bias=bool(get("attention_bias")) or model_type == "qwen2",
             qk_norm=model_type == "qwen3", hidden_act=get("hidden_act"), raw_config=raw,
+            nope_layers=_nope_layers(get) if model_type == "smollm3" else (),
+            long_rope_prompts_from=long_rope_original_positions(raw),
         )
 
 
@@ -72,7 +81,21 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
                 "num_key_value_heads": 8},
     "qwen2": {**_LLAMA_DEFAULTS, "max_position_embeddings": 32768, "num_key_value_heads": 32},
     "qwen3": {**_LLAMA_DEFAULTS, "max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": 128},
+    "phi3": {**_LLAMA_DEFAULTS, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "sliding_window": None},
+    "smollm3": {**_LLAMA_DEFAULTS, "max_position_embeddings": 32768, "num_key_value_heads": 4,
+                "tie_word_embeddings": True, "use_sliding_window": False, "sliding_window": None,
+                "no_rope_layers": None, "no_rope_layer_interval": 4},
 }
+
+
+def _nope_layers(get: "_Fields") -> tuple[int, ...]:
+    """SmolLM3's `no_rope_layers` holds 1 for a layer that rotates, 0 for one that does not; absent,
+    every `no_rope_layer_interval`-th layer does not (transformers' SmolLM3Config)."""
+    uses_rope = get("no_rope_layers")
+    if uses_rope is None:
+        interval = get("no_rope_layer_interval")
+        uses_rope = [int((layer + 1) % interval != 0) for layer in range(get("num_hidden_layers"))]
+    return tuple(layer for layer, rotates in enumerate(uses_rope) if not rotates)
 
 
 class _Fields:

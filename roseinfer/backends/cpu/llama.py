@@ -44,7 +44,8 @@ class CPULlamaDecoderLayer(LlamaDecoderLayer):
         """This layer as csrc/decode_layers.c reads it, or None where a part of it has no C path there."""
         attn, mlp = self.self_attn, self.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if (attn.q_norm is not None or any(layer.native_weights is None for layer in linears)
+        # the stack rotates every layer by the step's one table: a NoPE layer (SmolLM3) goes layer by layer
+        if (attn.q_norm is not None or not self.rotates or any(layer.native_weights is None for layer in linears)
                 or mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None
                 or not isinstance(mlp.act_and_mul, NativeSiluAndMul)):
             return None
