@@ -20,7 +20,9 @@ def _expected(hf) -> dict:
         return {"hidden_size": hf.n_embd, "num_layers": hf.n_layer, "num_heads": hf.n_head,
                 "intermediate_size": hf.n_inner or 4 * hf.n_embd, "max_position_embeddings": hf.n_positions,
                 "norm_eps": hf.layer_norm_epsilon, "hidden_act": hf.activation_function}
-    window = getattr(hf, "sliding_window", None) if hf.model_type == "mistral" else None
+    window = getattr(hf, "sliding_window", None) if hf.model_type in ("mistral", "phi3") else None
+    if hf.model_type == "smollm3" and hf.use_sliding_window:
+        window = hf.sliding_window
     max_pos = min(hf.max_position_embeddings, window) if window else hf.max_position_embeddings
     return {"hidden_size": hf.hidden_size, "num_layers": hf.num_hidden_layers, "num_heads": hf.num_attention_heads,
             "num_kv_heads": hf.num_key_value_heads, "intermediate_size": hf.intermediate_size,
@@ -73,3 +75,22 @@ def test_default_rope_model_loads_without_transformers(tiny_model_factory) -> No
             "print('transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("layers", [{"no_rope_layers": [1, 0, 1, 0, 0]}, {"no_rope_layer_interval": 2}, {}])
+def test_smollm3_nope_layers_are_transformers(layers: dict) -> None:
+    """SmolLM3's NoPE layers: listed (1 = rotates), or every no_rope_layer_interval-th, 4 by default."""
+    raw = {"model_type": "smollm3", **MINIMAL["llama"], "num_hidden_layers": 5, **layers}
+    hf = AutoConfig.for_model("smollm3", **{k: v for k, v in raw.items() if k != "model_type"})
+    cfg = ModelConfig.from_dict(raw)
+    assert cfg.nope_layers == tuple(i for i, rotates in enumerate(hf.no_rope_layers) if not rotates)
+    assert cfg.nope_layers  # every case has one
+
+
+def test_long_rope_switch_only_where_the_context_reaches_past_the_original() -> None:
+    factors = {"short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    raw = {"model_type": "phi3", **MINIMAL["llama"], "max_position_embeddings": 4096,
+           "original_max_position_embeddings": 1024, "rope_scaling": {"type": "longrope", **factors}}
+    assert ModelConfig.from_dict(raw).long_rope_prompts_from == 1024
+    assert ModelConfig.from_dict({**raw, "max_position_embeddings": 1024}).long_rope_prompts_from is None
+    assert ModelConfig.from_dict({**raw, "rope_scaling": None}).long_rope_prompts_from is None

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.triton
 MAX_TOKENS = 8
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt2", "llama_mqa"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt2", "llama_mqa", "phi3_longrope", "smollm3_yarn"])
 def test_greedy_matches_hf_through_chunks_and_prefix_hits(tiny_model_factory, arch: str) -> None:
     """Prompts of assorted lengths in an 8-token budget (so prompts are prefilled in chunks, beside
     other sequences' decodes), then a shared prefix that hits the prefix cache."""
