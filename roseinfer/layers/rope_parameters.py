@@ -8,6 +8,8 @@ from typing import Any
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 # transformers' config classes whose rope_theta default is not 10000
 _DEFAULT_THETA = {"smollm3": 2_000_000.0}
+# the families whose transformers attention rotates only the first partial_rotary_factor of a head
+_PARTIAL_ROTARY_MODEL_TYPES = ("phi3",)
 
 
 def rope_parameters(config: dict[str, Any]) -> dict:
@@ -15,8 +17,8 @@ def rope_parameters(config: dict[str, Any]) -> dict:
     `rope_scaling` + `rope_theta` (and top-level `partial_rotary_factor`, as Phi-3 writes it)."""
     params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
     params.setdefault("rope_type", params.get("type", "default"))
-    if params["rope_type"] == "su":  # Phi-3's first name for longrope
-        params["rope_type"] = "longrope"
+    if params["rope_type"] == "su" or (params["rope_type"] == "yarn" and config.get("model_type") == "phi3"):
+        params["rope_type"] = "longrope"  # Phi3Config's reading of its older names
     params.setdefault("rope_theta", config.get("rope_theta", _DEFAULT_THETA.get(config.get("model_type"), 10000.0)))
     params.setdefault("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
     return params
@@ -34,4 +36,6 @@ def long_rope_original_positions(config: dict[str, Any]) -> int | None:
 
 def rotary_dim(head_dim: int, config: dict[str, Any]) -> int:
     """The leading dims of each head that rotate (transformers' int(head_dim * partial_rotary_factor))."""
+    if config.get("model_type") not in _PARTIAL_ROTARY_MODEL_TYPES:
+        return head_dim
     return int(head_dim * rope_parameters(config)["partial_rotary_factor"])
