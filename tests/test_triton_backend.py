@@ -22,7 +22,10 @@ def test_greedy_matches_hf_through_chunks_and_prefix_hits(tiny_model_factory, ar
     other sequences' decodes), then a shared prefix that hits the prefix cache."""
     model_dir = tiny_model_factory(arch)
     prompts = sample_prompts(model_dir, 3, seed=5)
-    prompts.append(prompts[1][:20] + [7, 8, 9])  # shares full blocks with prompts[1]
+    # shares full blocks with the longest prompt; past phi3_longrope's original context (48) as it is,
+    # so both are rotated with the same factors (K/V rotated otherwise are never shared)
+    donor = max(prompts, key=len)
+    prompts.append(donor[:52] + [7, 8, 9])
     llm = LLM(model=str(model_dir), device=str(triton_interpret.device()), attention_backend="triton",
               num_kv_blocks=64, block_size=16, max_num_batched_tokens=8, dtype="float32")
     assert llm.engine.backend.name == "triton"
