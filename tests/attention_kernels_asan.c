@@ -7,7 +7,8 @@
 
 #include "kernels.h"
 
-static void run(int64_t H, int64_t Hkv, int64_t D, int64_t qlen, int64_t ctx) {
+/* window > 0: a sliding window, with a soft-cap too */
+static void run(int64_t H, int64_t Hkv, int64_t D, int64_t qlen, int64_t ctx, int64_t window) {
     int64_t bs = 4, kv = ctx + qlen, nb = (kv + bs - 1) / bs;
     float *q = malloc(sizeof(float) * qlen * H * D), *out = malloc(sizeof(float) * qlen * H * D);
     float *k = malloc(sizeof(float) * nb * bs * Hkv * D), *v = malloc(sizeof(float) * nb * bs * Hkv * D);
@@ -16,7 +17,8 @@ static void run(int64_t H, int64_t Hkv, int64_t D, int64_t qlen, int64_t ctx) {
     for (int64_t i = 0; i < nb * bs * Hkv * D; i++) k[i] = (float)rand() / RAND_MAX - 0.5f, v[i] = (float)rand() / RAND_MAX;
     for (int64_t i = 0; i < nb; i++) table[i] = nb - 1 - i;
     int64_t start = 0;
-    int r = paged_prefill_attention_f32(q, H * D, k, v, out, table, &start, &qlen, &kv, 1, H, Hkv, D, bs, nb, 0.1f, 2);
+    int r = paged_prefill_attention_f32(q, H * D, k, v, out, table, &start, &qlen, &kv, 1, H, Hkv, D, bs, nb, 0.1f, window,
+                                        window ? 30.0f : 0.0f, 2);
     if (r != 0) {
         printf("H=%ld Hkv=%ld D=%ld: kernel returned %d\n", (long)H, (long)Hkv, (long)D, r);
         exit(1);
@@ -24,7 +26,7 @@ static void run(int64_t H, int64_t Hkv, int64_t D, int64_t qlen, int64_t ctx) {
     free(q); free(out); free(k); free(v); free(table);
 }
 /* Two sequences decoding one token each (rotary and the K/V write fused in), at context kv and kv / 2 + 1. */
-static void run_decode(int64_t H, int64_t Hkv, int64_t D, int64_t kv) {
+static void run_decode(int64_t H, int64_t Hkv, int64_t D, int64_t kv, int64_t window) {
     int64_t bs = 4, nb = (kv + bs - 1) / bs, row = (H + 2 * Hkv) * D;
     int64_t lens[2] = {kv, kv / 2 + 1}, tables[2 * 64], slots[2];
     float *qkv = malloc(sizeof(float) * 2 * row), *out = malloc(sizeof(float) * 2 * H * D);
@@ -35,7 +37,8 @@ static void run_decode(int64_t H, int64_t Hkv, int64_t D, int64_t kv) {
     for (int64_t i = 0; i < 2 * nb * bs * Hkv * D; i++) k[i] = (float)rand() / RAND_MAX, v[i] = (float)rand() / RAND_MAX;
     for (int64_t i = 0; i < 2 * nb; i++) tables[i] = 2 * nb - 1 - i;
     for (int s = 0; s < 2; s++) slots[s] = tables[s * nb + (lens[s] - 1) / bs] * bs + (lens[s] - 1) % bs;
-    int r = paged_decode_attention_f32(qkv, row, rope, slots, k, v, out, tables, lens, 2, H, Hkv, D, bs, nb, 0.1f, 2);
+    int r = paged_decode_attention_f32(qkv, row, rope, slots, k, v, out, tables, lens, 2, H, Hkv, D, bs, nb, 0.1f, window,
+                                       window ? 30.0f : 0.0f, 2);
     if (r != 0) {
         printf("decode H=%ld Hkv=%ld D=%ld: kernel returned %d\n", (long)H, (long)Hkv, (long)D, r);
         exit(1);
@@ -45,17 +48,23 @@ static void run_decode(int64_t H, int64_t Hkv, int64_t D, int64_t kv) {
 
 int main(void) {
     /* tiles of exactly 64 lanes (MHA, group 4) and ragged ones, head dims 128, 64, 96 and 32 */
-    run(4, 4, 128, 64, 0);
-    run(8, 2, 128, 33, 7);
-    run(9, 3, 64, 70, 5);
-    run(8, 8, 64, 64, 0);
-    run(6, 2, 96, 21, 3);
-    run(8, 1, 32, 9, 0);
-    run(4, 4, 128, 61, 3);
-    /* decode: head dims on the unrolled paths and one with a scalar tail */
-    run_decode(9, 3, 64, 37);
-    run_decode(8, 2, 128, 64);
-    run_decode(4, 4, 40, 5);
+    run(4, 4, 128, 64, 0, 0);
+    run(8, 2, 128, 33, 7, 0);
+    run(9, 3, 64, 70, 5, 0);
+    run(8, 8, 64, 64, 0, 0);
+    run(6, 2, 96, 21, 3, 0);
+    run(8, 1, 32, 9, 0, 0);
+    run(4, 4, 128, 61, 3, 0);
+    /* sliding windows shorter than the chunk, than the context before it, and wider than both */
+    run(8, 2, 64, 40, 13, 5);
+    run(4, 4, 128, 9, 30, 8);
+    run(8, 2, 64, 20, 3, 100);
+    /* decode: head dims on the unrolled paths and one with a scalar tail; windows */
+    run_decode(9, 3, 64, 37, 0);
+    run_decode(8, 2, 128, 64, 0);
+    run_decode(4, 4, 40, 5, 0);
+    run_decode(9, 3, 64, 37, 6);
+    run_decode(4, 4, 40, 5, 7);
     puts("ok");
     return 0;
 }

@@ -34,7 +34,8 @@ static void run(int64_t n, int64_t hidden, int64_t intermediate, int64_t H, int6
                                      with_bias ? randoms(qkv_size) : NULL, weight(hidden, q_size, quantized),
                                      with_bias ? randoms(hidden) : NULL, weight(2 * intermediate, hidden, quantized),
                                      weight(hidden, intermediate, quantized), randoms(slots * Hkv * D),
-                                     randoms(slots * Hkv * D), type, type, type, type};
+                                     randoms(slots * Hkv * D), type, type, type, type, l == 0 ? 0 : 6,
+                                     l == 0 ? 0.0f : 20.0f};
     }
     float *x = randoms(n * hidden), *out = randoms(n * hidden), *rope = randoms(n * D);
     int64_t *tables = malloc(sizeof(int64_t) * (size_t)(n * max_blocks)), *lens = malloc(sizeof(int64_t) * (size_t)n);

@@ -20,21 +20,27 @@ def _expected(hf) -> dict:
         return {"hidden_size": hf.n_embd, "num_layers": hf.n_layer, "num_heads": hf.n_head,
                 "intermediate_size": hf.n_inner or 4 * hf.n_embd, "max_position_embeddings": hf.n_positions,
                 "norm_eps": hf.layer_norm_epsilon, "hidden_act": hf.activation_function}
-    window = getattr(hf, "sliding_window", None) if hf.model_type in ("mistral", "phi3") else None
-    if hf.model_type == "smollm3" and hf.use_sliding_window:
-        window = hf.sliding_window
-    max_pos = min(hf.max_position_embeddings, window) if window else hf.max_position_embeddings
     return {"hidden_size": hf.hidden_size, "num_layers": hf.num_hidden_layers, "num_heads": hf.num_attention_heads,
             "num_kv_heads": hf.num_key_value_heads, "intermediate_size": hf.intermediate_size,
             "head_dim": getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
-            "max_position_embeddings": max_pos, "norm_eps": hf.rms_norm_eps, "hidden_act": hf.hidden_act,
+            "max_position_embeddings": hf.max_position_embeddings, "norm_eps": hf.rms_norm_eps, "hidden_act": hf.hidden_act,
             "tie_word_embeddings": hf.tie_word_embeddings}
+
+
+def _expected_windows(hf) -> list[int | None]:
+    """Each layer's sliding window as transformers' modeling files apply it: to every layer where
+    the config has no `layer_types` (Mistral), else to its sliding ones."""
+    window = getattr(hf, "sliding_window", None)
+    layer_types = getattr(hf, "layer_types", None) or ["sliding_attention"] * hf.num_hidden_layers
+    return [window if kind == "sliding_attention" else None for kind in layer_types]
 
 
 def _assert_matches(cfg: ModelConfig, hf) -> None:
     assert cfg.vocab_size == hf.vocab_size
     for key, value in _expected(hf).items():
         assert getattr(cfg, key) == value, key
+    if hf.model_type != "gpt2":
+        assert [cfg.layer_sliding_window(i) for i in range(cfg.num_layers)] == _expected_windows(hf)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

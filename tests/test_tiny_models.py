@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tiny_models import (ARCHS, CHAT_TEMPLATE, SHARDED_ARCHS, build_tiny_model, hf_greedy,
+from tiny_models import (ARCHS, CHAT_TEMPLATE, SHARDED_ARCHS, SLIDING_WINDOW, build_tiny_model, hf_greedy,
                          load_hf_model, sample_prompts)
 
 
@@ -71,15 +71,24 @@ def test_arch_specific_layout(tiny_model_factory) -> None:
     cfg, w = load("llama_mqa")
     assert cfg["num_key_value_heads"] == 1 and w["model.layers.0.self_attn.v_proj.weight"] == (16, 64)
 
+    cfg, w = load("mistral_sliding")
+    assert cfg["sliding_window"] == SLIDING_WINDOW
+
+    cfg, w = load("qwen2_sliding")
+    assert cfg["use_sliding_window"] and cfg["sliding_window"] == SLIDING_WINDOW
+    assert cfg["layer_types"] == ["full_attention", "sliding_attention"]
+
     cfg, w = load("phi3_longrope")  # q/k/v and gate/up fused in the checkpoint
     assert w["model.layers.0.self_attn.qkv_proj.weight"] == (128, 64)
     assert w["model.layers.0.mlp.gate_up_proj.weight"] == (256, 64)
     rope = cfg["rope_parameters"]
     assert rope["rope_type"] == "longrope" and rope["partial_rotary_factor"] == 0.75
     assert rope["original_max_position_embeddings"] == 48 < 100  # the longest test prompt crosses it
+    assert cfg["sliding_window"] == 40
 
     cfg, w = load("smollm3_yarn")
     assert cfg["no_rope_layers"] == [1, 0] and cfg["rope_parameters"]["rope_type"] == "yarn"
+    assert cfg["layer_types"] == ["full_attention", "sliding_attention"]  # its NoPE layer slides
 
 
 def test_sharded_index(tiny_model_factory) -> None:
@@ -200,5 +209,5 @@ def test_cuda_marker() -> None:
 
 
 def test_archs_list() -> None:
-    assert ARCHS == ["gpt2", "llama", "llama3_rope_untied", "mistral", "qwen2", "qwen3", "llama_mqa", "phi3_longrope",
-                     "smollm3_yarn"]
+    assert ARCHS == ["gpt2", "llama", "llama3_rope_untied", "mistral", "qwen2", "qwen3", "llama_mqa",
+                     "mistral_sliding", "qwen2_sliding", "phi3_longrope", "smollm3_yarn"]

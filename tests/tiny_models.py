@@ -29,8 +29,11 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
-ARCHS: list[str] = ["gpt2", "llama", "llama3_rope_untied", "mistral", "qwen2", "qwen3", "llama_mqa", "phi3_longrope",
-                    "smollm3_yarn"]
+ARCHS: list[str] = ["gpt2", "llama", "llama3_rope_untied", "mistral", "qwen2", "qwen3", "llama_mqa",
+                    "mistral_sliding", "qwen2_sliding", "phi3_longrope", "smollm3_yarn"]
+
+# Sliding windows far shorter than the test prompts, so that every mode attends across a window's edge.
+SLIDING_WINDOW = 8
 
 # Archs whose weights are saved in several shards, so the engine's loader must follow
 # model.safetensors.index.json. The whole model is ~0.5 MB, so 150KB gives 3-5 shards.
@@ -169,16 +172,23 @@ def _config(arch: str) -> Any:
                            rope_theta=1_000_000.0, tie_word_embeddings=True)
     if arch == "llama_mqa":
         return LlamaConfig(**{**common, "num_key_value_heads": 1}, tie_word_embeddings=False)
+    if arch == "mistral_sliding":  # every layer slides
+        return MistralConfig(**common, sliding_window=SLIDING_WINDOW, tie_word_embeddings=False)
+    if arch == "qwen2_sliding":  # layer 0 attends the whole context, layer 1 slides
+        return Qwen2Config(**common, use_sliding_window=True, sliding_window=SLIDING_WINDOW, max_window_layers=1,
+                           tie_word_embeddings=True)
     if arch == "phi3_longrope":
         # Phi-4-mini's shape in small: 3/4 of each head rotates (12 of 16 dims: 6 factors each), and
-        # LongRoPE's original context (48) is shorter than the test prompts, so both factor sets run.
-        return Phi3Config(**common, partial_rotary_factor=0.75, original_max_position_embeddings=48,
+        # LongRoPE's original context (48) is shorter than the test prompts, so both factor sets run;
+        # every layer slides (Phi-3-mini's 2047, in small).
+        return Phi3Config(**common, partial_rotary_factor=0.75, original_max_position_embeddings=48, sliding_window=40,
                           rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.7, 2.3, 3.1],
                                         "long_factor": [1.2, 1.9, 3.5, 6.0, 11.0, 19.0]},
                           tie_word_embeddings=False)
     if arch == "smollm3_yarn":
-        # every 2nd layer has no rotary (NoPE); YaRN scaling from an original context of 64
-        return SmolLM3Config(**common, no_rope_layer_interval=2, rope_theta=20000.0,
+        # every 2nd layer has no rotary (NoPE) and slides (use_sliding_window); YaRN from an original 64
+        return SmolLM3Config(**common, no_rope_layer_interval=2, rope_theta=20000.0, use_sliding_window=True,
+                             sliding_window=24,
                              rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
     raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
 

@@ -7,7 +7,7 @@ whole prompts needs no cache at all: its own K/V under a causal mask are the who
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -49,10 +49,14 @@ class SdpaGroup:
     valid_slots: torch.Tensor  # [n_valid] real tokens' positions in the flattened [B * Lq] layout
     output_rows: torch.Tensor  # [n_valid] flat-batch rows, in valid_slots order
     block_size: int
+    query_positions: torch.Tensor  # [B, Lq] each query's position in its sequence
+    mask_dtype: torch.dtype
     whole_batch: bool = False
     fresh: bool = False  # whole prompts: attend to this step's K/V directly, no cache
     block_tables: torch.Tensor | None = None  # [B, max_blocks] (padding: block 0, masked out)
-    mask: torch.Tensor | None = None  # [B, 1, Lq, max_blocks * block_size] additive: 0 = attend, -inf = not
+    context_lens: torch.Tensor | None = None  # [B] keys cached per sequence (None when fresh)
+    # additive [B, 1, Lq, keys] masks (0 = attend, -inf = not) by sliding window, built on first use
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
     def attend_into(self, out: torch.Tensor, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor,
                     v: torch.Tensor, kv_cache: KVCache) -> None:
@@ -60,25 +64,43 @@ class SdpaGroup:
 
     def attend(self, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                kv_cache: KVCache) -> torch.Tensor:
-        gqa = layer.num_heads != layer.num_kv_heads
         if self.fresh:
-            # right padding is invisible to real queries under a causal mask: no cache, no explicit mask
             queries, keys, values = (self._padded(t).transpose(1, 2) for t in (q, k, v))
-            out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=layer.scale,
-                                                 enable_gqa=gqa)
+            if layer.sliding_window is None and layer.logit_softcap is None:
+                # right padding is invisible to real queries under a causal mask: no explicit mask
+                out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=layer.scale,
+                                                     enable_gqa=layer.num_heads != layer.num_kv_heads)
+            else:
+                out = attention(queries, keys, values, self.mask(layer.sliding_window), layer)
             return self._unpadded(out)
         keys, values = (self._gather(cache, layer) for cache in kv_cache)
+        mask = self.mask(layer.sliding_window)
         if self.query_rows.shape[1] == 1:
             # One query per sequence: the query heads sharing a KV head become that head's "query
             # length", so GQA needs no repeated K/V and one mask row serves them all.
             queries = q if self.whole_batch else q[self.output_rows]
             batch, groups = queries.shape[0], layer.num_heads // layer.num_kv_heads
             queries = queries.view(batch, layer.num_kv_heads, groups, layer.head_dim)
-            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self.mask, scale=layer.scale)
-            return out.reshape(batch, layer.num_heads, layer.head_dim)
-        out = F.scaled_dot_product_attention(self._padded(q).transpose(1, 2), keys, values, attn_mask=self.mask,
-                                             scale=layer.scale, enable_gqa=gqa)
-        return self._unpadded(out)
+            return attention(queries, keys, values, mask, layer).reshape(batch, layer.num_heads, layer.head_dim)
+        return self._unpadded(attention(self._padded(q).transpose(1, 2), keys, values, mask, layer))
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """Query at position p sees key j when j <= p, j is cached, and p - j < window."""
+        if window not in self.masks:
+            if self.fresh:
+                keys = torch.arange(self.query_rows.shape[1], device=self.query_rows.device)
+            else:
+                keys = torch.arange(self.block_tables.shape[1] * self.block_size, device=self.query_rows.device)
+            keys, positions = keys.view(1, 1, -1), self.query_positions.unsqueeze(2)
+            visible = keys <= positions
+            if self.context_lens is not None:
+                visible &= keys < self.context_lens.view(-1, 1, 1)
+            if window is not None:
+                visible &= positions - keys < window
+            # additive float mask: SDPA would otherwise convert a bool mask in every layer
+            mask = torch.zeros(visible.shape, dtype=self.mask_dtype, device=visible.device)
+            self.masks[window] = mask.masked_fill_(~visible, float("-inf")).unsqueeze(1)
+        return self.masks[window]
 
     def _gather(self, cache: torch.Tensor, layer: PagedAttention) -> torch.Tensor:
         """[B, Hkv, max_blocks * block_size, D] through the block tables. index_select on whole
@@ -98,6 +120,20 @@ class SdpaGroup:
         return out.transpose(1, 2).flatten(0, 1).index_select(0, self.valid_slots)
 
 
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+              layer: PagedAttention) -> torch.Tensor:
+    """q [B, H, Lq, D] over k, v [B, Hkv, Lk, D] under an additive mask. SDPA has no soft-cap, so a
+    capped layer spells the scores out, as transformers' eager attention does."""
+    gqa = q.shape[1] != k.shape[1]
+    if layer.logit_softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.scale, enable_gqa=gqa)
+    if gqa:
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    cap = layer.logit_softcap
+    scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * (layer.scale / cap)) * cap + mask
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
 def padded_block_tables(backend: Backend, layout: BatchLayout, idx: list[int]) -> torch.Tensor:
     """[len(idx), max_blocks] block tables of these sequences, padded with block 0 (never read)."""
     max_blocks = -(-max(layout.kv_lens[i] for i in idx) // layout.block_size)
@@ -114,20 +150,14 @@ def sdpa_group(backend: Backend, layout: BatchLayout, idx: list[int]) -> SdpaGro
     valid = q_pos < q_lens.unsqueeze(1)
     query_rows = starts.unsqueeze(1) + torch.minimum(q_pos, q_lens.unsqueeze(1) - 1)
     valid_slots = valid.flatten().nonzero().squeeze(1)
-    group = SdpaGroup(query_rows, valid_slots, query_rows.flatten().index_select(0, valid_slots), layout.block_size)
+    output_rows = query_rows.flatten().index_select(0, valid_slots)
     if max_q > 1 and all(layout.kv_lens[i] == layout.q_lens[i] for i in idx):
-        group.fresh = True
-        return group
-    group.block_tables = padded_block_tables(backend, layout, idx)
+        return SdpaGroup(query_rows, valid_slots, output_rows, layout.block_size, q_pos.expand(len(idx), -1),
+                         backend.dtype, fresh=True)
     ctx_lens = backend.tensor([layout.kv_lens[i] for i in idx])
-    # absolute position of each query; key j is visible when j <= that position (and j < ctx)
-    abs_pos = (ctx_lens - q_lens).unsqueeze(1) + q_pos  # [B, Lq]
-    keys = torch.arange(group.block_tables.shape[1] * layout.block_size, device=backend.device)
-    visible = (keys.view(1, 1, -1) <= abs_pos.unsqueeze(2)) & (keys.view(1, 1, -1) < ctx_lens.view(-1, 1, 1))
-    # additive float mask: SDPA would otherwise convert a bool mask in every layer
-    mask = torch.zeros(visible.shape, dtype=backend.dtype, device=backend.device).masked_fill_(~visible, float("-inf"))
-    group.mask = mask.unsqueeze(1)
-    return group
+    return SdpaGroup(query_rows, valid_slots, output_rows, layout.block_size,
+                     (ctx_lens - q_lens).unsqueeze(1) + q_pos, backend.dtype,
+                     block_tables=padded_block_tables(backend, layout, idx), context_lens=ctx_lens)
 
 
 def split_decode_prefill(layout: BatchLayout) -> tuple[list[int], list[int]]:

@@ -30,6 +30,20 @@ class ModelConfig:
     # LongRoPE (Phi-3/4): a sequence longer than this is rotated with the long factors throughout
     long_rope_prompts_from: int | None = None
     raw_config: dict[str, Any] = field(default_factory=dict)  # config.json, for rotary scaling
+    # per layer: its attention's sliding window (layers/attention.py PagedAttention), None where it
+    # attends the whole context; empty: no layer slides
+    sliding_windows: tuple[int | None, ...] = ()
+
+    def layer_sliding_window(self, layer: int) -> int | None:
+        return self.sliding_windows[layer] if self.sliding_windows else None
+
+    @property
+    def kv_window(self) -> int | None:
+        """How many trailing positions any layer can still attend to, where every layer slides: the
+        KV blocks wholly before that are dead. None where some layer attends the whole context."""
+        if len(self.sliding_windows) < self.num_layers or None in self.sliding_windows:
+            return None
+        return max(self.sliding_windows)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
@@ -50,41 +64,57 @@ class ModelConfig:
             )
         num_heads = get("num_attention_heads")
         head_dim = get("head_dim") or get("hidden_size") // num_heads
-        max_pos = get("max_position_embeddings")
-        # Mistral-style sliding window: we attend to the whole context, so cap the context at
-        # the window, where both agree.
-        window = get("sliding_window") if model_type in ("mistral", "phi3") else None
-        if model_type == "smollm3" and get("use_sliding_window"):
-            window = get("sliding_window")
-        if window:
-            max_pos = min(max_pos, window)
         return cls(
             model_type=model_type, vocab_size=get("vocab_size"), hidden_size=get("hidden_size"),
             num_layers=get("num_hidden_layers"), num_heads=num_heads,
             num_kv_heads=get("num_key_value_heads") or num_heads, head_dim=head_dim,
-            intermediate_size=get("intermediate_size"), max_position_embeddings=max_pos, norm_eps=get("rms_norm_eps"),
+            intermediate_size=get("intermediate_size"), max_position_embeddings=get("max_position_embeddings"), norm_eps=get("rms_norm_eps"),
             tie_word_embeddings=bool(get("tie_word_embeddings")),
             attention_bias=bool(get("attention_bias")) or model_type == "qwen2",
             qk_norm=model_type == "qwen3", hidden_act=get("hidden_act"), raw_config=raw,
             nope_layers=_nope_layers(get) if model_type == "smollm3" else (),
             long_rope_prompts_from=long_rope_original_positions(raw),
+            sliding_windows=_sliding_windows(get, get("num_hidden_layers")),
         )
+
+
+def _sliding_windows(get: "_Fields", num_layers: int) -> tuple[int | None, ...]:
+    """Each layer's window as transformers applies it: Mistral's and Phi-3's `sliding_window` to every
+    layer; Qwen2/Qwen3's, under `use_sliding_window`, to the layers `layer_types` names sliding (by
+    default those from `max_window_layers` on); SmolLM3's likewise, by default its NoPE layers."""
+    model_type = get("model_type")
+    if model_type in ("mistral", "phi3"):
+        return (get("sliding_window"),) * num_layers if get("sliding_window") is not None else ()
+    if model_type == "smollm3" and get("use_sliding_window") and get("sliding_window") is not None:
+        nope = _nope_layers(get)
+        layer_types = get("layer_types") or ["sliding_attention" if i in nope else "full_attention"
+                                             for i in range(num_layers)]
+        return tuple(get("sliding_window") if kind == "sliding_attention" else None for kind in layer_types)
+    if model_type not in ("qwen2", "qwen3") or not get("use_sliding_window") or get("sliding_window") is None:
+        return ()
+    layer_types = get("layer_types") or ["sliding_attention" if i >= get("max_window_layers") else "full_attention"
+                                         for i in range(num_layers)]
+    return tuple(get("sliding_window") if kind == "sliding_attention" else None for kind in layer_types)
 
 
 _LLAMA_DEFAULTS = {"rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False,
                    "num_key_value_heads": None, "head_dim": None, "attention_bias": False}
+_QWEN_WINDOW_DEFAULTS = {"use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28,
+                         "layer_types": None}
 # What transformers' config classes assume for fields a config.json leaves out.
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "gpt2": {"n_inner": None, "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5, "n_positions": 1024},
     "llama": {**_LLAMA_DEFAULTS, "max_position_embeddings": 2048},
     "mistral": {**_LLAMA_DEFAULTS, "max_position_embeddings": 131072, "sliding_window": 4096,
                 "num_key_value_heads": 8},
-    "qwen2": {**_LLAMA_DEFAULTS, "max_position_embeddings": 32768, "num_key_value_heads": 32},
-    "qwen3": {**_LLAMA_DEFAULTS, "max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": 128},
+    "qwen2": {**_LLAMA_DEFAULTS, **_QWEN_WINDOW_DEFAULTS, "max_position_embeddings": 32768,
+              "num_key_value_heads": 32},
+    "qwen3": {**_LLAMA_DEFAULTS, **_QWEN_WINDOW_DEFAULTS, "max_position_embeddings": 32768,
+              "num_key_value_heads": 32, "head_dim": 128},
     "phi3": {**_LLAMA_DEFAULTS, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "sliding_window": None},
     "smollm3": {**_LLAMA_DEFAULTS, "max_position_embeddings": 32768, "num_key_value_heads": 4,
                 "tie_word_embeddings": True, "use_sliding_window": False, "sliding_window": None,
-                "no_rope_layers": None, "no_rope_layer_interval": 4},
+                "no_rope_layers": None, "no_rope_layer_interval": 4, "layer_types": None},
 }
 
 

@@ -32,7 +32,7 @@ from roseinfer.models.weights import WeightLoader
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, layer: int) -> None:
         super().__init__()
         self.tp = tp
         q, kv = tp.even(cfg.num_heads * cfg.head_dim), tp.kv_heads(cfg.num_kv_heads, cfg.head_dim)
@@ -44,7 +44,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = row_parallel(q.size, cfg.hidden_size, tp, bias=o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5,
+                                   sliding_window=cfg.layer_sliding_window(layer))
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         return self.tp.all_reduce(self.o_proj.forward(self.attend(self.qkv_proj.forward(x), rope, kv_cache, meta)))
@@ -79,11 +80,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel, rotates: bool = True) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, layer: int) -> None:
         super().__init__()
         self.tp = tp
-        self.rotates = rotates  # False for a NoPE layer: its forward gets rotations that change nothing
-        self.self_attn = LlamaAttention(cfg, tp)
+        self.rotates = layer not in cfg.nope_layers  # a NoPE layer's forward gets rotations that change nothing
+        self.self_attn = LlamaAttention(cfg, tp, layer)
         self.mlp = LlamaMLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
@@ -103,8 +104,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = vocab_parallel_embedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.raw_config)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp, rotates=layer not in cfg.nope_layers)
-                                    for layer in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp, layer) for layer in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
 
 

@@ -49,17 +49,18 @@ class TritonMetadata(AttentionMetadata):
 
         kernels.store_kv(k, v, self.slot_mapping, *kv_cache)
         decode, prefill = self.decode, self.prefill
+        options = {"sliding_window": layer.sliding_window, "logit_softcap": layer.logit_softcap}
         if prefill is None and decode.rows is None:
             return kernels.paged_decode_attention(q, *kv_cache, decode.block_tables, decode.kv_lens, self.block_size,
-                                                  layer.scale)
+                                                  layer.scale, **options)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if decode is not None:
             out[decode.rows] = kernels.paged_decode_attention(q[decode.rows], *kv_cache, decode.block_tables,
-                                                              decode.kv_lens, self.block_size, layer.scale)
+                                                              decode.kv_lens, self.block_size, layer.scale, **options)
         if prefill is not None:
             kernels.paged_prefill_attention(q, *kv_cache, prefill.block_tables, prefill.q_starts, prefill.q_lens,
                                             prefill.kv_lens, self.block_size, layer.scale, out,
-                                            max_q_len=prefill.max_q_len)
+                                            max_q_len=prefill.max_q_len, **options)
         return out
 
 

@@ -9,6 +9,9 @@ fused qkv projection). Index tensors may be int32 or int64: the kernels widen th
 before forming addresses. A head dim that is not a power of two runs in the next power of two
 with the tail masked off. Softmax is computed in base 2 (exp2 of scores pre-scaled by log2(e))
 with fp32 statistics and accumulators; outputs are written in their tensor's dtype.
+A layer's sliding window W (layers/attention.py: the query at position p sees p - W < t <= p) is a
+kernel argument (ALL_KEYS where none), so no tile wholly before a window is read; its logit soft-cap
+(cap * tanh(scores / cap), after the scale) is a compile-time branch of the score tile.
 """
 from __future__ import annotations
 
@@ -28,6 +31,8 @@ PREFILL_BLOCK_N = 64
 # and no (sequence, KV head) more splits than MAX_SPLITS (the merge reads them all at once).
 MIN_SPLIT_KEYS = 256
 MAX_SPLITS = 16
+# The window of a layer that attends to the whole context: wider than any context (int32 arithmetic).
+ALL_KEYS = 2**30
 
 
 @triton.jit
@@ -60,11 +65,24 @@ def _paged_kv_tile(block_table, keys, key_mask, d, kv_head, stride_c_slot, strid
 
 
 @triton.jit
-def _attend_tile(q, k_ptrs, v_ptrs, kv_mask, score_mask, m, row_sum, acc, qk_scale, DOT_PRECISION: tl.constexpr):
+def _soft_cap(s, cap):
+    # cap * tanh(s / cap), tanh from exp2 (the interpreter has no libdevice): tanh|x| = (1 - t) / (1 + t)
+    # with t = e^(-2|x|) in (0, 1], which never overflows; 2.885... is 2 log2(e)
+    t = tl.exp2(-2.8853900817779268 * tl.abs(s) / cap)
+    magnitude = cap * (1.0 - t) / (1.0 + t)
+    return tl.where(s < 0, -magnitude, magnitude)
+
+
+@triton.jit
+def _attend_tile(q, k_ptrs, v_ptrs, kv_mask, score_mask, m, row_sum, acc, qk_scale, softcap,
+                 SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
     # One K/V tile of online softmax (exp2: qk_scale carries log2 e): the running max m, sum row_sum and
-    # output acc of each query row, updated with the tile's scores where score_mask allows them.
+    # output acc of each query row, updated with the tile's scores where score_mask allows them. With
+    # SOFTCAP, qk_scale is the layer's plain scale: the cap applies to natural-unit scores, then log2 e.
     k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if SOFTCAP:
+        s = _soft_cap(s, softcap) * 1.4426950408889634
     s = tl.where(score_mask, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
     alpha = tl.exp2(m - m_new)
@@ -76,22 +94,24 @@ def _attend_tile(q, k_ptrs, v_ptrs, kv_mask, score_mask, m, row_sum, acc, qk_sca
 
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, kv_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-                   qk_scale, stride_q_row, stride_q_head, stride_c_slot, stride_c_head, stride_bt_row,
+                   qk_scale, window, softcap, stride_q_row, stride_q_head, stride_c_slot, stride_c_head, stride_bt_row,
                    stride_o_row, stride_o_head, num_heads, head_dim, num_splits,
                    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_G: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
     # Program (sequence, KV head, split): the G query heads that share the KV head, over this
     # split's slice of the context. The heads are the M side of tl.dot, padded to BLOCK_G >= 16
     # (the smallest dot tile): each K/V tile is loaded once for the whole group, and the padding
     # only costs tensor-core arithmetic in a kernel bound by memory. The context is cut into
     # num_splits equal slices, whole tiles each, so long contexts spread over more programs;
-    # without SPLIT the one split writes the output itself, otherwise the merge kernel does.
+    # without SPLIT the one split writes the output itself, otherwise the merge kernel does. The
+    # slices cover the window: the last `window` keys.
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     kv_len = tl.load(kv_lens_ptr + seq).to(tl.int32)
-    split_len = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * split_len
+    first_key = tl.maximum(kv_len - window, 0)
+    split_len = tl.cdiv(tl.cdiv(kv_len - first_key, num_splits), BLOCK_N) * BLOCK_N
+    start = first_key + split * split_len
     end = tl.minimum(start + split_len, kv_len)
 
     g = tl.arange(0, BLOCK_G)
@@ -111,7 +131,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, kv_lens_pt
         offsets, kv_mask = _paged_kv_tile(block_table, keys, key_mask, d, kv_head, stride_c_slot, stride_c_head,
                                           head_dim, BLOCK_SIZE)
         m, row_sum, acc = _attend_tile(q, k_cache_ptr + offsets, v_cache_ptr + offsets, kv_mask, key_mask[None, :],
-                                       m, row_sum, acc, qk_scale, DOT_PRECISION)
+                                       m, row_sum, acc, qk_scale, softcap, SOFTCAP, DOT_PRECISION)
 
     o = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]  # nothing attended (empty split or kv_len 0): zeros
     if SPLIT:
@@ -150,15 +170,16 @@ def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_o_row, stri
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, q_starts_ptr, q_lens_ptr, kv_lens_ptr, out_ptr,
-                    qk_scale, stride_q_row, stride_q_head, stride_c_slot, stride_c_head, stride_bt_row,
+                    qk_scale, window, softcap, stride_q_row, stride_q_head, stride_c_slot, stride_c_head, stride_bt_row,
                     stride_o_row, stride_o_head, head_dim,
                     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                    BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
     # Program (query tile, query head, sequence): BLOCK_M consecutive queries of one sequence's
     # chunk and one head, flash-attention style over the cached keys in BLOCK_N tiles. The chunk
     # sits at the end of the context (earlier chunks and prefix-cache hits before it), so query
     # row r is at position kv_len - q_len + r; the key loop stops at the tile's last position,
-    # skipping every tile past the causal limit. Programs past a sequence's q_len exit at once
+    # skipping every tile past the causal limit, and starts at the tile's first row's window.
+    # Programs past a sequence's q_len exit at once
     # (the grid is sized for the longest chunk). One head per program keeps the tile square;
     # the G heads of a group read the same K/V tiles, which mostly come from L2.
     tile = tl.program_id(0)
@@ -174,7 +195,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, q_starts_
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
     row_mask = (rows < q_len)[:, None] & (d < head_dim)[None, :]
-    positions = kv_len - q_len + rows
+    positions = kv_len - q_len + tl.minimum(rows, q_len - 1)  # padding rows repeat the last row
     q_rows = (q_start + rows)[:, None]
     q = tl.load(q_ptr + q_rows * stride_q_row + head * stride_q_head + d[None, :], mask=row_mask, other=0.0)
 
@@ -182,16 +203,18 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, q_starts_
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     block_table = block_tables_ptr + seq * stride_bt_row
-    # Key 0 is visible to every row (padding rows past q_len too), so no row's max stays -inf.
+    # Each row sees its own key, so no row's max stays -inf.
     key_end = tl.minimum(kv_len, kv_len - q_len + (tile + 1) * BLOCK_M)
-    for tile_start in range(0, key_end, BLOCK_N):
+    key_begin = tl.maximum(kv_len - q_len + tile * BLOCK_M - window + 1, 0)
+    for tile_start in range(key_begin, key_end, BLOCK_N):
         keys = tile_start + tl.arange(0, BLOCK_N)
         key_mask = keys < key_end
         offsets, kv_mask = _paged_kv_tile(block_table, keys, key_mask, d, kv_head, stride_c_slot, stride_c_head,
                                           head_dim, BLOCK_SIZE)
-        causal = key_mask[None, :] & (keys[None, :] <= positions[:, None])
-        m, row_sum, acc = _attend_tile(q, k_cache_ptr + offsets, v_cache_ptr + offsets, kv_mask, causal,
-                                       m, row_sum, acc, qk_scale, DOT_PRECISION)
+        visible = (keys[None, :] <= positions[:, None]) & (keys[None, :] > positions[:, None] - window)
+        m, row_sum, acc = _attend_tile(q, k_cache_ptr + offsets, v_cache_ptr + offsets, kv_mask,
+                                       key_mask[None, :] & visible, m, row_sum, acc, qk_scale, softcap, SOFTCAP,
+                                       DOT_PRECISION)
 
     o = acc / row_sum[:, None]
     tl.store(out_ptr + q_rows * stride_o_row + head * stride_o_head + d[None, :], o.to(out_ptr.dtype.element_ty),
@@ -258,11 +281,19 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _score_args(scale: float, sliding_window: int | None, logit_softcap: float | None) -> dict:
+    """The kernels' scale, window and soft-cap arguments for a layer's options (module docstring)."""
+    return {"qk_scale": scale if logit_softcap else scale * LOG2E, "window": sliding_window or ALL_KEYS,
+            "softcap": logit_softcap or 0.0, "SOFTCAP": bool(logit_softcap)}
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            kv_lens: torch.Tensor, block_size: int, scale: float, out: torch.Tensor | None = None,
-                           num_splits: int | None = None) -> torch.Tensor:
+                           num_splits: int | None = None, sliding_window: int | None = None,
+                           logit_softcap: float | None = None) -> torch.Tensor:
     """One query per sequence, q [B, H, D]: sequence i attends to its first kv_lens[i] cached tokens
-    (its new token already stored) through block_tables [B, max_blocks]. Rows with kv_lens 0 give
+    (its new token already stored), or the last sliding_window of them, through block_tables
+    [B, max_blocks]; logit_softcap as PagedAttention's. Rows with kv_lens 0 give
     zeros. Writes and returns out [B, H, D] (allocated when None). num_splits (default: from the
     batch, the block-table width and the GPU) cuts each context into that many slices run by
     separate programs and merged after; it depends on shapes only, never on kv_lens' values, so
@@ -287,11 +318,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_out = part_lse = out  # not touched when there is a single split
     block_d = _block_d(head_dim)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, kv_lens, out, part_out, part_lse, scale * LOG2E,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
-        out.stride(0), out.stride(1), num_heads, head_dim, num_splits,
+        q, k_cache, v_cache, block_tables, kv_lens, out, part_out, part_lse,
+        stride_q_row=q.stride(0), stride_q_head=q.stride(1), stride_c_slot=k_cache.stride(0),
+        stride_c_head=k_cache.stride(1), stride_bt_row=block_tables.stride(0), stride_o_row=out.stride(0),
+        stride_o_head=out.stride(1), num_heads=num_heads, head_dim=head_dim, num_splits=num_splits,
         GROUP=group, BLOCK_SIZE=block_size, SPLIT=split, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=DECODE_BLOCK_N, BLOCK_D=block_d, DOT_PRECISION=_dot_precision(q.dtype))
+        BLOCK_N=DECODE_BLOCK_N, BLOCK_D=block_d, DOT_PRECISION=_dot_precision(q.dtype),
+        **_score_args(scale, sliding_window, logit_softcap))
     if split:
         _merge_splits_kernel[(batch, num_heads)](
             part_out, part_lse, out, out.stride(0), out.stride(1), num_heads, head_dim, num_splits,
@@ -301,10 +334,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                             q_starts: torch.Tensor, q_lens: torch.Tensor, kv_lens: torch.Tensor, block_size: int,
-                            scale: float, out: torch.Tensor, max_q_len: int | None = None) -> None:
+                            scale: float, out: torch.Tensor, max_q_len: int | None = None,
+                            sliding_window: int | None = None, logit_softcap: float | None = None) -> None:
     """Causal attention for prompt chunks: sequence i's queries are rows q_starts[i] .. + q_lens[i] - 1
     of q [T, H, D], at the last q_lens[i] of its kv_lens[i] cached positions (this chunk's K/V
-    already stored). Writes those rows of out [T, H, D]; other rows are left alone. max_q_len, an
+    already stored), within sliding_window, soft-capped by logit_softcap. Writes those rows of out [T, H, D]; other rows are left alone. max_q_len, an
     upper bound on q_lens known to the caller, trims the grid; without it the grid assumes T."""
     group = _check_attention_args(q, k_cache, v_cache)
     _check_rows(out=out)
@@ -314,8 +348,10 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if num_seqs == 0 or longest == 0:
         return
     _prefill_kernel[(triton.cdiv(longest, PREFILL_BLOCK_M), num_heads, num_seqs)](
-        q, k_cache, v_cache, block_tables, q_starts, q_lens, kv_lens, out, scale * LOG2E,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
-        out.stride(0), out.stride(1), head_dim,
+        q, k_cache, v_cache, block_tables, q_starts, q_lens, kv_lens, out,
+        stride_q_row=q.stride(0), stride_q_head=q.stride(1), stride_c_slot=k_cache.stride(0),
+        stride_c_head=k_cache.stride(1), stride_bt_row=block_tables.stride(0), stride_o_row=out.stride(0),
+        stride_o_head=out.stride(1), head_dim=head_dim,
         GROUP=group, BLOCK_SIZE=block_size, BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N,
-        BLOCK_D=_block_d(head_dim), DOT_PRECISION=_dot_precision(q.dtype))
+        BLOCK_D=_block_d(head_dim), DOT_PRECISION=_dot_precision(q.dtype),
+        **_score_args(scale, sliding_window, logit_softcap))

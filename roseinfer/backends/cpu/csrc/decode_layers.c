@@ -39,7 +39,8 @@ int decode_layers_f32(const decode_layer_t *layers, int64_t num_layers, float *x
                                              num_threads);
         failed |= paged_decode_attention_f32(qkv, qkv_size, rope, new_slots, layer->k_cache, layer->v_cache, attn,
                                              block_tables, kv_lens, n, num_heads, num_kv_heads, head_dim, block_size,
-                                             max_blocks, scale, num_threads);
+                                             max_blocks, scale, layer->sliding_window, layer->logit_softcap,
+                                             num_threads);
         failed |= weight_matmul_f32(attn, q_size, layer->o, layer->o_type, layer->o_bias, attn_out, n, hidden, q_size,
                                     num_threads);
         failed |= rms_norm_packed_matmul_f32(attn_out, hidden, x, layer->post_norm, eps, layer->gate_up,

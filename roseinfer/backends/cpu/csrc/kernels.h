@@ -19,6 +19,8 @@ typedef struct {
     float *k_cache, *v_cache;              /* [slots, num_kv_heads, head_dim] */
     /* each weight's layout: 0 packed fp32 (64-row blocks), else the GGML type of its GGUF blocks */
     int64_t qkv_type, o_type, gate_up_type, down_type;
+    int64_t sliding_window;                /* its attention's window, 0 for the whole context */
+    float logit_softcap;                   /* its attention's soft-cap, 0 for none */
 } decode_layer_t;
 
 void rms_norm_f32(const float *x, int64_t x_row_stride, float *residual, const float *weight, float *out,
@@ -45,12 +47,12 @@ int paged_decode_attention_f32(float *q, int64_t q_row_stride, const float *rope
                                float *k_cache, float *v_cache, float *out, const int64_t *block_tables,
                                const int64_t *kv_lens, int64_t n, int64_t num_heads, int64_t num_kv_heads,
                                int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale,
-                               int num_threads);
+                               int64_t sliding_window, float logit_softcap, int num_threads);
 int paged_prefill_attention_f32(const float *q, int64_t q_row_stride, const float *k_cache, const float *v_cache,
                                 float *out, const int64_t *block_tables, const int64_t *q_starts,
                                 const int64_t *q_lens, const int64_t *kv_lens, int64_t n, int64_t num_heads,
                                 int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
-                                float scale, int num_threads);
+                                float scale, int64_t sliding_window, float logit_softcap, int num_threads);
 int decode_layers_f32(const decode_layer_t *layers, int64_t num_layers, float *x, float *out, const float *rope,
                       const int64_t *new_slots, const int64_t *block_tables, const int64_t *kv_lens, int64_t n,
                       int64_t hidden, int64_t intermediate, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,

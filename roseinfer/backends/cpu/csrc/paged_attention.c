@@ -12,7 +12,10 @@
  * k_cache, v_cache:  [slots, num_kv_heads, head_dim]; token t of sequence i lies in slot
  *                    block_tables[i][t / block_size] * block_size + t % block_size
  * block_tables:      [n, max_blocks]
- * kv_lens:           [n]; sequence i's one query attends to its tokens 0 .. kv_lens[i] - 1
+ * kv_lens:           [n]; sequence i's one query attends to its tokens 0 .. kv_lens[i] - 1, or with a
+ *                    sliding_window W > 0 to the last W of them (transformers' window: the query at
+ *                    position p sees p - W < t <= p); blocks before those are never read
+ * logit_softcap:     > 0: scores become cap * tanh(scores / cap) after the scale (Gemma 2); 0: none
  * Query head h reads KV head h / (num_heads / num_kv_heads), as HF's repeat_kv does.
  * Returns 0, or 1 when a thread could not allocate its scratch (out is then incomplete).
  */
@@ -52,21 +55,21 @@ static void softmax_inplace(float *s, int64_t len) {
     for (int64_t t = 0; t < len; t++) s[t] *= inv;
 }
 
-/* One sequence, query heads h0 .. h1 - 1: scores over its tokens, softmax, then the weighted sum
- * of V. The loops go KV head by KV head and then over the query heads that share it, because
+/* One sequence, query heads h0 .. h1 - 1: scores over its `len` tokens from `first`, softmax, then
+ * the weighted sum of V. The loops go KV head by KV head and then over the query heads that share it, because
  * `h / group` per head and `t / block_size` per token were 64-bit divisions in the inner loops (~10 %
  * of the kernel with the cache warm). slots: scratch for the tokens' row offsets (token_row_offsets).
  * Always inlined, and called with head_dim a literal for the common head sizes: dot and axpy then
  * unroll into registers, with no tail loop. */
 static inline __attribute__((always_inline)) void attend_heads(
     const float *qs, const float *k_cache, const float *v_cache, float *o, float *scores, int64_t *slots,
-    const int64_t *table, int64_t len, int64_t num_kv_heads, int64_t group, int64_t h0, int64_t h1,
-    const int64_t head_dim, int64_t block_size, float scale) {
+    const int64_t *table, int64_t first, int64_t len, int64_t num_kv_heads, int64_t group, int64_t h0, int64_t h1,
+    const int64_t head_dim, int64_t block_size, float scale, float logit_softcap) {
     const int64_t slot_stride = num_kv_heads * head_dim, kv0 = h0 / group, kv1 = (h1 - 1) / group + 1;
     const int64_t row_floats = (kv1 - kv0) * head_dim; /* of a token's row, the KV heads read here */
     k_cache += kv0 * head_dim;
     v_cache += kv0 * head_dim;
-    token_row_offsets(table, len, block_size, slot_stride, slots);
+    token_row_offsets(table, first, first + len, block_size, slot_stride, slots);
     for (int64_t t = 0; t < len && t < PREFETCH_TOKENS; t++) prefetch_floats(k_cache + slots[t], row_floats);
     for (int64_t t = 0; t < len; t++) {
         const float *k = k_cache + slots[t];
@@ -76,6 +79,7 @@ static inline __attribute__((always_inline)) void attend_heads(
                 scores[h * len + t] = dot(qs + h * head_dim, k + (kv - kv0) * head_dim, head_dim) * scale;
     }
     for (int64_t t = 0; t < len && t < PREFETCH_TOKENS; t++) prefetch_floats(v_cache + slots[t], row_floats);
+    if (logit_softcap > 0.0f) soft_cap(scores + h0 * len, (h1 - h0) * len, logit_softcap);
     for (int64_t h = h0; h < h1; h++) softmax_inplace(scores + h * len, len);
     memset(o + h0 * head_dim, 0, sizeof(float) * (size_t)((h1 - h0) * head_dim));
     for (int64_t t = 0; t < len; t++) {
@@ -102,7 +106,7 @@ int paged_decode_attention_f32(float *q, int64_t q_row_stride, const float *rope
                                float *k_cache, float *v_cache, float *out, const int64_t *block_tables,
                                const int64_t *kv_lens, int64_t n, int64_t num_heads, int64_t num_kv_heads,
                                int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale,
-                               int num_threads) {
+                               int64_t sliding_window, float logit_softcap, int num_threads) {
     const int64_t group = num_heads / num_kv_heads, kv_floats = num_kv_heads * head_dim;
     const int64_t max_len = max_blocks * block_size;
     /* tasks a row: enough for every thread, whole heads each; a thread with no task is not woken */
@@ -133,9 +137,10 @@ int paged_decode_attention_f32(float *q, int64_t q_row_stride, const float *rope
             float *qs = q + seq * q_row_stride;
             float *o = out + seq * num_heads * head_dim;
             const int64_t *table = block_tables + seq * max_blocks;
+            const int64_t first = sliding_window > 0 && kv_lens[seq] > sliding_window ? kv_lens[seq] - sliding_window : 0;
 #define ATTEND(dim) \
-    attend_heads(qs, k_cache, v_cache, o, scores, slots, table, kv_lens[seq], num_kv_heads, group, h0, h1, dim, \
-                 block_size, scale)
+    attend_heads(qs, k_cache, v_cache, o, scores, slots, table, first, kv_lens[seq] - first, num_kv_heads, group, h0, \
+                 h1, dim, block_size, scale, logit_softcap)
             if (head_dim == 64)
                 ATTEND(64);
             else if (head_dim == 128)

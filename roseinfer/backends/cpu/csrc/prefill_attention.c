@@ -18,7 +18,10 @@
  * block_tables:      [n, max_blocks]
  * q_starts, q_lens:  [n]; sequence i's queries are rows q_starts[i] .. q_starts[i] + q_lens[i] - 1
  * kv_lens:           [n]; its cached tokens, this chunk included: query j of sequence i is at
- *                    position kv_lens[i] - q_lens[i] + j and attends to tokens 0 .. that position
+ *                    position kv_lens[i] - q_lens[i] + j and attends to tokens 0 .. that position, or
+ *                    with a sliding_window W > 0 to the last W of them (p - W < t <= p); keys before
+ *                    any of a tile's windows are never read
+ * logit_softcap:     > 0: scores become cap * tanh(scores / cap) after the scale (Gemma 2); 0: none
  * Query head h reads KV head h / (num_heads / num_kv_heads), as HF's repeat_kv does.
  * Returns 0, or 1 when a thread could not allocate its scratch (out is then incomplete).
  */
@@ -79,21 +82,21 @@ static inline __attribute__((always_inline)) void score_keys(const float *qt, co
     }
 }
 
-/* Causal softmax down each lane: key t counts for a lane when t <= last[lane]. Masked scores become
- * 0; inv[lane] gets 1 / the lane's sum (applied to the output, once per value, not per key). */
-static void softmax_lanes(float *scores, int64_t len, const int64_t *last, float *inv) {
+/* Causal softmax down each lane: key t counts for a lane when first[lane] <= t <= last[lane]. Masked
+ * scores become 0; inv[lane] gets 1 / the lane's sum (applied to the output, once per value, not per key). */
+static void softmax_lanes(float *scores, int64_t len, const int64_t *first, const int64_t *last, float *inv) {
     float peak[LANES], total[LANES];
     for (int l = 0; l < LANES; l++) peak[l] = -INFINITY, total[l] = 0.0f;
     for (int64_t t = 0; t < len; t++) {
         const float *s = scores + t * LANES;
 #pragma omp simd
-        for (int l = 0; l < LANES; l++) peak[l] = (t <= last[l] && s[l] > peak[l]) ? s[l] : peak[l];
+        for (int l = 0; l < LANES; l++) peak[l] = (t >= first[l] && t <= last[l] && s[l] > peak[l]) ? s[l] : peak[l];
     }
     for (int64_t t = 0; t < len; t++) {
         float *s = scores + t * LANES;
 #pragma omp simd
         for (int l = 0; l < LANES; l++) {
-            const float p = t <= last[l] ? exp_f32(s[l] - peak[l]) : 0.0f;
+            const float p = t >= first[l] && t <= last[l] ? exp_f32(s[l] - peak[l]) : 0.0f;
             s[l] = p;
             total[l] += p;
         }
@@ -135,25 +138,32 @@ static inline __attribute__((always_inline)) void weigh_lanes(const float *p, co
 }
 
 /* One task: query rows row0 .. row0 + n_rows - 1 of a sequence (positions from pos0), the query
- * heads of KV head kv. `rows` holds the offset of every key's row in the cache. */
+ * heads of KV head kv. `rows` holds the offset of the cache row of every key from rows_first on. */
 static void attend_tile(const float *q, int64_t q_row_stride, const float *k_cache, const float *v_cache,
-                        float *out, const int64_t *rows, int64_t row0, int64_t n_rows, int64_t pos0, int64_t kv,
-                        int64_t group, int64_t num_heads, int64_t head_dim, float scale, float *qt, float *scores) {
-    int64_t last[LANES];
+                        float *out, const int64_t *rows, int64_t rows_first, int64_t row0, int64_t n_rows, int64_t pos0,
+                        int64_t kv, int64_t group, int64_t num_heads, int64_t head_dim, float scale,
+                        int64_t sliding_window, float logit_softcap, float *qt, float *scores) {
+    /* the tile's keys from key0 (the first in its first row's window) to its last row's position;
+     * first/last: each lane's window, counted from key0 */
+    const int64_t key0 = sliding_window > 0 && pos0 >= sliding_window ? pos0 - sliding_window + 1 : 0;
+    int64_t first[LANES], last[LANES];
     /* a last block of lanes may reach past LANES: those lanes have no output row */
     float inv[LANES + 8];
     float *out_rows[LANES + 8] = {NULL};
-    const int64_t lanes = n_rows * group, len = pos0 + n_rows;
+    const int64_t lanes = n_rows * group, len = pos0 + n_rows - key0;
     for (int64_t l = 0; l < LANES; l++) {
         const int64_t r = l < lanes ? l / group : n_rows - 1; /* spare lanes repeat the last query */
         const int64_t h = kv * group + (l < lanes ? l % group : group - 1);
         const float *ql = q + (row0 + r) * q_row_stride + h * head_dim;
         for (int64_t d = 0; d < head_dim; d++) qt[d * LANES + l] = ql[d] * scale;
-        last[l] = pos0 + r;
+        last[l] = pos0 + r - key0;
+        first[l] = sliding_window > 0 && last[l] >= sliding_window ? last[l] - sliding_window + 1 : 0;
         out_rows[l] = l < lanes ? out + ((row0 + r) * num_heads + h) * head_dim : NULL;
     }
+    rows += key0 - rows_first;
     score_keys(qt, k_cache + kv * head_dim, rows, len, head_dim, scores);
-    softmax_lanes(scores, len, last, inv);
+    if (logit_softcap > 0.0f) soft_cap(scores, len * LANES, logit_softcap);
+    softmax_lanes(scores, len, first, last, inv);
     const float *v_base = v_cache + kv * head_dim;
     /* 24 sums in registers on AVX-512: six lanes of head_dim 64 (5-7 % faster than four at 256-2048
      * tokens), three of 128; on AVX2 12: three lanes by 32 floats */
@@ -179,7 +189,7 @@ int paged_prefill_attention_f32(const float *q, int64_t q_row_stride, const floa
                                 float *out, const int64_t *block_tables, const int64_t *q_starts,
                                 const int64_t *q_lens, const int64_t *kv_lens, int64_t n, int64_t num_heads,
                                 int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
-                                float scale, int num_threads) {
+                                float scale, int64_t sliding_window, float logit_softcap, int num_threads) {
     const int64_t group = num_heads / num_kv_heads, tile_rows = group < LANES ? LANES / group : 1;
     const int64_t slot_floats = num_kv_heads * head_dim, max_len = max_blocks * block_size;
     /* tasks in order of sequence, then tile, then KV head: neighbours share a sequence's keys */
@@ -207,12 +217,15 @@ int paged_prefill_attention_f32(const float *q, int64_t q_row_stride, const floa
             const int64_t local = task - task_starts[seq], tile = local / num_kv_heads, kv = local % num_kv_heads;
             const int64_t pos0 = kv_lens[seq] - q_lens[seq], first = tile * tile_rows;
             const int64_t n_rows = q_lens[seq] - first < tile_rows ? q_lens[seq] - first : tile_rows;
+            /* the first key any of the sequence's queries sees */
+            const int64_t rows_first = sliding_window > 0 && pos0 >= sliding_window ? pos0 - sliding_window + 1 : 0;
             if (rows_of != seq) {
-                token_row_offsets(block_tables + seq * max_blocks, kv_lens[seq], block_size, slot_floats, rows);
+                token_row_offsets(block_tables + seq * max_blocks, rows_first, kv_lens[seq], block_size, slot_floats,
+                                  rows);
                 rows_of = seq;
             }
-            attend_tile(q, q_row_stride, k_cache, v_cache, out, rows, q_starts[seq] + first, n_rows, pos0 + first, kv,
-                        group, num_heads, head_dim, scale, qt, scores);
+            attend_tile(q, q_row_stride, k_cache, v_cache, out, rows, rows_first, q_starts[seq] + first, n_rows,
+                        pos0 + first, kv, group, num_heads, head_dim, scale, sliding_window, logit_softcap, qt, scores);
         }
         free(qt);
         free(scores);

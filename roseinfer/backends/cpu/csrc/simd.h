@@ -1,5 +1,6 @@
 /* Helpers shared by roseinfer's C kernels: 16-float vectors, a vectorizable exp, one row of RMSNorm
- * and of SiLU * up, the rotary pair rotation, and a sequence's row offsets in the paged cache. */
+ * and of SiLU * up, the rotary pair rotation, a sequence's row offsets in the paged cache, and the
+ * attention logit soft-cap. */
 #ifndef ROSEINFER_SIMD_H
 #define ROSEINFER_SIMD_H
 
@@ -113,15 +114,22 @@ static inline void rotate_heads(float *x, const float *angle, int64_t heads, int
     }
 }
 
-/* Offsets, in floats, of a sequence's first `len` token rows in a paged cache whose slots lie
- * slot_floats apart: token t is in slot table[t / block_size] * block_size + t % block_size. Walked
- * block by block, because a 64-bit division per token was ~10 % of decode attention. */
-static inline void token_row_offsets(const int64_t *table, int64_t len, int64_t block_size, int64_t slot_floats,
-                                     int64_t *offsets) {
-    for (int64_t t = 0, block = 0, offset = 0; t < len; t++) {
-        offsets[t] = (table[block] * block_size + offset) * slot_floats;
+/* Offsets, in floats, of a sequence's token rows first .. len - 1 in a paged cache whose slots lie
+ * slot_floats apart (offsets[t - first] for token t): token t is in slot
+ * table[t / block_size] * block_size + t % block_size. Walked block by block, because a 64-bit
+ * division per token was ~10 % of decode attention. */
+static inline void token_row_offsets(const int64_t *table, int64_t first, int64_t len, int64_t block_size,
+                                     int64_t slot_floats, int64_t *offsets) {
+    for (int64_t t = first, block = first / block_size, offset = first % block_size; t < len; t++) {
+        offsets[t - first] = (table[block] * block_size + offset) * slot_floats;
         if (++offset == block_size) offset = 0, block++;
     }
+}
+
+/* A layer's attention logit soft-cap, in place: s = cap * tanh(s / cap) (transformers' Gemma 2). */
+static inline void soft_cap(float *s, int64_t n, float cap) {
+    const float inv = 1.0f / cap;
+    for (int64_t i = 0; i < n; i++) s[i] = cap * tanhf(s[i] * inv);
 }
 
 #endif
