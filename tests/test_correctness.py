@@ -92,7 +92,7 @@ def test_decode_layers_in_one_c_call_match_hf_and_the_layer_by_layer_path(tiny_m
                                                                            packed_matmul_on_any_cpu):
     """Where every part of a Llama-style layer runs in C, a decode step runs all layers in one call
     (csrc/decode_layers.c): tokens equal HF's, and logprobs equal the layer-by-layer path's bit for
-    bit. GPT-2, Qwen3's q/k norms and SmolLM3's NoPE layers keep the layer-by-layer path."""
+    bit. GPT-2 and Qwen3's q/k norms keep the layer-by-layer path."""
     from roseinfer.backends.cpu import ops
     from roseinfer.backends.cpu.llama import CPULlamaForCausalLM
 
@@ -104,8 +104,7 @@ def test_decode_layers_in_one_c_call_match_hf_and_the_layer_by_layer_path(tiny_m
     in_c = LLM(model=str(tiny_model_dir), num_kv_blocks=128).generate(prompts, params)
     assert [o.token_ids for o in in_c] == refs
     runner = LLM(model=str(tiny_model_dir), num_kv_blocks=128).engine.runner
-    eligible = (isinstance(runner.model, CPULlamaForCausalLM) and not runner.model.cfg.qk_norm
-                and not runner.model.cfg.nope_layers)
+    eligible = isinstance(runner.model, CPULlamaForCausalLM) and not runner.model.cfg.qk_norm
     if eligible and runner.model.decode_layers(runner.kv_caches) is None:
         pytest.skip("the packed matmul kernel does not run here (oneDNN does not pack 64-row blocks here)")
     assert (len(calls) > 0) == eligible and (not calls or max(calls) == len(prompts))

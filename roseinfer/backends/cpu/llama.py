@@ -44,8 +44,7 @@ class CPULlamaDecoderLayer(LlamaDecoderLayer):
         """This layer as csrc/decode_layers.c reads it, or None where a part of it has no C path there."""
         attn, mlp = self.self_attn, self.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        # the stack rotates every layer by the step's one table: a NoPE layer (SmolLM3) goes layer by layer
-        if (attn.q_norm is not None or not self.rotates or any(layer.native_weights is None for layer in linears)
+        if (attn.q_norm is not None or any(layer.native_weights is None for layer in linears)
                 or mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None
                 or not isinstance(mlp.act_and_mul, NativeSiluAndMul)):
             return None
@@ -60,7 +59,7 @@ class CPULlamaDecoderLayer(LlamaDecoderLayer):
             k_cache=kv_cache[0].data_ptr(), v_cache=kv_cache[1].data_ptr(), qkv_type=attn.qkv_proj.native_type,
             o_type=attn.o_proj.native_type, gate_up_type=mlp.gate_up_proj.native_type,
             down_type=mlp.down_proj.native_type, sliding_window=attn.attn.sliding_window or 0,
-            logit_softcap=attn.attn.logit_softcap or 0.0)
+            logit_softcap=attn.attn.logit_softcap or 0.0, no_rope=int(not self.rotates))
 
 
 class CPULlamaForCausalLM(LlamaForCausalLM):
