@@ -48,7 +48,7 @@ def _tiny_model(model_type: str, vocab_size: int, hidden: int = 64, **overrides)
         if model_type == "llama":
             kwargs.update(rope_theta=100000.0)
         if model_type == "phi3":  # half of each head rotates; the 12-token test input is past LongRoPE's 8
-            kwargs.update(pad_token_id=None, partial_rotary_factor=0.5, original_max_position_embeddings=8,
+            kwargs.update(pad_token_id=None, partial_rotary_factor=0.5, original_max_position_embeddings=8, sliding_window=6,
                           rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.2, 1.5, 2.0],
                                         "long_factor": [1.5, 3.0, 7.0, 13.0]})
         if model_type == "smollm3":  # 4 layers: the 4th has no rotary (llama.cpp's fixed NoPE interval)
