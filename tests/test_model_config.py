@@ -97,6 +97,6 @@ def test_long_rope_switch_only_where_the_context_reaches_past_the_original() -> 
     factors = {"short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
     raw = {"model_type": "phi3", **MINIMAL["llama"], "max_position_embeddings": 4096,
            "original_max_position_embeddings": 1024, "rope_scaling": {"type": "longrope", **factors}}
-    assert ModelConfig.from_dict(raw).long_rope_prompts_from == 1024
-    assert ModelConfig.from_dict({**raw, "max_position_embeddings": 1024}).long_rope_prompts_from is None
-    assert ModelConfig.from_dict({**raw, "rope_scaling": None}).long_rope_prompts_from is None
+    assert ModelConfig.from_dict(raw).long_rope_from == 1024
+    assert ModelConfig.from_dict({**raw, "max_position_embeddings": 1024}).long_rope_from is None
+    assert ModelConfig.from_dict({**raw, "rope_scaling": None}).long_rope_from is None

@@ -134,7 +134,7 @@ class LLMEngine:
             grammar = self.compile_grammar(params.structured_outputs)
         req = Request(request_id, prompt_ids, params, generator=generator,
                       grammar=grammar.matcher() if grammar is not None else None,
-                      long_rope_from=self.model_config.long_rope_prompts_from)
+                      long_rope_from=self.model_config.long_rope_from)
         self.requests[request_id] = req
         self.scheduler.add_request(req)
         return request_id

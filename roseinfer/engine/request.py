@@ -48,7 +48,7 @@ class Request:
     num_indexed_blocks: int = 0
     last_block_key: int | None = None
     # LongRoPE (Phi-3/4): the model's original context, past which a sequence's K/V are all rotated
-    # with the long factors (ModelConfig.long_rope_prompts_from; None for other models), and whether
+    # with the long factors (ModelConfig.long_rope_from; None for other models), and whether
     # its cached K/V were rotated so (set when its blocks are allocated)
     long_rope_from: int | None = None
     kv_rotated_long: bool = False

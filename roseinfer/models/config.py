@@ -28,7 +28,7 @@ class ModelConfig:
     hidden_act: str = "silu"
     nope_layers: tuple[int, ...] = ()  # layers whose attention has no rotary (SmolLM3's NoPE layers)
     # LongRoPE (Phi-3/4): a sequence longer than this is rotated with the long factors throughout
-    long_rope_prompts_from: int | None = None
+    long_rope_from: int | None = None
     raw_config: dict[str, Any] = field(default_factory=dict)  # config.json, for rotary scaling
     # per layer: its attention's sliding window (layers/attention.py PagedAttention), None where it
     # attends the whole context; empty: no layer slides
@@ -73,7 +73,7 @@ class ModelConfig:
             attention_bias=bool(get("attention_bias")) or model_type == "qwen2",
             qk_norm=model_type == "qwen3", hidden_act=get("hidden_act"), raw_config=raw,
             nope_layers=_nope_layers(get) if model_type == "smollm3" else (),
-            long_rope_prompts_from=long_rope_original_positions(raw),
+            long_rope_from=long_rope_original_positions(raw),
             sliding_windows=_sliding_windows(get, get("num_hidden_layers")),
         )
 
