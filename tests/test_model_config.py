@@ -11,7 +11,7 @@ from transformers import AutoConfig
 
 from roseinfer.loader.model_loader import load_model_config
 from roseinfer.models.config import SUPPORTED_MODEL_TYPES, ModelConfig
-from tiny_models import ARCHS
+from tiny_models import ARCHS, EXTRA_ARCHS
 
 
 def _expected(hf) -> dict:
@@ -43,7 +43,7 @@ def _assert_matches(cfg: ModelConfig, hf) -> None:
         assert [cfg.layer_sliding_window(i) for i in range(cfg.num_layers)] == _expected_windows(hf)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + EXTRA_ARCHS)
 def test_checkpoint_configs_match_transformers(tiny_model_factory, arch: str) -> None:
     folder = tiny_model_factory(arch)
     _assert_matches(load_model_config(folder), AutoConfig.from_pretrained(folder))

@@ -4,6 +4,11 @@ A block is *free* (no data worth keeping), *cached* (unreferenced but holding a 
 key is in the hash index, evictable) or *used* (ref_count > 0). A full block's key chains the
 key of the block before it with its own tokens, so equal keys mean equal whole prefixes; the
 stored tokens are compared too, so a hash collision can never serve wrong K/V.
+
+Where every layer of the model slides (`sliding_window`: the widest layer's window), a request's
+blocks that fall wholly before every window are given back as it grows (`release_outside_window`):
+the request's table keeps its length, those leading entries reading block 0, which no attention
+reads (layers/attention.py). Indexed ones stay in the prefix cache, evictable.
 """
 from __future__ import annotations
 
@@ -42,6 +47,7 @@ class BlockManager:
     num_blocks: int
     block_size: int
     enable_prefix_caching: bool = True
+    sliding_window: int | None = None  # ModelConfig.kv_window: None where some layer sees the whole context
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
 
     def __post_init__(self) -> None:
@@ -79,7 +85,9 @@ class BlockManager:
 
     # ---- admission: reuse the longest cached prefix ---------------------------------------
     def allocate_cached_prefix(self, req: Request) -> int:
-        """Give a request with no blocks every cached block of its longest cached prefix.
+        """Give a request with no blocks every cached block of its longest cached prefix (where every
+        layer slides, only those inside the window: the others are found, to prove the prefix, but
+        not taken).
 
         The last token is never served from cache (its forward pass produces the logits), nor are
         positions that still owe prompt logprobs (Request.max_prefix_hit).
@@ -91,16 +99,20 @@ class BlockManager:
             return 0
         # K/V rotated with LongRoPE's long factors chain from their own root: never shared with short ones
         parent: int | None = LONG_ROPE_ROOT if req.kv_rotated_long else None
+        found: list[int] = []
         for i in range(req.max_prefix_hit // self.block_size):
             tokens = tuple(req.token_ids[i * self.block_size:(i + 1) * self.block_size])
             block_id = self._lookup(parent, tokens)
             if block_id is None:
                 break
-            self._take(block_id)
-            req.block_table.append(block_id)
+            found.append(block_id)
             parent = self.blocks[block_id].key
-        req.num_indexed_blocks, req.last_block_key = len(req.block_table), parent
-        return len(req.block_table) * self.block_size
+        released = self._blocks_outside_window(len(found) * self.block_size)
+        for block_id in found[released:]:
+            self._take(block_id)
+        req.block_table = [0] * released + found[released:]
+        req.num_indexed_blocks, req.last_block_key, req.num_released_blocks = len(found), parent, released
+        return len(found) * self.block_size
 
     def record_lookup(self, req: Request, hit_tokens: int) -> None:
         """Count one admitted lookup (failed admissions that are undone do not count)."""
@@ -182,17 +194,36 @@ class BlockManager:
     # ---- release -------------------------------------------------------------------------
     def free(self, req: Request) -> None:
         """Drop the request's references. Last blocks first, so a prefix's tail is evicted before its head."""
-        for block_id in reversed(req.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {block_id} freed twice"
-            if block.ref_count == 0:
-                if block.key is not None:
-                    self.evictable[block_id] = None
-                else:
-                    self.free_ids.append(block_id)
+        for block_id in reversed(req.block_table[req.num_released_blocks:]):
+            self._drop(block_id)
         req.block_table = []
-        req.num_indexed_blocks, req.last_block_key = 0, None
+        req.num_indexed_blocks, req.last_block_key, req.num_released_blocks = 0, None, 0
+
+    def release_outside_window(self, req: Request) -> None:
+        """Give back the request's blocks that no later query can attend to: its next position p is
+        at least num_computed_tokens, and p sees keys after p - sliding_window only. Called once a
+        step's blocks are indexed, so the released ones stay findable in the prefix cache."""
+        dead = self._blocks_outside_window(req.num_computed_tokens)
+        for i in range(req.num_released_blocks, dead):
+            self._drop(req.block_table[i])
+            req.block_table[i] = 0
+        req.num_released_blocks = max(req.num_released_blocks, dead)
+
+    def _blocks_outside_window(self, num_computed_tokens: int) -> int:
+        """Leading blocks no query from position num_computed_tokens on can attend to."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, (num_computed_tokens - self.sliding_window + 1) // self.block_size)
+
+    def _drop(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        assert block.ref_count >= 0, f"block {block_id} freed twice"
+        if block.ref_count == 0:
+            if block.key is not None:
+                self.evictable[block_id] = None
+            else:
+                self.free_ids.append(block_id)
 
     def _unindex(self, block: Block) -> None:
         if block.key is not None and self.index.get(block.key) == block.block_id:

@@ -99,7 +99,8 @@ class LLMEngine:
             model, local_config, self.backend, config, self.max_model_len))
         if self.num_kv_blocks < 1:
             raise ValueError("the KV cache budget is too small for even one block")
-        self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+                                          self.model_config.kv_window)
         eos = self.tokenizer.eos_token_ids
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, eos, proposer)
         self.runner = ModelRunner(model, local_config, self.num_kv_blocks, config.block_size, self.backend,

@@ -233,6 +233,7 @@ class Scheduler:
             if item.draft:
                 self.block_manager.shrink(req)
             self.block_manager.cache_full_blocks(req)
+            self.block_manager.release_outside_window(req)
             if not emitted:
                 continue
             req.token_times += [now] * len(emitted)

@@ -82,21 +82,24 @@ static inline __attribute__((always_inline)) void score_keys(const float *qt, co
     }
 }
 
-/* Causal softmax down each lane: key t counts for a lane when first[lane] <= t <= last[lane]. Masked
- * scores become 0; inv[lane] gets 1 / the lane's sum (applied to the output, once per value, not per key). */
-static void softmax_lanes(float *scores, int64_t len, const int64_t *first, const int64_t *last, float *inv) {
+/* Causal softmax down each lane: key t counts for a lane when first[lane] <= t <= last[lane] (first
+ * NULL: from key 0). Masked scores become 0; inv[lane] gets 1 / the lane's sum (applied to the output,
+ * once per value, not per key). Inlined, so that a NULL `first` costs the loops nothing. */
+static inline __attribute__((always_inline)) void softmax_lanes(float *scores, int64_t len, const int64_t *first,
+                                                                const int64_t *last, float *inv) {
     float peak[LANES], total[LANES];
     for (int l = 0; l < LANES; l++) peak[l] = -INFINITY, total[l] = 0.0f;
     for (int64_t t = 0; t < len; t++) {
         const float *s = scores + t * LANES;
 #pragma omp simd
-        for (int l = 0; l < LANES; l++) peak[l] = (t >= first[l] && t <= last[l] && s[l] > peak[l]) ? s[l] : peak[l];
+        for (int l = 0; l < LANES; l++)
+            peak[l] = ((first == NULL || t >= first[l]) && t <= last[l] && s[l] > peak[l]) ? s[l] : peak[l];
     }
     for (int64_t t = 0; t < len; t++) {
         float *s = scores + t * LANES;
 #pragma omp simd
         for (int l = 0; l < LANES; l++) {
-            const float p = t >= first[l] && t <= last[l] ? exp_f32(s[l] - peak[l]) : 0.0f;
+            const float p = (first == NULL || t >= first[l]) && t <= last[l] ? exp_f32(s[l] - peak[l]) : 0.0f;
             s[l] = p;
             total[l] += p;
         }
@@ -163,7 +166,10 @@ static void attend_tile(const float *q, int64_t q_row_stride, const float *k_cac
     rows += key0 - rows_first;
     score_keys(qt, k_cache + kv * head_dim, rows, len, head_dim, scores);
     if (logit_softcap > 0.0f) soft_cap(scores, len * LANES, logit_softcap);
-    softmax_lanes(scores, len, first, last, inv);
+    if (sliding_window > 0)
+        softmax_lanes(scores, len, first, last, inv);
+    else
+        softmax_lanes(scores, len, NULL, last, inv);
     const float *v_base = v_cache + kv * head_dim;
     /* 24 sums in registers on AVX-512: six lanes of head_dim 64 (5-7 % faster than four at 256-2048
      * tokens), three of 128; on AVX2 12: three lanes by 32 floats */
