@@ -36,6 +36,10 @@ ARCHS: list[str] = ["gpt2", "llama", "llama3_rope_untied", "mistral", "qwen2", "
 # those tests size to force preemption no longer run short (tests/test_sliding_window.py runs it).
 EXTRA_ARCHS: list[str] = ["mistral_sliding"]
 
+# Weights that do not move when archs are added before these ones: the speculative tests need a
+# model that continues a repeated pattern, which some draws of random weights do not.
+PINNED_SEEDS: dict[str, int] = {"phi3_longrope": 7, "smollm3_yarn": 8}
+
 # Sliding windows far shorter than the test prompts, so that every mode attends across a window's edge.
 SLIDING_WINDOW = 8
 
@@ -236,7 +240,7 @@ def build_tiny_model(arch: str, out_dir: str | pathlib.Path) -> pathlib.Path:
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = _config(arch)
-    seed = (ARCHS + EXTRA_ARCHS).index(arch)
+    seed = PINNED_SEEDS.get(arch, (ARCHS + EXTRA_ARCHS).index(arch))
     torch.manual_seed(seed)  # HF's own init, before we overwrite it
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(model, seed=1000 + seed)
