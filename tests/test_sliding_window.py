@@ -24,6 +24,8 @@ from roseinfer.models.config import ModelConfig
 from test_correctness import GREEDY as CORRECTNESS_GREEDY
 from test_correctness import MODES as CORRECTNESS_MODES
 from test_correctness import _prompts as correctness_prompts
+from test_speculative import NGRAM
+from test_speculative import _prompts as speculative_prompts
 from tiny_models import SLIDING_WINDOW, hf_greedy, sample_prompts
 
 CPU = torch.device("cpu")
@@ -117,6 +119,23 @@ def test_each_backend_attends_within_the_window_with_capped_scores(backend_name:
     meta = BACKENDS[backend_name](CPU, torch.float32, shape).build_metadata(layout)
     got = layer(q, k, v, [c.clone() for c in caches], meta)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="triton is not installed")
+@pytest.mark.parametrize("num_splits", [2, 3])
+def test_triton_decode_splits_cover_only_the_window(num_splits: int) -> None:
+    """Split-KV decode (several programs per sequence, merged after; the interpreter's one "SM" never
+    chooses it): the splits share out the window's keys, and an empty split weighs nothing."""
+    from roseinfer.backends.triton import kernels
+
+    q, k, v, caches, layout = _case(11, [(1, 30), (1, 5), (1, 17), (1, 1)])
+    layer = PagedAttention(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5, sliding_window=6, logit_softcap=5.0)
+    k_cache, v_cache = (c.clone() for c in caches)
+    kernels.store_kv(k, v, torch.tensor(layout.slot_mapping), k_cache, v_cache)
+    got = kernels.paged_decode_attention(q, k_cache, v_cache, torch.tensor(layout.block_tables),
+                                         torch.tensor(layout.kv_lens), BLOCK_SIZE, layer.scale, num_splits=num_splits,
+                                         sliding_window=6, logit_softcap=5.0)
+    torch.testing.assert_close(got, _reference(q, k, v, caches, layout, layer), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif("cpu" not in BACKENDS, reason="the CPU kernels do not build here")
@@ -232,6 +251,19 @@ def test_every_scheduling_mode_where_every_layer_slides(every_layer_slides, mode
     assert stats["used_blocks"] == 0
     if llm.engine.config.enable_prefix_caching:
         assert stats["prefix_cache_hits"] > 0
+
+
+def test_ngram_speculation_while_blocks_go_back(tiny_model_factory) -> None:
+    """Drafts verified across the window's edge while the window's blocks go back (a rejected draft's
+    own blocks go back through BlockManager.shrink): HF's tokens, some drafts accepted, the pool whole."""
+    model_dir = tiny_model_factory("mistral_sliding")
+    prompts = speculative_prompts(model_dir)
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    llm = LLM(model=str(model_dir), num_kv_blocks=128, block_size=BLOCK_SIZE, speculative_config=NGRAM)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [hf_greedy(model_dir, p, params.max_tokens) for p in prompts]
+    assert llm.speculative_stats()["spec_num_accepted_tokens"] > 0, "no draft was accepted: the test proves nothing"
+    assert llm.kv_cache_stats()["used_blocks"] == 0
 
 
 @pytest.mark.parametrize("arch", ["mistral_sliding", "qwen2_sliding"])
