@@ -222,14 +222,16 @@ def test_unsupported_architecture_names_supported_ones(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
-def test_engine_on_gguf_matches_hf_on_the_dequantized_weights(tmp_path: Path, tok, qtype: str,
+@pytest.mark.parametrize("model_type", ["llama", "phi3"])
+def test_engine_on_gguf_matches_hf_on_the_dequantized_weights(tmp_path: Path, tok, qtype: str, model_type: str,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """The engine, given the .gguf path, generates what HF generates from the dequantized weights."""
+    """The engine, given the .gguf path, generates what HF generates from the dequantized weights
+    (phi3: the fused projections kept as blocks, a window, and LongRoPE's switch inside the output)."""
     from roseinfer import LLM, SamplingParams
     from tiny_models import hf_greedy
 
     monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(tmp_path / "cache"))
-    model = _tiny_model("llama", len(tok))
+    model = _tiny_model(model_type, len(tok))
     with torch.no_grad():  # scale up so greedy logits are far from ties
         for p in model.parameters():
             if p.dim() == 2:
