@@ -12,6 +12,7 @@ real llama.cpp files, so converting them back checks the loader against the real
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ _LLAMA_BLOCK = {
     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # phi3's fused projections
 }  # fmt: skip
 _GEMMA_BLOCK = _LLAMA_BLOCK | {
     "pre_feedforward_layernorm": "ffn_norm", "post_attention_layernorm": "post_attention_norm",
@@ -55,8 +57,9 @@ _GPT2_BLOCK = {
 }  # fmt: skip
 _GPT2_GLOBAL = {"transformer.wte": "token_embd", "transformer.wpe": "position_embd", "transformer.ln_f": "output_norm"}
 # llama.cpp writes mistral as llama.
-_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2",
-         "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma4_text": "gemma4"}
+_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2", "phi3": "phi3",
+         "smollm3": "smollm3", "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma4_text": "gemma4"}
+_PERMUTED = ("llama", "smollm3")  # convert_hf_to_gguf's LlamaModel and its subclasses
 # Byte offsets of the fp16 scale fields (d, dmin) inside one K-quant block (ggml-common.h).
 _K_FP16_FIELDS = {QT.Q2_K: (-4, -2), QT.Q3_K: (-2,), QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (-2,)}
 
@@ -180,7 +183,8 @@ _K_QUANTIZERS = {QT.Q4_K: _quantize_q4_k, QT.Q6_K: _quantize_q6_k}
 def write_tiny_gguf(
     path: str | Path, hf_model: torch.nn.Module, tokenizer: Any | None = None, qtype: str | QT = QT.F32
 ) -> Path:
-    """Write hf_model (llama / mistral / qwen2 / qwen3 / gpt2 / gemma2 / gemma3) as a GGUF file and return its path.
+    """Write hf_model (llama / mistral / qwen2 / qwen3 / gpt2 / phi3 / smollm3 / gemma2 / gemma3 / gemma4) as a
+    GGUF file and return its path.
 
     tokenizer: a byte-level BPE fast tokenizer (e.g. make_tiny_tokenizer()) whose vocab, merges,
     special tokens and chat template go into the metadata, or None for no tokenizer at all.
@@ -193,6 +197,7 @@ def write_tiny_gguf(
     arch = _ARCH[model_type]
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"tiny-{model_type}")
+    rope = getattr(cfg, "rope_parameters", None) or {}
     if model_type == "gpt2":
         w.add_context_length(cfg.n_positions)
         w.add_embedding_length(cfg.n_embd)
@@ -215,14 +220,15 @@ def write_tiny_gguf(
         if model_type != "gemma4_text":
             w.add_head_count_kv(cfg.num_key_value_heads)
         w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-        rope = getattr(cfg, "rope_parameters", None) or {}
         if model_type not in ("gemma3_text", "gemma4_text"):  # rope per layer type: _add_gemma_metadata
             w.add_rope_freq_base(float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))))
-        w.add_rope_dimension_count(head_dim)
+        w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
         w.add_key_length(head_dim)  # convert_hf_to_gguf writes these when config has head_dim
         w.add_value_length(head_dim)
         if arch.startswith("gemma"):
             _add_gemma_metadata(w, cfg)
+        else:
+            _add_rope_scaling(w, cfg, rope)
     w.add_vocab_size(cfg.vocab_size)
     if tokenizer is not None:
         _add_tokenizer(w, tokenizer)
@@ -234,9 +240,9 @@ def write_tiny_gguf(
         if gguf_name.endswith("layer_output_scale.weight"):
             data = data.reshape(1)
         assert data is not None, hf_name
-        if arch == "llama" and ".attn_q." in gguf_name:
+        if arch in _PERMUTED and ".attn_q." in gguf_name:
             data = llama_permute(data, cfg.num_attention_heads, cfg.num_attention_heads)
-        elif arch == "llama" and ".attn_k." in gguf_name:
+        elif arch in _PERMUTED and ".attn_k." in gguf_name:
             data = llama_permute(data, cfg.num_attention_heads, cfg.num_key_value_heads)
         elif arch == "gpt2" and gguf_name.split(".")[-2] in ("attn_qkv", "attn_output", "ffn_up", "ffn_down"):
             data = data.T if gguf_name.endswith(".weight") else data  # Conv1D (in, out) -> (out, in)
@@ -247,6 +253,9 @@ def write_tiny_gguf(
             w.add_tensor(gguf_name, stored)
         else:
             w.add_tensor(gguf_name, stored, raw_dtype=stored_type)
+    if rope.get("rope_type") == "longrope":  # Phi3MiniModel.generate_extra_tensors
+        w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -298,6 +307,22 @@ def _add_gemma4_metadata(w: gguf.GGUFWriter, cfg: Any) -> None:
     w.add_rope_freq_base_swa(float(local["rope_theta"]))
     rotated = int(global_dim * full["partial_rotary_factor"] / 2)
     w.add_tensor("rope_freqs.weight", np.array([1.0] * rotated + [1e30] * (global_dim // 2 - rotated), np.float32))
+
+
+def _add_rope_scaling(w: gguf.GGUFWriter, cfg: Any, rope: dict[str, Any]) -> None:
+    """YaRN as convert_hf_to_gguf's TextModel writes it; Phi-3's window and LongRoPE metadata as its
+    Phi3MiniModel does (the factors themselves are tensors)."""
+    if cfg.model_type == "phi3":
+        w.add_sliding_window(cfg.sliding_window or 0)  # 0: no window
+        w.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
+        if rope.get("rope_type") == "longrope":
+            scale = cfg.max_position_embeddings / cfg.original_max_position_embeddings
+            w.add_rope_scaling_attn_factors(
+                math.sqrt(1 + math.log(scale) / math.log(cfg.original_max_position_embeddings)) if scale > 1 else 1.0)
+    elif rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
 
 
 def _add_tokenizer(w: gguf.GGUFWriter, tokenizer: Any) -> None:

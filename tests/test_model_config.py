@@ -133,3 +133,22 @@ GEMMA3_4B = {"model_type": "gemma3", "text_config": {
 def test_released_gemma_configs_match_transformers(raw: dict) -> None:
     hf = AutoConfig.for_model(**raw)
     _assert_matches(ModelConfig.from_dict(raw), getattr(hf, "text_config", hf))
+
+
+@pytest.mark.parametrize("layers", [{"no_rope_layers": [1, 0, 1, 0, 0]}, {"no_rope_layer_interval": 2}, {}])
+def test_smollm3_nope_layers_are_transformers(layers: dict) -> None:
+    """SmolLM3's NoPE layers: listed (1 = rotates), or every no_rope_layer_interval-th, 4 by default."""
+    raw = {"model_type": "smollm3", **MINIMAL["llama"], "num_hidden_layers": 5, **layers}
+    hf = AutoConfig.for_model("smollm3", **{k: v for k, v in raw.items() if k != "model_type"})
+    cfg = ModelConfig.from_dict(raw)
+    assert cfg.nope_layers == tuple(i for i, rotates in enumerate(hf.no_rope_layers) if not rotates)
+    assert cfg.nope_layers  # every case has one
+
+
+def test_long_rope_switch_only_where_the_context_reaches_past_the_original() -> None:
+    factors = {"short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    raw = {"model_type": "phi3", **MINIMAL["llama"], "max_position_embeddings": 4096,
+           "original_max_position_embeddings": 1024, "rope_scaling": {"type": "longrope", **factors}}
+    assert ModelConfig.from_dict(raw).long_rope_from == 1024
+    assert ModelConfig.from_dict({**raw, "max_position_embeddings": 1024}).long_rope_from is None
+    assert ModelConfig.from_dict({**raw, "rope_scaling": None}).long_rope_from is None

@@ -30,15 +30,16 @@ CHAT_TEMPLATE = (
 )
 
 ARCHS: list[str] = ["gpt2", "llama", "llama3_rope_untied", "mistral", "qwen2", "qwen3", "llama_mqa",
-                    "qwen2_sliding", "gemma2", "gemma3", "gemma4"]
+                    "qwen2_sliding", "phi3_longrope", "smollm3_yarn", "gemma2", "gemma3", "gemma4"]
 # Built on demand (tiny_model_factory), not run by every arch-parametrized test: every layer of
 # mistral_sliding slides, so its KV blocks go back to the pool as sequences grow and the pools that
 # those tests size to force preemption no longer run short (tests/test_sliding_window.py runs it).
 EXTRA_ARCHS: list[str] = ["mistral_sliding"]
 
-# Weights that do not move when archs are added before these ones: these draws were checked to give
-# references far from ties (test_reference_not_degenerate), which some draws of random weights do not.
-PINNED_SEEDS: dict[str, int] = {"gemma2": 8, "gemma3": 9, "gemma4": 10}
+# Weights that do not move when archs are added before these ones: the speculative tests need a
+# model that continues a repeated pattern, and the references must be far from ties
+# (test_reference_not_degenerate), which some draws of random weights do not give.
+PINNED_SEEDS: dict[str, int] = {"phi3_longrope": 7, "smollm3_yarn": 8, "gemma2": 8, "gemma3": 9, "gemma4": 10}
 
 # Sliding windows far shorter than the test prompts, so that every mode attends across a window's edge.
 SLIDING_WINDOW = 8
@@ -149,7 +150,8 @@ def special_ids() -> dict[str, int]:
 
 def _config(arch: str) -> Any:
     """Tiny configs: hidden 64, 2 layers, 4 heads, 2 kv heads (GQA), ffn 128, 256 positions."""
-    from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (GPT2Config, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config,
+                              SmolLM3Config)
 
     ids = special_ids()
     vocab = len(_trained_tokenizer())
@@ -186,6 +188,19 @@ def _config(arch: str) -> Any:
     if arch == "qwen2_sliding":  # layer 0 attends the whole context, layer 1 slides
         return Qwen2Config(**common, use_sliding_window=True, sliding_window=SLIDING_WINDOW, max_window_layers=1,
                            tie_word_embeddings=True)
+    if arch == "phi3_longrope":
+        # Phi-4-mini's shape in small: 3/4 of each head rotates (12 of 16 dims: 6 factors each), and
+        # LongRoPE's original context (48) is shorter than the test prompts, so both factor sets run.
+        # No window: Phi-3's slides in every layer, as mistral_sliding's does (EXTRA_ARCHS says why not here).
+        return Phi3Config(**common, partial_rotary_factor=0.75, original_max_position_embeddings=48,
+                          rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.7, 2.3, 3.1],
+                                        "long_factor": [1.2, 1.9, 3.5, 6.0, 11.0, 19.0]},
+                          tie_word_embeddings=False)
+    if arch == "smollm3_yarn":
+        # every 2nd layer has no rotary (NoPE) and slides (use_sliding_window); YaRN from an original 64
+        return SmolLM3Config(**common, no_rope_layer_interval=2, rope_theta=20000.0, use_sliding_window=True,
+                             sliding_window=24,
+                             rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
     raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS + EXTRA_ARCHS}")
 
 

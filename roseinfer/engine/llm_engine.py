@@ -122,7 +122,8 @@ class LLMEngine:
         if grammar is None and params.structured_outputs is not None:
             grammar = self.compile_grammar(params.structured_outputs)
         return Request(request_id, prompt_ids, params, generator=generator,
-                       grammar=grammar.matcher() if grammar is not None else None)
+                       grammar=grammar.matcher() if grammar is not None else None,
+                       long_rope_from=self.model_config.long_rope_from)
 
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
                     request_id: str | None = None, grammar: CompiledGrammar | None = None) -> str:

@@ -49,6 +49,11 @@ class Request:
     last_block_key: int | None = None
     # leading block_table entries given back to the pool, outside every layer's window (block_manager.py)
     num_released_blocks: int = 0
+    # LongRoPE (Phi-3/4): the model's original context, past which a sequence's K/V are all rotated
+    # with the long factors (ModelConfig.long_rope_from; None for other models), and whether
+    # its cached K/V were rotated so (set when its blocks are allocated)
+    long_rope_from: int | None = None
+    kv_rotated_long: bool = False
     step_count: int = 0  # engine steps this request was part of
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     error: str | None = None  # why the engine ended it early, for the caller ("abort")
@@ -79,6 +84,19 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def rotates_long(self) -> bool:
+        """transformers rotates a sequence longer than LongRoPE's original context with the long factors
+        throughout, recomputing its cache once at the crossing (Phi3ForCausalLM.prepare_inputs_for_generation)."""
+        return self.long_rope_from is not None and self.num_tokens > self.long_rope_from
+
+    def draft_room(self, proposed: int) -> int:
+        """Draft tokens a verification may take: none that would carry a short-rotated sequence past
+        LongRoPE's switch, where its K/V are recomputed (the scheduler's `_recompute`)."""
+        if self.long_rope_from is None or self.rotates_long:
+            return proposed
+        return max(0, min(proposed, self.long_rope_from - self.num_tokens))
 
     @property
     def output_token_ids(self) -> list[int]:

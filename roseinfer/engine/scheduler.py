@@ -109,12 +109,17 @@ class Scheduler:
         while i < len(self.running) and budget[0] > 0 and len(out.scheduled) < self.config.max_num_seqs:
             req = self.running[i]
             i += 1
+            if req.rotates_long != req.kv_rotated_long:
+                self._recompute(req)
+                i -= 1
+                continue
             prefill = req.in_prefill
             if (phase == "decode" and prefill) or (phase == "prefill" and not prefill):
                 continue
             remaining = req.num_tokens - req.num_computed_tokens
-            # the draft proposed after its last step, cut to what the budget leaves
+            # the draft proposed after its last step, cut to what the budget and the request leave
             draft = [] if prefill else req.draft[:budget[0] - 1]
+            draft = draft[:req.draft_room(len(draft))]
             if draft and not self.block_manager.can_append(req, 1 + len(draft)):
                 draft = []  # a draft never preempts anyone
             n = min(remaining, budget[0], budget[1]) if prefill else 1 + len(draft)
@@ -177,12 +182,17 @@ class Scheduler:
             admitted += 1
 
     def _preempt(self, req: Request) -> None:
+        self._recompute(req)
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+
+    def _recompute(self, req: Request) -> None:
+        """Back to the front of the queue, its cache given up: admitted again, its K/V are computed again
+        (mostly from the prefix cache). Without preemption, where LongRoPE switches factors."""
         self.block_manager.free(req)
         self.running.remove(req)
         req.num_computed_tokens = 0
         req.draft = []
-        req.num_preemptions += 1
-        self.num_preemptions += 1
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
 

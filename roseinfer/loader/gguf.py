@@ -31,7 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from roseinfer.loader.gguf_architectures import SUPPORTED_ARCHITECTURES, TensorPlan, build_config, plan_tensors
+from roseinfer.loader.gguf_architectures import (ROPE_FACTOR_TENSORS, SUPPORTED_ARCHITECTURES, TensorPlan, build_config,
+                                                 plan_tensors)
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ KEPT_TYPES: tuple[str, ...] = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")  # kept a
 QUANTIZATION_FILE = "roseinfer_quantization.json"
 _GGUF_MAGIC = b"GGUF"
 _SHARD_BYTES = 2 * 2**30  # big models are written in shards of this size
-
+_NO_TRANSFORMERS_GGUF_CONFIG = frozenset({"smollm3", "gemma4"})  # transformers reads no config of these
 
 
 def default_cache_root() -> Path:
@@ -141,7 +142,9 @@ def _convert_into(src: Path, out: Path, keep_blocks: bool) -> None:
     shapes = {name: t.shape for name, t in tensors.items()}
     freqs = tensors.get("rope_freqs.weight")  # Gemma 4 reads which pairs it rotates from it
     rope_freqs = None if freqs is None else _dequantize(freqs, TensorPlan(freqs.name, freqs.name, freqs.shape))
-    config = build_config(arch, meta, shapes, rope_freqs)
+    rope_factors = {name: _dequantize(tensors[name], TensorPlan(name, name, tensors[name].shape)).tolist()
+                    for name in ROPE_FACTOR_TENSORS if name in tensors}
+    config = build_config(arch, meta, shapes, rope_freqs, rope_factors)
     plans = plan_tensors(arch, config, shapes)
     if keep_blocks:
         plans = [_kept_as_blocks(plan, tensors[plan.gguf_name]) for plan in plans]
@@ -230,11 +233,12 @@ def _write_safetensors(out: Path, plans: list[TensorPlan], produce: Callable[[Te
 def _save_tokenizer(src: Path, out: Path, arch: str) -> None:
     # transformers rebuilds a fast tokenizer (vocab, merges, special tokens, chat
     # template) from the GGUF metadata; saving it makes the folder self-contained.
-    # AutoTokenizer reads the file's model config first, which fails on Gemma 4's per-layer lists:
-    # there the fast tokenizer class is named directly.
+    # AutoTokenizer reads the file's model config first, only to pick a class, and transformers
+    # reads none for some architectures (or fails on Gemma 4's per-layer lists): the fast class
+    # builds the same tokenizer without it.
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    tokenizer_class = PreTrainedTokenizerFast if arch == "gemma4" else AutoTokenizer
+    tokenizer_class = PreTrainedTokenizerFast if arch in _NO_TRANSFORMERS_GGUF_CONFIG else AutoTokenizer
     tok = tokenizer_class.from_pretrained(str(src.parent), gguf_file=src.name)
     tok.save_pretrained(str(out))
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+from roseinfer.layers.rope_parameters import long_rope_original_positions
+
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3")
 GEMMA_FAMILY = ("gemma2", "gemma3_text", "gemma4_text")
 # multimodal checkpoints whose text model is read from their `text_config`
 MULTIMODAL_WRAPPERS = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}
@@ -27,6 +29,9 @@ class ModelConfig:
     attention_bias: bool = False
     qk_norm: bool = False
     hidden_act: str = "silu"
+    nope_layers: tuple[int, ...] = ()  # layers whose attention has no rotary (SmolLM3's NoPE layers)
+    # LongRoPE (Phi-3/4): a sequence longer than this is rotated with the long factors throughout
+    long_rope_from: int | None = None
     raw_config: dict[str, Any] = field(default_factory=dict)  # config.json (a wrapper's text_config), for rotary
     # per layer: its attention's sliding window (layers/attention.py PagedAttention), None where it
     # attends the whole context; empty: no layer slides
@@ -81,17 +86,24 @@ class ModelConfig:
             tie_word_embeddings=bool(get("tie_word_embeddings")),
             attention_bias=bool(get("attention_bias")) or model_type == "qwen2",
             qk_norm=model_type == "qwen3", hidden_act=get("hidden_act"), raw_config=raw,
+            nope_layers=_nope_layers(get) if model_type == "smollm3" else (),
+            long_rope_from=long_rope_original_positions(raw),
             sliding_windows=_sliding_windows(get, get("num_hidden_layers")),
         )
 
 
 def _sliding_windows(get: "_Fields", num_layers: int) -> tuple[int | None, ...]:
-    """Each layer's window as transformers applies it: Mistral's `sliding_window` to every layer;
-    Qwen2/Qwen3's, under `use_sliding_window`, to the layers `layer_types` names sliding (by default
-    those from `max_window_layers` on)."""
+    """Each layer's window as transformers applies it: Mistral's and Phi-3's `sliding_window` to every
+    layer; Qwen2/Qwen3's, under `use_sliding_window`, to the layers `layer_types` names sliding (by
+    default those from `max_window_layers` on); SmolLM3's likewise, by default its NoPE layers."""
     model_type = get("model_type")
-    if model_type == "mistral":
+    if model_type in ("mistral", "phi3"):
         return (get("sliding_window"),) * num_layers if get("sliding_window") is not None else ()
+    if model_type == "smollm3" and get("use_sliding_window") and get("sliding_window") is not None:
+        nope = _nope_layers(get)
+        layer_types = get("layer_types") or ["sliding_attention" if i in nope else "full_attention"
+                                             for i in range(num_layers)]
+        return tuple(get("sliding_window") if kind == "sliding_attention" else None for kind in layer_types)
     if model_type not in ("qwen2", "qwen3") or not get("use_sliding_window") or get("sliding_window") is None:
         return ()
     layer_types = get("layer_types") or ["sliding_attention" if i >= get("max_window_layers") else "full_attention"
@@ -113,6 +125,10 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
               "num_key_value_heads": 32},
     "qwen3": {**_LLAMA_DEFAULTS, **_QWEN_WINDOW_DEFAULTS, "max_position_embeddings": 32768,
               "num_key_value_heads": 32, "head_dim": 128},
+    "phi3": {**_LLAMA_DEFAULTS, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "sliding_window": None},
+    "smollm3": {**_LLAMA_DEFAULTS, "max_position_embeddings": 32768, "num_key_value_heads": 4,
+                "tie_word_embeddings": True, "use_sliding_window": False, "sliding_window": None,
+                "no_rope_layers": None, "no_rope_layer_interval": 4, "layer_types": None},
 }
 
 _GEMMA_DEFAULTS = {"hidden_size": 2304, "intermediate_size": 9216, "num_attention_heads": 8,
@@ -237,6 +253,16 @@ def _gemma_config(cls: type[ModelConfig], raw: dict[str, Any], get: _Fields) -> 
         sliding_windows=tuple(get("sliding_window") if kind != "full_attention" else None for kind in layer_types),
         attn_logit_softcap=get("attn_logit_softcapping") if model_type == "gemma2" else None,
         final_logit_softcap=get("final_logit_softcapping"), gemma4=gemma4)
+
+
+def _nope_layers(get: "_Fields") -> tuple[int, ...]:
+    """SmolLM3's `no_rope_layers` holds 1 for a layer that rotates, 0 for one that does not; absent,
+    every `no_rope_layer_interval`-th layer does not (transformers' SmolLM3Config)."""
+    uses_rope = get("no_rope_layers")
+    if uses_rope is None:
+        interval = get("no_rope_layer_interval")
+        uses_rope = [int((layer + 1) % interval != 0) for layer in range(get("num_hidden_layers"))]
+    return tuple(layer for layer, rotates in enumerate(uses_rope) if not rotates)
 
 
 class _Fields:
