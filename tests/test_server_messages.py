@@ -20,6 +20,7 @@ from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.server.app import build_app
 from roseinfer.server.args import ServerOptions
 from server_helpers import metric, model_copy, openai_client, serve_app
+from tiny_models import OPEN_THINKING_TEMPLATE, build_thinking_model
 
 MODEL = "tiny-llama"
 MAX_TOKENS = 24
@@ -210,3 +211,28 @@ def test_an_api_key_is_taken_as_x_api_key_or_bearer_and_requests_are_counted(lon
         with httpx.Client(base_url=url, trust_env=False) as http:
             assert metric(http, "roseinfer_requests_rejected_total", reason="unauthorized") == 2
             assert metric(http, "roseinfer_requests_total", finish_reason="length") == 2
+
+
+def test_a_thinking_models_reasoning_is_a_thinking_block(tmp_path: Path) -> None:
+    """The split is the chat endpoint's (test_server_reasoning.py checks it against HF); an earlier
+    turn's thinking block sent back is left out of the prompt."""
+    model_dir = model_copy(build_thinking_model(tmp_path / "qwen3"), tmp_path / "open",
+                           chat_template=OPEN_THINKING_TEMPLATE)
+    with serve_app(build_app(LLMEngine(EngineConfig(model=str(model_dir))), MODEL)) as url:
+        client = anthropic_client(url)
+        message = client.messages.create(model=MODEL, max_tokens=MAX_TOKENS, messages=USER, extra_body=GREEDY)
+        expected = chat_reply(openai_client(url), USER, max_tokens=MAX_TOKENS).choices[0].message
+        events, text = streamed(client, max_tokens=MAX_TOKENS, messages=USER)
+        history = [*USER, {"role": "assistant", "content": [block.model_dump() for block in message.content]},
+                   {"role": "user", "content": "Go on."}]
+        again = client.messages.create(model=MODEL, max_tokens=1, messages=history, extra_body=GREEDY)
+        without = chat_reply(openai_client(url), [*USER, {"role": "assistant", "content": expected.content or ""},
+                                                  {"role": "user", "content": "Go on."}], max_tokens=1)
+    assert expected.reasoning_content, "the tiny thinker wrote no reasoning"
+    thinking = [b.thinking for b in message.content if b.type == "thinking"]
+    assert thinking == [expected.reasoning_content] and message.content[0].type == "thinking"
+    assert "".join(b.text for b in message.content if b.type == "text") == (expected.content or "")
+    streamed_thinking = "".join(e.delta.thinking for e in events
+                                if e.type == "content_block_delta" and e.delta.type == "thinking_delta")
+    assert streamed_thinking == expected.reasoning_content and text == (expected.content or "")
+    assert again.usage.input_tokens == without.usage.prompt_tokens

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from roseinfer.server.engine_loop import RequestStream
 from roseinfer.server.messages_protocol import MessagesRequest, chat_request, error_body
 from roseinfer.server.protocol import APIError, ChatCompletionRequest
+from roseinfer.server.reasoning import ReasoningParser
 from roseinfer.server.request_params import check_request, sampling_params
 from roseinfer.server.responses import EventStream
 from roseinfer.server.serving import CLIENT_CLOSED, OpenAIServing
@@ -33,6 +34,7 @@ class MessageRun:
     input_tokens: int
     stops: list[str]
     parser: ToolParser | None
+    reasoner: ReasoningParser | None
     output_ids: list[int] = field(default_factory=list)
 
     def stop_reason(self, finish_reason: str | None, text: str, tokenizer: Any) -> tuple[str | None, str | None]:
@@ -67,7 +69,12 @@ class AnthropicServing:
         run.output_ids = choice.token_ids
         content: list[dict[str, Any]] = []
         text, calls = choice.text, []
-        if run.parser is not None:
+        if run.reasoner is not None:  # Anthropic's thinking block, first; it has no signature to verify
+            reasoning, text = run.reasoner.parse(text, choice.token_ids)
+            text = text or ""
+            if reasoning:
+                content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
+        if run.parser is not None:  # the answer's calls: the reasoning may mention calls it did not make
             parsed, calls = run.parser.parse(text)
             text = parsed or ""
         if text:
@@ -89,20 +96,18 @@ class AnthropicServing:
         check_request(chat, 1, serving.max_sequences, serving.manager.max_inflight_requests)
         tools = await serving.run_blocking(plan_tools, chat, serving.tool_parser, False)
         ids = await serving.chat_prompt(chat.messages, tools.shown)
-        if serving.think_tags is not None:
-            raise APIError(400, f"this model's replies start with reasoning (--reasoning-parser "
-                                f"{serving.think_tags.kind}), which /v1/messages does not return yet: serve it with "
-                                "--reasoning-parser none, or use /v1/chat/completions")
+        reasoner = serving.reasoning_parser(ids, tools.constraint)
         grammar = await serving._compile(tools.constraint)
         params = sampling_params(chat, serving.defaults, body.max_tokens, None, None,
                                  tools.constraint.params if tools.constraint else None)
         [stream] = serving._submit([ids], chat, params, start, grammar)
         return MessageRun(f"msg_{uuid.uuid4().hex}", stream, len(ids), body.stop_sequences or [],
-                          tools.parser() if tools.parser else None)
+                          tools.parser() if tools.parser else None, reasoner)
 
     async def _events(self, run: MessageRun) -> AsyncIterator[str]:
         """Anthropic's event sequence: message_start, then each content block as start, deltas and
-        stop (text as text_delta, a tool call's arguments as input_json_delta), then message_delta
+        stop (reasoning as thinking_delta, text as text_delta, a tool call's arguments as
+        input_json_delta), then message_delta
         with the stop reason and usage, and message_stop; an engine error ends it with an error event."""
         yield event("message_start", {"message": {
             "id": run.id, "type": "message", "role": "assistant", "content": [], "model": self.serving.model_name,
@@ -117,13 +122,18 @@ class AnthropicServing:
                 return
             run.output_ids += delta.token_ids
             text += delta.text
-            content, calls = delta.text, []
+            content, calls, reasoning = delta.text, [], ""
+            if run.reasoner is not None:
+                split = run.reasoner.feed(delta.text, delta.token_ids)
+                if delta.finished:
+                    split.extend(run.reasoner.finish())
+                reasoning, content = split.reasoning, split.content
             if run.parser is not None:
                 parsed = run.parser.feed(content)
                 if delta.finished:
                     parsed.extend(run.parser.finish())
                 content, calls = parsed.content, parsed.tool_calls
-            for line in blocks.text(content) + [line for call in calls for line in blocks.tool_call(call)]:
+            for line in blocks.text(reasoning, "thinking") + blocks.text(content) + [line for call in calls for line in blocks.tool_call(call)]:
                 yield line
             if delta.finished:
                 for line in blocks.close():
@@ -139,15 +149,18 @@ class Blocks:
     """The content blocks of a streamed message: which one is open, and the events each delta makes."""
 
     index: int = -1
-    open: str | None = None  # "text" | "tool_use"
+    open: str | None = None  # "thinking" | "text" | "tool_use"
     calls: dict[int, int] = field(default_factory=dict)  # the parser's call index -> block index
 
-    def text(self, text: str) -> list[str]:
-        if not text or (self.open != "text" and not text.strip()):  # no block of whitespace between calls
+    def text(self, text: str, kind: str = "text") -> list[str]:
+        """Text of a "text" or "thinking" block, opened when it is not the open one."""
+        if not text or (self.open != kind and not text.strip()):  # no block of whitespace between calls
             return []
-        out = [] if self.open == "text" else self._start({"type": "text", "text": ""})
+        block = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else \
+            {"type": "text", "text": ""}
+        out = [] if self.open == kind else self._start(block)
         return out + [event("content_block_delta", {"index": self.index,
-                                                    "delta": {"type": "text_delta", "text": text}})]
+                                                    "delta": {"type": f"{kind}_delta", kind: text}})]
 
     def tool_call(self, entry: dict[str, Any]) -> list[str]:
         """One of the parser's OpenAI delta.tool_calls entries: a call's id and name first, then its arguments."""

@@ -3,8 +3,9 @@ translation of a request into the chat path's ChatCompletionRequest, so that tok
 template, tools and stop strings are the chat endpoint's own.
 
 Strict as the OpenAI bodies are (protocol.py): an unknown field is refused with a 400 naming it,
-and the block types roseinfer cannot read (images, documents, thinking, ...) too. cache_control is
-taken and ignored: the prefix cache reuses every shared prefix without being told.
+and the block types roseinfer cannot read (images, documents, ...) too. cache_control is taken and
+ignored: the prefix cache reuses every shared prefix without being told. A thinking model's
+reasoning comes back as a thinking block (with an empty signature: there is nothing to verify).
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ UNSUPPORTED_FIELDS = {
 }
 TEXT_BLOCK_TYPES = ("text",)
 USER_BLOCK_TYPES = ("text", "tool_result")
-ASSISTANT_BLOCK_TYPES = ("text", "tool_use")
+ASSISTANT_BLOCK_TYPES = ("text", "tool_use", "thinking")
 
 
 class MessagesError(BaseModel):
@@ -72,6 +73,15 @@ class ToolUseBlock(StrictModel):
     cache_control: CacheControl | None = None
 
 
+class ThinkingBlock(StrictModel):
+    """An earlier turn's reasoning, as a client sends a reply back: left out of the prompt, as
+    Anthropic's API leaves earlier turns' thinking out of the context."""
+
+    type: Literal["thinking"]
+    thinking: Text
+    signature: Text = ""
+
+
 class ToolResultBlock(StrictModel):
     type: Literal["tool_result"]
     tool_use_id: Text
@@ -85,7 +95,7 @@ class ToolResultBlock(StrictModel):
         return f"Error: {text}" if self.is_error else text
 
 
-ContentBlock = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock], Field(discriminator="type")]
+ContentBlock = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock], Field(discriminator="type")]
 
 
 def _known_blocks(blocks: Any, allowed: tuple[str, ...], where: str) -> None:
