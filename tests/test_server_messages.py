@@ -236,3 +236,19 @@ def test_a_thinking_models_reasoning_is_a_thinking_block(tmp_path: Path) -> None
                                 if e.type == "content_block_delta" and e.delta.type == "thinking_delta")
     assert streamed_thinking == expected.reasoning_content and text == (expected.content or "")
     assert again.usage.input_tokens == without.usage.prompt_tokens
+
+
+def test_a_stream_cut_by_shutdown_ends_with_an_error_event(long_model: Path) -> None:
+    app = build_app(LLMEngine(EngineConfig(model=str(long_model))), MODEL)
+    body = {"model": MODEL, "max_tokens": 900, "messages": USER, "stream": True, "temperature": 0}
+    with serve_app(app) as url, httpx.stream("POST", f"{url}/v1/messages", json=body, trust_env=False,
+                                             timeout=60) as response:
+        lines: list[str] = []
+        for line in response.iter_lines():
+            lines.append(line)
+            if line == "event: content_block_delta" and lines.count(line) == 1:
+                app.state.manager.drain(0)  # as a second SIGTERM does: every running request ends at once
+    names = [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
+    assert names[0] == "message_start" and names[-1] == "error" and "message_stop" not in names
+    error = json.loads(lines[lines.index("event: error") + 1].removeprefix("data: "))
+    assert error == {"type": "error", "error": {"type": "overloaded_error", "message": "the server is shutting down"}}
