@@ -252,3 +252,10 @@ def test_a_stream_cut_by_shutdown_ends_with_an_error_event(long_model: Path) -> 
     assert names[0] == "message_start" and names[-1] == "error" and "message_stop" not in names
     error = json.loads(lines[lines.index("event: error") + 1].removeprefix("data: "))
     assert error == {"type": "error", "error": {"type": "overloaded_error", "message": "the server is shutting down"}}
+
+
+def test_a_tool_call_cut_by_max_tokens_is_left_out(client: anthropic.Anthropic) -> None:
+    message = client.messages.create(model=MODEL, max_tokens=3, extra_body=GREEDY, tools=TOOLS,
+                                     messages=[{"role": "user", "content": "Weather?"}],
+                                     tool_choice={"type": "tool", "name": "get_weather"})
+    assert message.content == [] and message.stop_reason == "max_tokens" and message.usage.output_tokens == 3

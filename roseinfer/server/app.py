@@ -151,7 +151,8 @@ def _app(manager: SchedulerManager | ReplicaSet, served_model_name: str, options
 
     anthropic = AnthropicServing(serving)
 
-    @app.post(MESSAGES_PATH, dependencies=guarded, responses={**MESSAGES_OK, **error_responses(*GENERATION_ERRORS, model=MessagesErrorResponse)},
+    @app.post(MESSAGES_PATH, dependencies=guarded,
+              responses={**MESSAGES_OK, **error_responses(*GENERATION_ERRORS, model=MessagesErrorResponse)},
               openapi_extra=request_body(MessagesRequest))
     async def messages(raw: Request) -> Response:
         """Anthropic's Messages API; errors in Anthropic's shape."""
@@ -219,7 +220,8 @@ def _api_key_check(api_key: str | None) -> list[Any]:
                     header_key: str | None = Depends(x_api_key)) -> None:
         given = (credentials.credentials if credentials is not None else header_key or "").encode()
         if not secrets.compare_digest(given, api_key.encode()):  # constant time: no timing oracle on the key
-            raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'.",
+            raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>' or "
+                                "'x-api-key: <key>'.",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})  # RFC 6750
 
     return [Depends(check)]
@@ -231,7 +233,8 @@ REJECTION_REASONS = {400: "invalid", 401: "unauthorized", 404: "model_not_found"
 
 
 def _add_error_handlers(app: FastAPI, metrics: ServerMetrics | RouterMetrics) -> None:
-    """Every error leaves in OpenAI's shape; validation errors are 400s (OpenAI's), not 422s."""
+    """Every error leaves in OpenAI's shape (Anthropic's on /v1/messages); validation errors are
+    400s (OpenAI's), not 422s."""
 
     def reply(request: Request, status: int, body: dict[str, Any], headers: dict[str, str] | None = None,
               rejected: bool = True) -> JSONResponse:

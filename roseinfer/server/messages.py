@@ -79,8 +79,10 @@ class AnthropicServing:
             text = parsed or ""
         if text:
             content.append({"type": "text", "text": text})
-        content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": json.loads(c.arguments or "{}")}
-                    for c in calls]
+        # a call max_tokens cut has no input object to give: it is left out (streamed, its partial
+        # JSON has already gone out as input_json_delta)
+        content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": arguments}
+                    for c in calls if isinstance(arguments := _json_object(c.arguments), dict)]
         stop_reason, stop_sequence = run.stop_reason(choice.finish_reason, choice.text, self.serving.tokenizer)
         return JSONResponse({"id": run.id, "type": "message", "role": "assistant", "content": content,
                              "model": self.serving.model_name, "stop_reason": stop_reason,
@@ -190,6 +192,13 @@ class Blocks:
 def event(kind: str, data: dict[str, Any]) -> str:
     payload = json.dumps({"type": kind, **data}, ensure_ascii=False, separators=(",", ":"))
     return f"event: {kind}\ndata: {payload}\n\n"
+
+
+def _json_object(text: str) -> Any:
+    try:
+        return json.loads(text or "{}")
+    except ValueError:
+        return None
 
 
 def _chat_request(body: MessagesRequest) -> ChatCompletionRequest:
