@@ -19,6 +19,8 @@ def _sampling_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--structured-outputs", metavar="JSON", default=None,
                        help='constrain the output, e.g. \'{"json": SCHEMA}\', \'{"regex": "[0-9]+"}\', '
                             '\'{"choice": ["yes", "no"]}\', \'{"grammar": LARK}\' or \'{"json_object": true}\'')
+    group.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                       help="end the output where this text first appears (cut before it); repeatable")
     group.add_argument("--no-chat-template", action="store_true",
                        help="send the prompt as is instead of wrapping it in the model's chat template")
 
@@ -39,7 +41,7 @@ def _sampling_params(args: argparse.Namespace):
         except TypeError as exc:  # an unknown key
             raise ValueError(f"--structured-outputs: {exc}") from None
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, seed=args.seed, structured_outputs=constraint)
+                          top_k=args.top_k, seed=args.seed, stop=args.stop, structured_outputs=constraint)
 
 
 def _prompt_ids(llm, text: str, use_template: bool, history: list[dict] | None = None) -> list[int]:
@@ -64,7 +66,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     from roseinfer import LLM
-    from roseinfer.tokenizer import IncrementalDetokenizer
+    from roseinfer.output_processor import OutputProcessor
 
     llm = LLM(**vars(engine_config_from_args(args, seed=0)))
     engine = llm.engine
@@ -79,21 +81,35 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if not text.strip():
             continue
         ids = _prompt_ids(llm, text, not args.no_chat_template, history)
-        request_id = engine.add_request(ids, _sampling_params(args))
-        detok = IncrementalDetokenizer(llm.tokenizer, ids)
+        params = _sampling_params(args)
+        request = engine.new_request(ids, params)
+        engine.core.add(request)
+        processor = OutputProcessor(llm.tokenizer)
+        processor.add_request(request.request_id, ids, params)
+        reply: list[str] = []
         finish_reason = None
+
+        def show(outputs: list) -> None:
+            nonlocal finish_reason
+            processed = processor.process(outputs, time.perf_counter())
+            for request_id in processed.stopped_ids:
+                engine.abort_request(request_id)
+            for _, delta in processed.deltas:
+                print(delta.text, end="", flush=True)
+                reply.append(delta.text)
+                finish_reason = delta.finish_reason
+
         try:
-            while engine.has_unfinished():
-                for out in engine.step():
-                    print(detok.add(out.new_token_ids), end="", flush=True)
-                    finish_reason = out.finish_reason
+            while processor.has_requests():
+                show(engine.step())
         except KeyboardInterrupt:
-            engine.abort_request(request_id)
+            aborted = engine.abort_request(request.request_id)
+            show([aborted] if aborted is not None else [])
         engine.pop_finished_ids()
-        print(detok.flush())
+        print()
         if finish_reason == "length":  # a cut reply must not pass for a whole one
             print(f"[reply cut at --max-tokens {args.max_tokens}]", file=sys.stderr)
-        history += [{"role": "user", "content": text}, {"role": "assistant", "content": detok.text}]
+        history += [{"role": "user", "content": text}, {"role": "assistant", "content": "".join(reply)}]
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

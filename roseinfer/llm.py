@@ -1,6 +1,7 @@
 """LLM: the offline API (vLLM's shape) over LLMEngine."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -8,7 +9,8 @@ from tqdm import tqdm
 
 from roseinfer.config import EngineConfig
 from roseinfer.engine.llm_engine import LLMEngine
-from roseinfer.engine.request import Request, TokenLogprobs
+from roseinfer.engine.request import TokenLogprobs
+from roseinfer.output_processor import OutputProcessor, StreamDelta
 from roseinfer.sampling_params import SamplingParams
 
 Conversation = list[dict[str, Any]]
@@ -19,13 +21,14 @@ class CompletionOutput:
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]
-    text: str
-    finish_reason: str | None
+    text: str  # cut before the stop string that ended it (through it, with include_stop_str_in_output)
+    finish_reason: str | None  # "stop" (EOS, a stop token id or string) | "length" | "abort"
     logprobs: list[TokenLogprobs] | None = None
     # with SamplingParams.prompt_logprobs: one entry per prompt token, the first None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None: EOS)
 
 
 class LLM:
@@ -48,25 +51,27 @@ class LLM:
         else:
             params_list = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         engine = self.engine
-        ids: list[str] = []
-        requests: dict[str, Request] = {}
+        processor = OutputProcessor(self.tokenizer)
+        requests = [engine.new_request(prompt, params) for prompt, params in zip(prompts, params_list)]
+        finals: dict[str, StreamDelta] = {}
         try:
-            # add_request validates; if a later prompt is bad, the finally below withdraws the
-            # ones already submitted, so a failed call leaves nothing behind
-            for prompt, params in zip(prompts, params_list):
-                rid = engine.add_request(prompt, params)
-                ids.append(rid)
-                requests[rid] = engine.get_request(rid)
-            with _Progress(len(ids), use_tqdm) as progress:
-                while engine.has_unfinished():
-                    for out in engine.step():
-                        if out.finished:
-                            progress.finished(requests[out.request_id])
+            for req in requests:
+                engine.core.add(req)
+                processor.add_request(req.request_id, req.prompt_token_ids, req.sampling_params, final_only=True)
+            with _Progress(len(requests), use_tqdm) as progress:
+                while processor.has_requests():
+                    processed = processor.process(engine.step(), time.perf_counter())
+                    for request_id in processed.stopped_ids:
+                        engine.abort_request(request_id)  # a stop string ended it: free its blocks now
+                    for request_id, final in processed.deltas:
+                        finals[request_id] = final
+                        progress.finished(final)
         finally:
-            for rid in ids:
-                engine.abort_request(rid)  # no-op for finished ones; frees blocks if interrupted
+            for req in requests:
+                engine.abort_request(req.request_id)  # no-op for finished ones; frees blocks if interrupted
             engine.pop_finished_ids()
-        return [self._output(requests[rid]) for rid in ids]
+        return [_completion(req.request_id, req.prompt_token_ids, req.sampling_params, finals[req.request_id])
+                for req in requests]
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
@@ -79,19 +84,6 @@ class LLM:
         template_kwargs = {"add_generation_prompt": add_generation_prompt, **(chat_template_kwargs or {})}
         prompts = [self.tokenizer.apply_chat_template(list(c), **template_kwargs) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
-
-    def _output(self, req: Request) -> CompletionOutput:
-        out_ids = req.output_token_ids
-        params = req.sampling_params
-        metrics = {"arrival": req.arrival_time, "admitted": req.admitted_time or 0.0,
-                   "first_token": req.first_token_time or 0.0, "finished": req.finished_time or 0.0,
-                   "num_preemptions": req.num_preemptions}
-        return CompletionOutput(
-            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, token_ids=out_ids,
-            text=self.tokenizer.decode(out_ids), finish_reason=req.finish_reason,
-            logprobs=req.logprobs if params.logprobs is not None else None,
-            prompt_logprobs=req.prompt_logprobs if params.prompt_logprobs is not None else None,
-            num_cached_tokens=req.num_cached_tokens, metrics=metrics)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What a call without SamplingParams uses: the model's generation-config defaults (vLLM's name)."""
@@ -113,6 +105,17 @@ class LLM:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt, **template_kwargs)
 
 
+def _completion(request_id: str, prompt_ids: list[int], params: SamplingParams, final: StreamDelta) -> CompletionOutput:
+    times = final.times
+    metrics = {"arrival": times.arrival, "admitted": times.admitted or 0.0, "first_token": times.first_token or 0.0,
+               "finished": times.finished or final.timestamp, "num_preemptions": times.num_preemptions} if times else {}
+    return CompletionOutput(
+        request_id=request_id, prompt_token_ids=prompt_ids, token_ids=final.token_ids, text=final.text,
+        finish_reason=final.finish_reason, logprobs=final.logprobs if params.logprobs is not None else None,
+        prompt_logprobs=final.prompt_logprobs if params.prompt_logprobs is not None else None,
+        num_cached_tokens=final.num_cached_tokens, metrics=metrics, stop_reason=final.stop_reason)
+
+
 class _Progress:
     """vLLM's progress bar: finished requests, and the input / output tokens per second so far."""
 
@@ -128,11 +131,11 @@ class _Progress:
     def __exit__(self, *exc: object) -> None:
         self.bar.close()
 
-    def finished(self, req: Request) -> None:
+    def finished(self, final: StreamDelta) -> None:
         if self.bar.disable:
             return
-        self.input_tokens += req.num_prompt_tokens
-        self.output_tokens += req.num_output_tokens
+        self.input_tokens += final.num_prompt_tokens
+        self.output_tokens += final.num_output_tokens
         elapsed = max(self.bar.format_dict["elapsed"], 1e-9)
         self.bar.postfix = _speeds(self.input_tokens / elapsed, self.output_tokens / elapsed)
         self.bar.update(1)

@@ -91,6 +91,9 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
+    # text that ends the output where it first appears (cut off, unless include_stop_str_in_output)
+    stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -101,6 +104,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
@@ -124,6 +128,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be {bounds.describe()}, got {value!r}")
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError("stop strings must be non-empty strings")
         if not all(math.isfinite(v) for v in self.logit_bias.values()):
             raise ValueError("logit_bias values must be finite numbers")
 

@@ -1,7 +1,8 @@
 /* Runs a whole decode step through csrc/decode_layers.c (and so the norm and SiLU matmul calls of
  * csrc/packed_matmul.c and decode attention) for tests/test_native_kernels.py, built with
  * AddressSanitizer: any read or write outside a buffer aborts with a report. Shapes with a partial
- * last weight block, a partial last row group and widths that are not whole vectors. */
+ * last weight block, a partial last row group and widths that are not whole vectors; the second
+ * layer slides, soft-caps and has no rope. */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -35,7 +36,7 @@ static void run(int64_t n, int64_t hidden, int64_t intermediate, int64_t H, int6
                                      with_bias ? randoms(hidden) : NULL, weight(2 * intermediate, hidden, quantized),
                                      weight(hidden, intermediate, quantized), randoms(slots * Hkv * D),
                                      randoms(slots * Hkv * D), type, type, type, type, l == 0 ? 0 : 6,
-                                     l == 0 ? 0.0f : 20.0f};
+                                     l == 0 ? 0.0f : 20.0f, l == 1};
     }
     float *x = randoms(n * hidden), *out = randoms(n * hidden), *rope = randoms(n * D);
     int64_t *tables = malloc(sizeof(int64_t) * (size_t)(n * max_blocks)), *lens = malloc(sizeof(int64_t) * (size_t)n);

@@ -12,6 +12,7 @@ real llama.cpp files, so converting them back checks the loader against the real
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -36,15 +37,29 @@ _LLAMA_BLOCK = {
     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # phi3's fused projections
+}  # fmt: skip
+_GEMMA_BLOCK = _LLAMA_BLOCK | {
+    "pre_feedforward_layernorm": "ffn_norm", "post_attention_layernorm": "post_attention_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}  # fmt: skip
+_GEMMA4_BLOCK = _GEMMA_BLOCK | {
+    "per_layer_input_gate": "inp_gate", "per_layer_projection": "proj", "post_per_layer_input_norm": "post_norm",
 }  # fmt: skip
 _LLAMA_GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+_GEMMA4_GLOBAL = _LLAMA_GLOBAL | {
+    "model.embed_tokens_per_layer": "per_layer_token_embd", "model.per_layer_model_projection": "per_layer_model_proj",
+    "model.per_layer_projection_norm": "per_layer_proj_norm",
+}  # fmt: skip
 _GPT2_BLOCK = {
     "ln_1": "attn_norm", "attn.c_attn": "attn_qkv", "attn.c_proj": "attn_output",
     "ln_2": "ffn_norm", "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down",
 }  # fmt: skip
 _GPT2_GLOBAL = {"transformer.wte": "token_embd", "transformer.wpe": "position_embd", "transformer.ln_f": "output_norm"}
 # llama.cpp writes mistral as llama.
-_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2"}
+_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2", "phi3": "phi3",
+         "smollm3": "smollm3", "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma4_text": "gemma4"}
+_PERMUTED = ("llama", "smollm3")  # convert_hf_to_gguf's LlamaModel and its subclasses
 # Byte offsets of the fp16 scale fields (d, dmin) inside one K-quant block (ggml-common.h).
 _K_FP16_FIELDS = {QT.Q2_K: (-4, -2), QT.Q3_K: (-2,), QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (-2,)}
 
@@ -84,11 +99,15 @@ def gguf_tensor_names(hf_model: torch.nn.Module) -> dict[str, str]:
     if model_type == "gpt2":
         block_prefix, block, glob = "transformer.h.", _GPT2_BLOCK, _GPT2_GLOBAL
     else:
-        block_prefix, block, glob = "model.layers.", _LLAMA_BLOCK, _LLAMA_GLOBAL
+        block = {"gemma4_text": _GEMMA4_BLOCK}.get(model_type, _GEMMA_BLOCK if model_type.startswith("gemma")
+                                                    else _LLAMA_BLOCK)
+        block_prefix, glob = "model.layers.", _GEMMA4_GLOBAL if model_type == "gemma4_text" else _LLAMA_GLOBAL
     names: dict[str, str] = {}
     for hf_name in hf_model.state_dict():
         stem, _, suffix = hf_name.rpartition(".")
-        if stem.startswith(block_prefix):
+        if suffix == "layer_scalar":  # Gemma 4's per-layer output scale, a buffer; llama.cpp adds .weight
+            names[hf_name] = f"blk.{stem.rpartition('.')[2]}.layer_output_scale.weight"
+        elif stem.startswith(block_prefix):
             layer, _, rest = stem[len(block_prefix) :].partition(".")
             if rest in block:
                 names[hf_name] = f"blk.{layer}.{block[rest]}.{suffix}"
@@ -164,7 +183,8 @@ _K_QUANTIZERS = {QT.Q4_K: _quantize_q4_k, QT.Q6_K: _quantize_q6_k}
 def write_tiny_gguf(
     path: str | Path, hf_model: torch.nn.Module, tokenizer: Any | None = None, qtype: str | QT = QT.F32
 ) -> Path:
-    """Write hf_model (llama / mistral / qwen2 / qwen3 / gpt2) as a GGUF file and return its path.
+    """Write hf_model (llama / mistral / qwen2 / qwen3 / gpt2 / phi3 / smollm3 / gemma2 / gemma3 / gemma4) as a
+    GGUF file and return its path.
 
     tokenizer: a byte-level BPE fast tokenizer (e.g. make_tiny_tokenizer()) whose vocab, merges,
     special tokens and chat template go into the metadata, or None for no tokenizer at all.
@@ -177,6 +197,7 @@ def write_tiny_gguf(
     arch = _ARCH[model_type]
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"tiny-{model_type}")
+    rope = getattr(cfg, "rope_parameters", None) or {}
     if model_type == "gpt2":
         w.add_context_length(cfg.n_positions)
         w.add_embedding_length(cfg.n_embd)
@@ -185,19 +206,29 @@ def write_tiny_gguf(
         w.add_head_count(cfg.n_head)
         w.add_layer_norm_eps(cfg.layer_norm_epsilon)
     else:
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        if model_type == "gemma4_text":  # key_length is the global layers' head dim (_add_gemma4_metadata)
+            cfg.allow_global_per_layer_attribute_access = True
+            head_dim = max(cfg.per_layer_config[i].head_dim for i in range(cfg.num_hidden_layers))
+        else:
+            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         w.add_context_length(cfg.max_position_embeddings)
         w.add_embedding_length(cfg.hidden_size)
-        w.add_feed_forward_length(cfg.intermediate_size)
+        if not getattr(cfg, "use_double_wide_mlp", False):
+            w.add_feed_forward_length(cfg.intermediate_size)
         w.add_block_count(cfg.num_hidden_layers)
         w.add_head_count(cfg.num_attention_heads)
-        w.add_head_count_kv(cfg.num_key_value_heads)
+        if model_type != "gemma4_text":
+            w.add_head_count_kv(cfg.num_key_value_heads)
         w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-        rope = getattr(cfg, "rope_parameters", None) or {}
-        w.add_rope_freq_base(float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))))
-        w.add_rope_dimension_count(head_dim)
+        if model_type not in ("gemma3_text", "gemma4_text"):  # rope per layer type: _add_gemma_metadata
+            w.add_rope_freq_base(float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))))
+        w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
         w.add_key_length(head_dim)  # convert_hf_to_gguf writes these when config has head_dim
         w.add_value_length(head_dim)
+        if arch.startswith("gemma"):
+            _add_gemma_metadata(w, cfg)
+        else:
+            _add_rope_scaling(w, cfg, rope)
     w.add_vocab_size(cfg.vocab_size)
     if tokenizer is not None:
         _add_tokenizer(w, tokenizer)
@@ -206,23 +237,92 @@ def write_tiny_gguf(
     state = {k: v.detach().float().numpy() for k, v in hf_model.state_dict().items()}
     for hf_name, gguf_name in gguf_tensor_names(hf_model).items():
         data = state.get(hf_name, state.get("transformer.wte.weight") if hf_name == "lm_head.weight" else None)
+        if gguf_name.endswith("layer_output_scale.weight"):
+            data = data.reshape(1)
         assert data is not None, hf_name
-        if arch == "llama" and ".attn_q." in gguf_name:
+        if arch in _PERMUTED and ".attn_q." in gguf_name:
             data = llama_permute(data, cfg.num_attention_heads, cfg.num_attention_heads)
-        elif arch == "llama" and ".attn_k." in gguf_name:
+        elif arch in _PERMUTED and ".attn_k." in gguf_name:
             data = llama_permute(data, cfg.num_attention_heads, cfg.num_key_value_heads)
         elif arch == "gpt2" and gguf_name.split(".")[-2] in ("attn_qkv", "attn_output", "ffn_up", "ffn_down"):
             data = data.T if gguf_name.endswith(".weight") else data  # Conv1D (in, out) -> (out, in)
+        elif arch in ("gemma2", "gemma3") and hf_name.endswith("norm.weight"):
+            data = data + np.float32(1.0)  # convert_hf_to_gguf stores the (1 + w) Gemma scales by
         stored, stored_type = encode_weights(np.ascontiguousarray(data), qtype, rng)
         if stored_type in (QT.F32, QT.F16):
             w.add_tensor(gguf_name, stored)
         else:
             w.add_tensor(gguf_name, stored, raw_dtype=stored_type)
+    if rope.get("rope_type") == "longrope":  # Phi3MiniModel.generate_extra_tensors
+        w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _add_gemma_metadata(w: gguf.GGUFWriter, cfg: Any) -> None:
+    """What convert_hf_to_gguf's Gemma2Model / Gemma3Model add: the window, soft-caps and (Gemma 3)
+    the global layers' rope; llama.cpp fixes the layer pattern, the local rope base and the query scale."""
+    w.add_sliding_window(cfg.sliding_window)
+    if cfg.model_type == "gemma2":
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+        return
+    if cfg.model_type == "gemma4_text":
+        _add_gemma4_metadata(w, cfg)
+        return
+    if cfg.final_logit_softcapping:
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    full = cfg.rope_parameters["full_attention"]
+    w.add_rope_freq_base(float(full["rope_theta"]))
+    if full["rope_type"] == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(full["factor"]))
+
+
+def _add_gemma4_metadata(w: gguf.GGUFWriter, cfg: Any) -> None:
+    """Gemma4Model's: per-layer lists where layers differ, global head dim as key_length and the
+    sliding one as key_length_swa, and a rope_freqs tensor marking the unrotated pairs (1e30)."""
+    layers = range(cfg.num_hidden_layers)
+    shapes = [(cfg.per_layer_config[i].num_key_value_heads, cfg.per_layer_config[i].head_dim) for i in layers]
+    sliding = [kind == "sliding_attention" for kind in cfg.layer_types]
+    global_dim = next(dim for (_, dim), s in zip(shapes, sliding) if not s)
+    swa_dim = next(dim for (_, dim), s in zip(shapes, sliding) if s)
+    w.add_sliding_window_pattern(sliding)
+    w.add_shared_kv_layers(cfg.num_kv_shared_layers)
+    w.add_embedding_length_per_layer_input(cfg.hidden_size_per_layer_input)
+    w.add_key_length_swa(swa_dim)
+    w.add_value_length_swa(swa_dim)
+    w.add_head_count_kv([heads for heads, _ in shapes])
+    shared_from = cfg.num_hidden_layers - cfg.num_kv_shared_layers
+    if cfg.use_double_wide_mlp:
+        w.add_feed_forward_length([cfg.intermediate_size * (2 if i >= shared_from else 1) for i in layers])
+    if cfg.final_logit_softcapping:
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    full, local = cfg.rope_parameters["full_attention"], cfg.rope_parameters["sliding_attention"]
+    w.add_rope_freq_base(float(full["rope_theta"]))
+    w.add_rope_freq_base_swa(float(local["rope_theta"]))
+    rotated = int(global_dim * full["partial_rotary_factor"] / 2)
+    w.add_tensor("rope_freqs.weight", np.array([1.0] * rotated + [1e30] * (global_dim // 2 - rotated), np.float32))
+
+
+def _add_rope_scaling(w: gguf.GGUFWriter, cfg: Any, rope: dict[str, Any]) -> None:
+    """YaRN as convert_hf_to_gguf's TextModel writes it; Phi-3's window and LongRoPE metadata as its
+    Phi3MiniModel does (the factors themselves are tensors)."""
+    if cfg.model_type == "phi3":
+        w.add_sliding_window(cfg.sliding_window or 0)  # 0: no window
+        w.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
+        if rope.get("rope_type") == "longrope":
+            scale = cfg.max_position_embeddings / cfg.original_max_position_embeddings
+            w.add_rope_scaling_attn_factors(
+                math.sqrt(1 + math.log(scale) / math.log(cfg.original_max_position_embeddings)) if scale > 1 else 1.0)
+    elif rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
 
 
 def _add_tokenizer(w: gguf.GGUFWriter, tokenizer: Any) -> None:

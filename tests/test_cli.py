@@ -46,6 +46,19 @@ def test_chat_streams_each_turn_and_keeps_the_history(model_dir, capsys, monkeyp
     assert out.err.count("[reply cut at --max-tokens 6]") == [first_reason, second_reason].count("length")
 
 
+def test_stop_ends_the_output_where_the_text_first_appears(model_dir, capsys, monkeypatch):
+    argv = ["generate", "hello there", "--model", model_dir, "--max-tokens", "24", "--num-kv-blocks", "32"]
+    assert main(argv) == 0
+    full = capsys.readouterr().out.rstrip("\n")
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    assert main(argv + ["--stop", "never-seen-xyz", "--stop", stop]) == 0
+    out = capsys.readouterr()
+    assert out.out.rstrip("\n") == full[:full.index(stop)] and "finish_reason=stop" in out.err
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello there\n"))
+    assert main(["chat"] + argv[2:] + ["--stop", stop]) == 0  # the chat's reply to the same prompt, cut alike
+    assert capsys.readouterr().out == f"> {full[:full.index(stop)]}\n> "
+
+
 def test_bad_input_is_one_line_and_exit_code_2(model_dir, capsys):
     assert main(["generate", "hi", "--model", model_dir, "--max-tokens", "0"]) == 2
     err = capsys.readouterr().err

@@ -11,7 +11,7 @@ from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.sampling_params import SamplingParams
 from roseinfer.server.engine_loop import (SHUTDOWN_MESSAGE, OverloadedError, RequestStream, SchedulerManager,
                                          ShuttingDownError, StreamDelta)
-from roseinfer.server.stop_strings import StopStringMatcher
+from roseinfer.stop_strings import StopStringMatcher
 from server_helpers import wait_for
 from step_gate import StepGate
 
@@ -97,7 +97,7 @@ def test_stop_string_across_chunks_is_cut_with_everything_after_it(engine, manag
     start = len(full) // 3
     stop = full[start:start + 6]
     expected = full[:full.index(stop)]
-    deltas = drain(m.submit(ids, greedy(60), stop=[stop, "never-appears-xyz"]))
+    deltas = drain(m.submit(ids, greedy(60, stop=[stop, "never-appears-xyz"])))
     streamed = "".join(d.text for d in deltas)
     assert streamed == expected
     assert deltas[-1].finish_reason == "stop"
@@ -108,6 +108,19 @@ def test_stop_string_across_chunks_is_cut_with_everything_after_it(engine, manag
         sent += d.text
         assert expected.startswith(sent)
     assert wait_for(lambda: m.stats()["kv_cache_usage_ratio"] == 0.0)
+
+
+def test_include_stop_str_in_output_streams_through_the_stop_and_no_further(engine, manager) -> None:
+    m = manager()
+    ids = engine.tokenizer.encode(PROMPT)
+    full = _reference_text(engine, m, ids, 60)
+    start = len(full) // 3
+    stop = full[start:start + 6]
+    expected = full[:full.index(stop) + len(stop)]
+    deltas = drain(m.submit(ids, greedy(60, stop=[stop], include_stop_str_in_output=True)))
+    assert "".join(d.text for d in deltas) == expected
+    assert (deltas[-1].finish_reason, deltas[-1].stop_reason) == ("stop", stop)
+    assert deltas[-1].num_output_tokens < 60
 
 
 def test_stop_matcher_holds_back_only_what_could_start_a_stop() -> None:

@@ -36,7 +36,8 @@ def _tiny_model(model_type: str, vocab_size: int, hidden: int = 64, **overrides)
         )  # fmt: skip
         model = transformers.GPT2LMHeadModel(cfg)
     else:
-        cls_cfg = dict(llama=transformers.LlamaConfig, qwen2=transformers.Qwen2Config, qwen3=transformers.Qwen3Config)
+        cls_cfg = dict(llama=transformers.LlamaConfig, qwen2=transformers.Qwen2Config, qwen3=transformers.Qwen3Config,
+                       phi3=transformers.Phi3Config, smollm3=transformers.SmolLM3Config)
         kwargs = dict(
             vocab_size=vocab_size, hidden_size=hidden, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5,
@@ -46,6 +47,13 @@ def _tiny_model(model_type: str, vocab_size: int, hidden: int = 64, **overrides)
             kwargs.update(head_dim=32, tie_word_embeddings=True)  # head_dim != hidden/heads, like real Qwen3
         if model_type == "llama":
             kwargs.update(rope_theta=100000.0)
+        if model_type == "phi3":  # half of each head rotates; the 12-token test input is past LongRoPE's 8
+            kwargs.update(pad_token_id=None, partial_rotary_factor=0.5, original_max_position_embeddings=8, sliding_window=6,
+                          rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.2, 1.5, 2.0],
+                                        "long_factor": [1.5, 3.0, 7.0, 13.0]})
+        if model_type == "smollm3":  # 4 layers: the 4th has no rotary (llama.cpp's fixed NoPE interval)
+            kwargs.update(pad_token_id=None, num_hidden_layers=4, rope_scaling={"rope_type": "yarn", "factor": 2.0,
+                                                             "original_max_position_embeddings": 32})
         cfg = cls_cfg[model_type](**(kwargs | overrides))
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     # Random init leaves norms at exactly 1 and biases at 0, which would hide a misnamed
@@ -61,7 +69,7 @@ def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return model(ids).logits
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "gpt2"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "gpt2", "phi3", "smollm3"])
 def test_f32_roundtrip_exact_weights_and_logits(tmp_path: Path, tok, model_type: str) -> None:
     model = _tiny_model(model_type, len(tok))
     src = write_tiny_gguf(tmp_path / "tiny.gguf", model, tok, "F32")
@@ -214,14 +222,16 @@ def test_unsupported_architecture_names_supported_ones(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
-def test_engine_on_gguf_matches_hf_on_the_dequantized_weights(tmp_path: Path, tok, qtype: str,
+@pytest.mark.parametrize("model_type", ["llama", "phi3"])
+def test_engine_on_gguf_matches_hf_on_the_dequantized_weights(tmp_path: Path, tok, qtype: str, model_type: str,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """The engine, given the .gguf path, generates what HF generates from the dequantized weights."""
+    """The engine, given the .gguf path, generates what HF generates from the dequantized weights
+    (phi3: the fused projections kept as blocks, a window, and LongRoPE's switch inside the output)."""
     from roseinfer import LLM, SamplingParams
     from tiny_models import hf_greedy
 
     monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(tmp_path / "cache"))
-    model = _tiny_model("llama", len(tok))
+    model = _tiny_model(model_type, len(tok))
     with torch.no_grad():  # scale up so greedy logits are far from ties
         for p in model.parameters():
             if p.dim() == 2:

@@ -4,8 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as phi3_apply_rotary_pos_emb
 
-from roseinfer.layers.rotary import apply_rotary, interleave_rotary_rows
+from roseinfer.layers.rotary import RotaryEmbedding, apply_rotary, interleave_rotary_rows
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)])
@@ -37,12 +38,40 @@ def test_adjacent_pair_rotary_gives_hf_scores(heads: int, kv_heads: int) -> None
     torch.testing.assert_close(unpaired, q_hf, rtol=1e-5, atol=1e-5)
 
 
+def test_partial_rotary_leaves_the_unrotated_dims_bit_for_bit_and_matches_phi3() -> None:
+    """Phi-4-mini's 3/4 partial rotary: the leading 12 of 16 dims rotate (pairs reordered within
+    them), the last 4 get rotation 1 + 0i and come out as they went in."""
+    torch.manual_seed(0)
+    tokens, heads, head_dim = 5, 2, 16
+    config = {"model_type": "phi3", "partial_rotary_factor": 0.75, "rope_theta": 10000.0}
+    table = RotaryEmbedding(head_dim, 64, config)
+    positions = torch.tensor([0, 3, 9, 20, 63])
+    rotations = table.lookup(positions)
+    assert rotations.shape == (tokens, 1, head_dim // 2)
+    assert torch.equal(rotations[:, :, 6:], torch.ones(tokens, 1, 2, dtype=torch.complex64))
+
+    x_hf = torch.randn(tokens, heads, head_dim)
+    x = interleave_rotary_rows(x_hf.permute(1, 2, 0).reshape(heads * head_dim, tokens), head_dim, 12)
+    out = apply_rotary(x.view(heads, head_dim, tokens).permute(2, 0, 1).contiguous(), rotations)
+    assert torch.equal(out[..., 12:], x_hf[..., 12:])  # the pass-through dims: untouched
+
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 12, 2).float() / 12))
+    freqs = torch.outer(positions.float(), inv_freq)
+    cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
+    ref, _ = phi3_apply_rotary_pos_emb(x_hf.transpose(0, 1)[None], x_hf.transpose(0, 1)[None], cos[None], sin[None])
+    ref = ref[0].transpose(0, 1)
+    unpaired = out[..., :12].reshape(tokens, heads, 6, 2).transpose(2, 3).reshape(tokens, heads, 12)
+    torch.testing.assert_close(unpaired, ref[..., :12], rtol=1e-6, atol=1e-6)
+
+
 def test_interleave_rotary_rows_is_a_per_head_permutation() -> None:
     rows = torch.arange(2 * 8).float()  # two heads of head_dim 8, as a bias vector
     out = interleave_rotary_rows(rows, 8)
     assert out.tolist() == [0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15]
     weight = torch.arange(16 * 3).float().view(16, 3)
     assert torch.equal(interleave_rotary_rows(weight, 8)[:, 0], out * 3)
+    # partial rotary: within each head only the first rotary_dims rows pair up
+    assert interleave_rotary_rows(rows, 8, 4).tolist() == [0, 2, 1, 3, 4, 5, 6, 7, 8, 10, 9, 11, 12, 13, 14, 15]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

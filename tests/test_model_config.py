@@ -10,21 +10,50 @@ import pytest
 from transformers import AutoConfig
 
 from roseinfer.loader.model_loader import load_model_config
-from roseinfer.models.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from roseinfer.models.config import MULTIMODAL_WRAPPERS, SUPPORTED_MODEL_TYPES, ModelConfig
 from tiny_models import ARCHS, EXTRA_ARCHS
 
 
 def _expected(hf) -> dict:
     """The engine's fields, read the way transformers' config objects expose them."""
+    if hf.model_type == "gemma4_text":  # head_dim / num_kv_heads vary by layer: _assert_gemma checks them
+        hf.allow_global_per_layer_attribute_access = True
     if hf.model_type == "gpt2":
         return {"hidden_size": hf.n_embd, "num_layers": hf.n_layer, "num_heads": hf.n_head,
                 "intermediate_size": hf.n_inner or 4 * hf.n_embd, "max_position_embeddings": hf.n_positions,
                 "norm_eps": hf.layer_norm_epsilon, "hidden_act": hf.activation_function}
-    return {"hidden_size": hf.hidden_size, "num_layers": hf.num_hidden_layers, "num_heads": hf.num_attention_heads,
-            "num_kv_heads": hf.num_key_value_heads, "intermediate_size": hf.intermediate_size,
-            "head_dim": getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
-            "max_position_embeddings": hf.max_position_embeddings, "norm_eps": hf.rms_norm_eps, "hidden_act": hf.hidden_act,
-            "tie_word_embeddings": hf.tie_word_embeddings}
+    expected = {"hidden_size": hf.hidden_size, "num_layers": hf.num_hidden_layers,
+                "num_heads": hf.num_attention_heads, "num_kv_heads": hf.num_key_value_heads,
+                "intermediate_size": hf.intermediate_size,
+                "head_dim": getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
+                "max_position_embeddings": hf.max_position_embeddings, "norm_eps": hf.rms_norm_eps,
+                "hidden_act": getattr(hf, "hidden_activation", None) or hf.hidden_act,
+                "tie_word_embeddings": hf.tie_word_embeddings}
+    if hf.model_type.startswith("gemma"):
+        expected |= {"layer_types": tuple(hf.layer_types), "final_logit_softcap": hf.final_logit_softcapping,
+                     "attn_logit_softcap": getattr(hf, "attn_logit_softcapping", None) if hf.model_type == "gemma2"
+                     else None}
+    if hf.model_type == "gemma4_text":  # head_dim / num_kv_heads are the KV pool's row; each layer's own:
+        del expected["head_dim"], expected["num_kv_heads"]
+    return expected
+
+
+def _assert_gemma(cfg: ModelConfig, hf) -> None:
+    """Gemma's rope per layer type, attention scale and (Gemma 4) per-layer head shapes."""
+    for kind in set(hf.layer_types):
+        assert cfg.raw_config["rope_parameters"][kind] == hf.rope_parameters[kind] if \
+            hf.model_type != "gemma2" else cfg.raw_config["rope_parameters"][kind]["rope_theta"] == \
+            hf.rope_parameters["rope_theta"]
+    if hf.model_type != "gemma4_text":
+        assert cfg.attn_scale == hf.query_pre_attn_scalar ** -0.5
+        return
+    assert cfg.attn_scale == 1.0
+    shapes = [(hf.per_layer_config[i].num_key_value_heads, hf.per_layer_config[i].head_dim)
+              for i in range(hf.num_hidden_layers)]
+    assert list(cfg.gemma4.head_shapes) == shapes
+    assert cfg.gemma4.kv_shared_layers == hf.num_kv_shared_layers and cfg.gemma4.k_eq_v == hf.attention_k_eq_v
+    assert cfg.gemma4.per_layer_input_size == hf.hidden_size_per_layer_input
+    assert cfg.gemma4.per_layer_vocab_size == hf.vocab_size_per_layer_input
 
 
 def _expected_windows(hf) -> list[int | None]:
@@ -41,6 +70,8 @@ def _assert_matches(cfg: ModelConfig, hf) -> None:
         assert getattr(cfg, key) == value, key
     if hf.model_type != "gpt2":
         assert [cfg.layer_sliding_window(i) for i in range(cfg.num_layers)] == _expected_windows(hf)
+    if hf.model_type.startswith("gemma"):
+        _assert_gemma(cfg, hf)
 
 
 @pytest.mark.parametrize("arch", ARCHS + EXTRA_ARCHS)
@@ -58,9 +89,11 @@ MINIMAL = {
 
 @pytest.mark.parametrize("model_type", SUPPORTED_MODEL_TYPES)
 def test_missing_fields_take_transformers_defaults(model_type: str) -> None:
-    raw = {"model_type": model_type, **MINIMAL["gpt2" if model_type == "gpt2" else "llama"]}
-    fields = {k: v for k, v in raw.items() if k != "model_type"}
-    _assert_matches(ModelConfig.from_dict(raw), AutoConfig.for_model(model_type, **fields))
+    fields = dict(MINIMAL["gpt2" if model_type == "gpt2" else "llama"])
+    if model_type in MULTIMODAL_WRAPPERS:  # the text model's fields, as Gemma3ForConditionalGeneration has them
+        fields = {"text_config": {"model_type": MULTIMODAL_WRAPPERS[model_type], **fields}}
+    hf = AutoConfig.for_model(model_type, **fields)
+    _assert_matches(ModelConfig.from_dict({"model_type": model_type, **fields}), getattr(hf, "text_config", hf))
 
 
 def test_missing_required_field_is_a_clear_error() -> None:
@@ -82,3 +115,40 @@ def test_default_rope_model_loads_without_transformers(tiny_model_factory) -> No
             "print('transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# config.json as Google's checkpoints ship it (transformers 4 field names): Gemma 3 1B and the text
+# model of Gemma 3 4B, whose wrapper leaves most fields to the defaults
+GEMMA3_1B = {"model_type": "gemma3_text", "head_dim": 256, "hidden_size": 1152, "intermediate_size": 6912,
+             "max_position_embeddings": 32768, "num_attention_heads": 4, "num_hidden_layers": 26,
+             "num_key_value_heads": 1, "query_pre_attn_scalar": 256, "rope_local_base_freq": 10000,
+             "rope_scaling": None, "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6,
+             "vocab_size": 262144, "final_logit_softcapping": None, "attn_logit_softcapping": None}
+GEMMA3_4B = {"model_type": "gemma3", "text_config": {
+    "hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text", "num_hidden_layers": 34,
+    "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024}}
+
+
+@pytest.mark.parametrize("raw", [GEMMA3_1B, GEMMA3_4B], ids=["gemma3_1b", "gemma3_4b"])
+def test_released_gemma_configs_match_transformers(raw: dict) -> None:
+    hf = AutoConfig.for_model(**raw)
+    _assert_matches(ModelConfig.from_dict(raw), getattr(hf, "text_config", hf))
+
+
+@pytest.mark.parametrize("layers", [{"no_rope_layers": [1, 0, 1, 0, 0]}, {"no_rope_layer_interval": 2}, {}])
+def test_smollm3_nope_layers_are_transformers(layers: dict) -> None:
+    """SmolLM3's NoPE layers: listed (1 = rotates), or every no_rope_layer_interval-th, 4 by default."""
+    raw = {"model_type": "smollm3", **MINIMAL["llama"], "num_hidden_layers": 5, **layers}
+    hf = AutoConfig.for_model("smollm3", **{k: v for k, v in raw.items() if k != "model_type"})
+    cfg = ModelConfig.from_dict(raw)
+    assert cfg.nope_layers == tuple(i for i, rotates in enumerate(hf.no_rope_layers) if not rotates)
+    assert cfg.nope_layers  # every case has one
+
+
+def test_long_rope_switch_only_where_the_context_reaches_past_the_original() -> None:
+    factors = {"short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    raw = {"model_type": "phi3", **MINIMAL["llama"], "max_position_embeddings": 4096,
+           "original_max_position_embeddings": 1024, "rope_scaling": {"type": "longrope", **factors}}
+    assert ModelConfig.from_dict(raw).long_rope_from == 1024
+    assert ModelConfig.from_dict({**raw, "max_position_embeddings": 1024}).long_rope_from is None
+    assert ModelConfig.from_dict({**raw, "rope_scaling": None}).long_rope_from is None

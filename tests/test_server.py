@@ -154,6 +154,18 @@ def test_stop_strings_never_appear(client: openai.OpenAI, llm: LLM) -> None:
     assert streamed == resp.choices[0].message.content
 
 
+def test_include_stop_str_in_output_keeps_the_stop(client: openai.OpenAI, llm: LLM) -> None:
+    full, _ = reference(llm, PROMPT, 48)
+    stop = full[len(full) // 3:len(full) // 3 + 5]
+    expected = full[:full.index(stop) + len(stop)]
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=48, temperature=0, stop=stop,
+                  extra_body={"include_stop_str_in_output": True})
+    resp = client.completions.create(**kwargs)
+    assert resp.choices[0].text == expected and resp.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(stream=True, **kwargs))
+    assert "".join(c.choices[0].text for c in chunks) == expected
+
+
 def test_logprobs(client: openai.OpenAI) -> None:
     resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2)
     lp = resp.choices[0].logprobs

@@ -16,13 +16,17 @@ pytestmark = pytest.mark.triton
 MAX_TOKENS = 8
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt2", "llama_mqa"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt2", "llama_mqa", "phi3_longrope", "smollm3_yarn", "gemma2",
+                                  "gemma3", "gemma4"])
 def test_greedy_matches_hf_through_chunks_and_prefix_hits(tiny_model_factory, arch: str) -> None:
     """Prompts of assorted lengths in an 8-token budget (so prompts are prefilled in chunks, beside
     other sequences' decodes), then a shared prefix that hits the prefix cache."""
     model_dir = tiny_model_factory(arch)
     prompts = sample_prompts(model_dir, 3, seed=5)
-    prompts.append(prompts[1][:20] + [7, 8, 9])  # shares full blocks with prompts[1]
+    # shares full blocks with the longest prompt; past phi3_longrope's original context (48) as it is,
+    # so both are rotated with the same factors (K/V rotated otherwise are never shared)
+    donor = max(prompts, key=len)
+    prompts.append(donor[:52] + [7, 8, 9])
     llm = LLM(model=str(model_dir), device=str(triton_interpret.device()), attention_backend="triton",
               num_kv_blocks=64, block_size=16, max_num_batched_tokens=8, dtype="float32")
     assert llm.engine.backend.name == "triton"

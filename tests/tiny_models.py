@@ -30,11 +30,16 @@ CHAT_TEMPLATE = (
 )
 
 ARCHS: list[str] = ["gpt2", "llama", "llama3_rope_untied", "mistral", "qwen2", "qwen3", "llama_mqa",
-                    "qwen2_sliding"]
+                    "qwen2_sliding", "phi3_longrope", "smollm3_yarn", "gemma2", "gemma3", "gemma4"]
 # Built on demand (tiny_model_factory), not run by every arch-parametrized test: every layer of
 # mistral_sliding slides, so its KV blocks go back to the pool as sequences grow and the pools that
 # those tests size to force preemption no longer run short (tests/test_sliding_window.py runs it).
 EXTRA_ARCHS: list[str] = ["mistral_sliding"]
+
+# Weights that do not move when archs are added before these ones: the speculative tests need a
+# model that continues a repeated pattern, and the references must be far from ties
+# (test_reference_not_degenerate), which some draws of random weights do not give.
+PINNED_SEEDS: dict[str, int] = {"phi3_longrope": 7, "smollm3_yarn": 8, "gemma2": 8, "gemma3": 9, "gemma4": 10}
 
 # Sliding windows far shorter than the test prompts, so that every mode attends across a window's edge.
 SLIDING_WINDOW = 8
@@ -145,7 +150,8 @@ def special_ids() -> dict[str, int]:
 
 def _config(arch: str) -> Any:
     """Tiny configs: hidden 64, 2 layers, 4 heads, 2 kv heads (GQA), ffn 128, 256 positions."""
-    from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (GPT2Config, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config,
+                              SmolLM3Config)
 
     ids = special_ids()
     vocab = len(_trained_tokenizer())
@@ -175,12 +181,53 @@ def _config(arch: str) -> Any:
                            rope_theta=1_000_000.0, tie_word_embeddings=True)
     if arch == "llama_mqa":
         return LlamaConfig(**{**common, "num_key_value_heads": 1}, tie_word_embeddings=False)
+    if arch.startswith("gemma"):
+        return _gemma_config(arch, common)
     if arch == "mistral_sliding":  # every layer slides
         return MistralConfig(**common, sliding_window=SLIDING_WINDOW, tie_word_embeddings=False)
     if arch == "qwen2_sliding":  # layer 0 attends the whole context, layer 1 slides
         return Qwen2Config(**common, use_sliding_window=True, sliding_window=SLIDING_WINDOW, max_window_layers=1,
                            tie_word_embeddings=True)
+    if arch == "phi3_longrope":
+        # Phi-4-mini's shape in small: 3/4 of each head rotates (12 of 16 dims: 6 factors each), and
+        # LongRoPE's original context (48) is shorter than the test prompts, so both factor sets run.
+        # No window: Phi-3's slides in every layer, as mistral_sliding's does (EXTRA_ARCHS says why not here).
+        return Phi3Config(**common, partial_rotary_factor=0.75, original_max_position_embeddings=48,
+                          rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.7, 2.3, 3.1],
+                                        "long_factor": [1.2, 1.9, 3.5, 6.0, 11.0, 19.0]},
+                          tie_word_embeddings=False)
+    if arch == "smollm3_yarn":
+        # every 2nd layer has no rotary (NoPE) and slides (use_sliding_window); YaRN from an original 64
+        return SmolLM3Config(**common, no_rope_layer_interval=2, rope_theta=20000.0, use_sliding_window=True,
+                             sliding_window=24,
+                             rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
     raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS + EXTRA_ARCHS}")
+
+
+# Gemma: the sliding window above, a query scalar other than head_dim, soft-caps small enough to
+# bite, non-default rope bases (Gemma 3: linear scaling on global layers).
+
+
+def _gemma_config(arch: str, common: dict[str, Any]) -> Any:
+    from transformers import Gemma2Config, Gemma3TextConfig, Gemma4TextConfig
+
+    gemma = {**common, "head_dim": 16, "sliding_window": SLIDING_WINDOW, "hidden_activation": "gelu_pytorch_tanh"}
+    if arch == "gemma2":
+        return Gemma2Config(**gemma, query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
+                            final_logit_softcapping=12.0, rope_theta=20000.0, tie_word_embeddings=False)
+    if arch == "gemma3":
+        rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 20000.0},
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 500000.0}}
+        return Gemma3TextConfig(**{**gemma, "num_hidden_layers": 3}, query_pre_attn_scalar=24, rope_parameters=rope,
+                                layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                tie_word_embeddings=True)
+    # Gemma 4: global layers of another head shape with values from the key projection, the last
+    # layer reusing layer 1's K/V with a double-wide MLP, per-layer embeddings, proportional rope.
+    return Gemma4TextConfig(**{**gemma, "num_hidden_layers": 3}, global_head_dim=32, num_global_key_value_heads=1,
+                            attention_k_eq_v=True, num_kv_shared_layers=1, use_double_wide_mlp=True,
+                            hidden_size_per_layer_input=8, vocab_size_per_layer_input=common["vocab_size"],
+                            layer_types=["sliding_attention", "full_attention", "full_attention"],
+                            final_logit_softcapping=5.0, tie_word_embeddings=False)
 
 
 @torch.no_grad()
@@ -205,6 +252,9 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
             p.copy_(noise * 0.2)
         else:  # RMSNorm / LayerNorm scale (incl. qwen3 q_norm/k_norm)
             p.copy_(1.0 + noise * 0.2)
+    for name, buffer in model.named_buffers():
+        if name.endswith("layer_scalar"):  # Gemma 4's per-layer output scale, saved with the weights
+            buffer.copy_(1.0 + torch.randn(buffer.shape, generator=gen) * 0.2)
 
 
 def build_tiny_model(arch: str, out_dir: str | pathlib.Path) -> pathlib.Path:
@@ -222,10 +272,15 @@ def build_tiny_model(arch: str, out_dir: str | pathlib.Path) -> pathlib.Path:
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = _config(arch)
-    seed = (ARCHS + EXTRA_ARCHS).index(arch)
+    seed = PINNED_SEEDS.get(arch, (ARCHS + EXTRA_ARCHS).index(arch))
     torch.manual_seed(seed)  # HF's own init, before we overwrite it
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(model, seed=1000 + seed)
+    if arch.startswith("gemma") and config.tie_word_embeddings:
+        # Gemma multiplies embeddings by sqrt(hidden): unscaled, a tied table makes every token
+        # predict itself. Trained tables are that much smaller; so is this one.
+        with torch.no_grad():
+            model.get_input_embeddings().weight.div_(config.hidden_size ** 0.5)
     model.eval()
     ids = special_ids()
     # Like Qwen2-Instruct: generation stops on either <|im_end|> or <|endoftext|>, so the

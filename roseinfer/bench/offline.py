@@ -188,10 +188,10 @@ class RoseinferRunner:
             for out in outputs:
                 timing = timings[out.request_id]
                 timing.token_times.extend([now] * len(out.new_token_ids))
+                if out.times is not None:
+                    timing.admitted = out.times.admitted
                 if out.finished:
                     timing.end = now
-        for rid, timing in timings.items():
-            timing.admitted = engine.get_request(rid).admitted_time
         engine.pop_finished_ids()
         return list(timings.values())
 

@@ -35,6 +35,9 @@ class PrefixCacheStats:
     block_hits: int = 0
 
 
+LONG_ROPE_ROOT = 1
+
+
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
@@ -91,9 +94,11 @@ class BlockManager:
         Returns the number of tokens covered (a multiple of block_size).
         """
         assert not req.block_table, "request already holds blocks"
+        req.kv_rotated_long = req.rotates_long
         if not self.enable_prefix_caching:
             return 0
-        parent: int | None = None
+        # K/V rotated with LongRoPE's long factors chain from their own root: never shared with short ones
+        parent: int | None = LONG_ROPE_ROOT if req.kv_rotated_long else None
         found: list[int] = []
         for i in range(req.max_prefix_hit // self.block_size):
             tokens = tuple(req.token_ids[i * self.block_size:(i + 1) * self.block_size])

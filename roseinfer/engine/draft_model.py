@@ -6,7 +6,7 @@ into a throwaway request in the draft's own KV pool and block manager, computes 
 prefix cache does not hold, decodes K - 1 more tokens one forward at a time, and frees it. Its full
 blocks stay indexed, so the next proposal recomputes only the tail since the last full block plus
 the tokens accepted since (under a block_size + K tokens); preemption and abort of the target
-request need nothing here. The cost is K draft forwards per proposal, one request at a time.
+request need nothing here. All of a step's proposals share each draft forward: K forwards a step.
 """
 from __future__ import annotations
 
@@ -38,26 +38,41 @@ class DraftModelProposer(Proposer):
         super().__init__(config, min(max_model_len, self.worker.model_config.max_position_embeddings))
         self.worker.load_model()
         bs = engine_config.block_size
-        # proposals run one at a time; this keeps a full-length context cached for each request that
-        # may speculate at once, so they do not evict each other's
+        # a full-length context for each request that may speculate at once, so that their proposals
+        # fit together and do not evict each other's cached blocks
         num_blocks = (config.disable_by_batch_size + 1) * blocks_for(self.max_model_len, bs)
         self.block_manager = BlockManager(num_blocks, bs, enable_prefix_caching=True)
         self.worker.init_kv_cache(num_blocks, eos_token_ids=set())
         self.chunk_tokens = engine_config.max_num_batched_tokens  # the draft's prefill chunk
 
-    def draft(self, req: Request, k: int) -> list[int]:
-        shadow = Request(req.request_id, list(req.token_ids), ARGMAX)
+    def draft(self, asked: list[tuple[Request, int]]) -> list[list[int]]:
         bm = self.block_manager
-        shadow.num_computed_tokens = bm.allocate_cached_prefix(shadow)
-        # the last draft token's K/V is never needed
-        if not bm.append_slots(shadow, shadow.num_tokens - shadow.num_computed_tokens + k - 1):
+        shadows: list[tuple[Request, int, int]] = []  # each with where its draft starts and ends
+        for req, k in asked:
+            shadow = Request(req.request_id, list(req.token_ids), ARGMAX)
+            shadow.num_computed_tokens = bm.allocate_cached_prefix(shadow)
+            # the last draft token's K/V is never needed
+            if bm.append_slots(shadow, shadow.num_tokens - shadow.num_computed_tokens + k - 1):
+                shadows.append((shadow, req.num_tokens, req.num_tokens + k))
+            else:
+                bm.free(shadow)  # the draft pool is full of other proposals: no draft this step
+        active = [(shadow, end) for shadow, _, end in shadows]
+        while active:
+            # one forward for every shadow: prompt tails in chunks under the token budget, then decodes
+            budget = self.chunk_tokens
+            step = SchedulerOutput()
+            for shadow, _ in active:
+                n = min(shadow.num_tokens - shadow.num_computed_tokens, budget)
+                if n > 0:
+                    step.scheduled.append(ScheduledRequest(shadow, n))
+                    budget -= n
+            sampled, _, _ = self.worker.execute(step)
+            for item, tokens in zip(step.scheduled, sampled):
+                item.request.num_computed_tokens += item.num_tokens
+                item.request.token_ids += tokens  # empty for a prompt chunk that is not the last
+            active = [(shadow, end) for shadow, end in active if shadow.num_tokens < end]
+        drafts = {shadow.request_id: shadow.token_ids[start:] for shadow, start, _ in shadows}
+        for shadow, _, _ in shadows:
+            bm.cache_full_blocks(shadow)
             bm.free(shadow)
-            return []  # the draft pool is full of other proposals: no draft this step
-        while shadow.num_tokens < req.num_tokens + k:
-            n = min(shadow.num_tokens - shadow.num_computed_tokens, self.chunk_tokens)
-            sampled, _, _ = self.worker.execute(SchedulerOutput([ScheduledRequest(shadow, n)]))
-            shadow.num_computed_tokens += n
-            shadow.token_ids += sampled[0]  # empty for a prompt chunk that is not the last
-        bm.cache_full_blocks(shadow)
-        bm.free(shadow)
-        return shadow.token_ids[req.num_tokens:]
+        return [drafts.get(req.request_id, []) for req, _ in asked]

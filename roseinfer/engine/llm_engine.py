@@ -1,7 +1,6 @@
-"""LLMEngine: the request lifecycle API over the scheduler and the executor.
-
-Callers never reach into internals: add_request / step / abort_request, then the accessors.
-A finished request stays queryable until its id is returned by pop_finished_ids().
+"""LLMEngine: builds the engine core (scheduler, executor) and puts the request lifecycle API over
+it: new_request / add_request (validated, grammar compiled) / step / abort_request, then the
+accessors. A finished request stays queryable until its id is returned by pop_finished_ids().
 """
 from __future__ import annotations
 
@@ -14,8 +13,10 @@ import torch
 
 from roseinfer.config import EngineConfig, resolve_device
 from roseinfer.engine.block_manager import BlockManager, blocks_for
+from roseinfer.engine.core import EngineCore
 from roseinfer.engine.draft_model import DraftModelProposer
-from roseinfer.engine.request import Request, RequestOutput
+from roseinfer.engine.outputs import EngineCoreOutput
+from roseinfer.engine.request import Request
 from roseinfer.engine.scheduler import Scheduler
 from roseinfer.engine.speculative import SpecStats
 from roseinfer.engine.structured_output import CompiledGrammar, GrammarCompiler
@@ -66,7 +67,7 @@ class LLMEngine:
         except BaseException:
             self.shutdown()
             raise
-        self.requests: dict[str, Request] = {}
+        self.core = EngineCore(self.scheduler, self.executor)
         # built on the first constrained request: wrapping the tokenizer takes a moment for a large vocabulary
         self._grammar_compiler: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()
@@ -106,25 +107,29 @@ class LLMEngine:
         return SamplingParams(**self.sampling_defaults)
 
     # ---- lifecycle -----------------------------------------------------------------------
-    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
-                    request_id: str | None = None, grammar: CompiledGrammar | None = None) -> str:
-        """`grammar`: the request's structured_outputs already compiled (compile_grammar), else compiled here."""
+    def new_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+                    request_id: str | None = None, grammar: CompiledGrammar | None = None) -> Request:
+        """A request validated and ready for the core (add_request, or a server's worker: EngineCore.add);
+        safe from any thread. `grammar`: its structured_outputs already compiled (compile_grammar),
+        else compiled here."""
         params = sampling_params or self.default_sampling_params()
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate(prompt_ids, params)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
         if grammar is None and params.structured_outputs is not None:
             grammar = self.compile_grammar(params.structured_outputs)
-        req = Request(request_id, prompt_ids, params, generator=generator,
-                      grammar=grammar.matcher() if grammar is not None else None)
-        self.requests[request_id] = req
-        self.scheduler.add_request(req)
-        return request_id
+        return Request(request_id, prompt_ids, params, generator=generator,
+                       grammar=grammar.matcher() if grammar is not None else None,
+                       long_rope_from=self.model_config.long_rope_from)
+
+    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+                    request_id: str | None = None, grammar: CompiledGrammar | None = None) -> str:
+        req = self.new_request(prompt, sampling_params, request_id, grammar)
+        self.core.add(req)
+        return req.request_id
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         validate_request(prompt_ids, params, self.model_config.vocab_size, self.max_model_len, self.num_kv_blocks,
@@ -143,31 +148,22 @@ class LLMEngine:
         ValueError says why it cannot be enforced; ConstraintTooLarge, that its grammar is over `max_bytes`."""
         return self.grammar_compiler.compile(params, max_bytes)
 
-    def step(self) -> list[RequestOutput]:
-        out = self.scheduler.schedule()
-        if not out.scheduled:
-            return []
-        return self.scheduler.update(out, *self.executor.execute(out))
+    def step(self) -> list[EngineCoreOutput]:
+        return self.core.step()
 
-    def abort_request(self, request_id: str) -> bool:
-        """Abort a waiting or running request and free its blocks at once; False if unknown or done."""
-        req = self.requests.get(request_id)
-        if req is None or req.is_finished:
-            return False
-        self.scheduler.abort(req)
-        return True
+    def abort_request(self, request_id: str) -> EngineCoreOutput | None:
+        """Abort a waiting or running request and free its blocks at once: its final output, or None
+        if it is unknown or already finished."""
+        return self.core.abort(request_id)
 
     # ---- accessors -----------------------------------------------------------------------
     def pop_finished_ids(self) -> list[str]:
-        ids = self.scheduler.pop_finished_ids()
-        for request_id in ids:
-            self.requests.pop(request_id, None)
-        return ids
+        return self.core.pop_finished_ids()
 
     def get_request(self, request_id: str) -> Request:
-        if request_id not in self.requests:
+        if request_id not in self.core.requests:
             raise KeyError(f"unknown request id {request_id!r}")
-        return self.requests[request_id]
+        return self.core.requests[request_id]
 
     def get_generated_ids(self, request_id: str) -> list[int]:
         return list(self.get_request(request_id).output_token_ids)
@@ -179,7 +175,7 @@ class LLMEngine:
         return self.get_request(request_id).is_finished
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.core.has_unfinished()
 
     def num_running(self) -> int:
         return len(self.scheduler.running)

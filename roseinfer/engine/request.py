@@ -49,10 +49,14 @@ class Request:
     last_block_key: int | None = None
     # leading block_table entries given back to the pool, outside every layer's window (block_manager.py)
     num_released_blocks: int = 0
+    # LongRoPE (Phi-3/4): the model's original context, past which a sequence's K/V are all rotated
+    # with the long factors (ModelConfig.long_rope_from; None for other models), and whether
+    # its cached K/V were rotated so (set when its blocks are allocated)
+    long_rope_from: int | None = None
+    kv_rotated_long: bool = False
     step_count: int = 0  # engine steps this request was part of
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     error: str | None = None  # why the engine ended it early, for the caller ("abort")
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
     # with prompt_logprobs: one entry per prompt token taken so far, the first None (no context)
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     generator: torch.Generator | None = None
@@ -61,6 +65,7 @@ class Request:
     # speculative decoding: verifications in a row that accepted nothing, and steps left without drafts
     spec_misses: int = 0
     spec_pause: int = 0
+    draft: list[int] = field(default_factory=list)  # proposed after its last step, verified in its next
     admitted_time: float | None = None
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
@@ -79,6 +84,19 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def rotates_long(self) -> bool:
+        """transformers rotates a sequence longer than LongRoPE's original context with the long factors
+        throughout, recomputing its cache once at the crossing (Phi3ForCausalLM.prepare_inputs_for_generation)."""
+        return self.long_rope_from is not None and self.num_tokens > self.long_rope_from
+
+    def draft_room(self, proposed: int) -> int:
+        """Draft tokens a verification may take: none that would carry a short-rotated sequence past
+        LongRoPE's switch, where its K/V are recomputed (the scheduler's `_recompute`)."""
+        if self.long_rope_from is None or self.rotates_long:
+            return proposed
+        return max(0, min(proposed, self.long_rope_from - self.num_tokens))
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -113,16 +131,3 @@ class Request:
     def in_prefill(self) -> bool:
         """True while more than the last token still needs its K/V computed."""
         return self.num_tokens - self.num_computed_tokens > 1
-
-
-@dataclass
-class RequestOutput:
-    """What one engine step produced for one request (a delta, not the whole history)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 from roseinfer.config import EngineConfig
 from roseinfer.engine.block_manager import BlockManager
-from roseinfer.engine.request import Request, RequestOutput, RequestStatus, TokenLogprobs
+from roseinfer.engine.outputs import EngineCoreOutput, request_times
+from roseinfer.engine.request import Request, RequestStatus, TokenLogprobs
 from roseinfer.engine.speculative import NgramProposer, Proposer
 
 UNLIMITED = 1 << 62
@@ -86,7 +87,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = [self.config.max_num_batched_tokens, self.config.prefill_max_tokens or UNLIMITED]
         phase = self._phase()
-        self._schedule_running(out, budget, phase, self._speculating())
+        self._schedule_running(out, budget, phase)
         if phase != "decode" and not out.preempted_ids:
             self._admit_waiting(out, budget)
         return out
@@ -103,25 +104,22 @@ class Scheduler:
         self._decode_turn = not self._decode_turn
         return "prefill" if self._decode_turn else "decode"
 
-    def _speculating(self) -> bool:
-        """Drafts only while the running decodes are few: a larger batch's forward is no longer
-        bound by reading the weights, so every rejected position costs compute."""
-        if self.proposer is None:
-            return False
-        decodes = sum(not r.in_prefill for r in self.running)
-        return decodes <= self.proposer.config.disable_by_batch_size
-
-    def _schedule_running(self, out: SchedulerOutput, budget: list[int], phase: str | None,
-                          speculating: bool) -> None:
+    def _schedule_running(self, out: SchedulerOutput, budget: list[int], phase: str | None) -> None:
         i = 0
         while i < len(self.running) and budget[0] > 0 and len(out.scheduled) < self.config.max_num_seqs:
             req = self.running[i]
             i += 1
+            if req.rotates_long != req.kv_rotated_long:
+                self._recompute(req)
+                i -= 1
+                continue
             prefill = req.in_prefill
             if (phase == "decode" and prefill) or (phase == "prefill" and not prefill):
                 continue
             remaining = req.num_tokens - req.num_computed_tokens
-            draft = self.proposer.propose(req, budget[0]) if speculating and not prefill else []
+            # the draft proposed after its last step, cut to what the budget and the request leave
+            draft = [] if prefill else req.draft[:budget[0] - 1]
+            draft = draft[:req.draft_room(len(draft))]
             if draft and not self.block_manager.can_append(req, 1 + len(draft)):
                 draft = []  # a draft never preempts anyone
             n = min(remaining, budget[0], budget[1]) if prefill else 1 + len(draft)
@@ -135,6 +133,7 @@ class Scheduler:
                     return
             self.block_manager.append_slots(req, n)
             out.scheduled.append(ScheduledRequest(req, n, draft))
+            req.draft = []
             budget[0] -= n
             if prefill:
                 budget[1] -= n
@@ -183,20 +182,26 @@ class Scheduler:
             admitted += 1
 
     def _preempt(self, req: Request) -> None:
+        self._recompute(req)
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+
+    def _recompute(self, req: Request) -> None:
+        """Back to the front of the queue, its cache given up: admitted again, its K/V are computed again
+        (mostly from the prefix cache). Without preemption, where LongRoPE switches factors."""
         self.block_manager.free(req)
         self.running.remove(req)
         req.num_computed_tokens = 0
-        req.num_preemptions += 1
-        self.num_preemptions += 1
+        req.draft = []
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
 
     # ---- results ---------------------------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: list[list[int]], logprobs: list[TokenLogprobs | None],
-               prompt_logprobs: list[list[TokenLogprobs]] | None = None) -> list[RequestOutput]:
+               prompt_logprobs: list[list[TokenLogprobs]] | None = None) -> list[EngineCoreOutput]:
         """Apply one step's tokens (none for rows that only computed a prompt chunk; a verified draft
         may give several) and the prompt logprobs it took."""
-        outputs: list[RequestOutput] = []
+        outputs: list[EngineCoreOutput] = []
         now = time.perf_counter()
         for i, (item, tokens, logprob) in enumerate(zip(out.scheduled, sampled, logprobs)):
             req = item.request
@@ -227,16 +232,23 @@ class Scheduler:
             if not emitted:
                 continue
             req.token_times += [now] * len(emitted)
-            if req.first_token_time is None:
+            first = req.first_token_time is None
+            if first:
                 req.first_token_time = now
-            if logprob is not None:
-                req.logprobs.append(logprob)
             if reason is not None:
                 self.running.remove(req)
                 self._finish(req, reason)
-            outputs.append(RequestOutput(
-                req.request_id, emitted, reason is not None, reason,
-                [logprob] if logprob is not None else [], req.num_prompt_tokens, req.num_cached_tokens))
+            params = req.sampling_params
+            wants_prompt = first and params.prompt_logprobs is not None
+            last = emitted[-1]
+            # vLLM's stop_reason: the stop token id, unless the token stopped the request as its EOS
+            stop_token = last if reason == "stop" and last in params.stop_token_ids and not (
+                last in self.eos_token_ids and not params.ignore_eos) else None
+            outputs.append(EngineCoreOutput(
+                req.request_id, emitted, reason, [logprob] if logprob is not None else [],
+                list(req.prompt_logprobs) if wants_prompt else None, req.error if reason is not None else None,
+                req.num_prompt_tokens, req.num_cached_tokens, request_times(req) if first or reason else None,
+                stop_token))
         return outputs
 
     def _stop_reason(self, req: Request, token: int) -> str | None:

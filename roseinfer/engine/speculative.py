@@ -1,10 +1,10 @@
 """Speculative decoding: propose (n-gram prompt lookup here, a draft model in draft_model.py), verify, adapt.
 
-The scheduler asks `propose` for a running decode's draft; the draft's tokens ride in the step as
-a chunk of 1 + K query tokens, and the runner samples all K + 1 rows. `accept_draft` keeps the
-draft's longest prefix the target's samples agree with, plus the target's own next token, so a greedy
-request emits exactly the tokens it would have one by one, and a sampled one draws from exactly
-the target's distribution (see accept_draft).
+After each step the engine core asks `propose` for the drafts of every running decode at once; a
+draft's tokens ride in the request's next step as a chunk of 1 + K query tokens, and the runner
+samples all K + 1 rows. `accept_draft` keeps the draft's longest prefix the target's samples agree
+with, plus the target's own next token, so a greedy request emits exactly the tokens it would have
+one by one, and a sampled one draws from exactly the target's distribution (see accept_draft).
 """
 from __future__ import annotations
 
@@ -83,22 +83,26 @@ class Proposer:
         self.max_model_len = max_model_len
         self.stats = SpecStats()
 
-    def propose(self, req: Request, budget: int) -> list[int]:
-        """The request's draft for this step (maybe empty), never longer than the step's token
-        budget, its max_tokens or the context allow (the target adds one token of its own)."""
+    def propose(self, requests: list[Request]) -> list[list[int]]:
+        """Each request's draft for its next step (maybe empty), never longer than its max_tokens or
+        the context allow (the target adds one token of its own); the scheduler cuts it to the
+        step's token budget."""
+        lengths = [self._draft_length(req) for req in requests]
+        asked = [(req, k) for req, k in zip(requests, lengths) if k > 0]
+        drafts = iter(self.draft(asked) if asked else [])
+        return [next(drafts) if k > 0 else [] for k in lengths]
+
+    def _draft_length(self, req: Request) -> int:
         if req.spec_pause > 0:
             req.spec_pause -= 1
-            return []
+            return 0
         if not can_speculate(req):
-            return []
-        k = min(self.config.num_speculative_tokens, budget - 1,
-                req.sampling_params.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1)
-        if k < 1:
-            return []
-        return self.draft(req, k)
+            return 0
+        return max(0, min(self.config.num_speculative_tokens, req.sampling_params.max_tokens - req.num_output_tokens - 1,
+                          self.max_model_len - req.num_tokens - 1))
 
-    def draft(self, req: Request, k: int) -> list[int]:
-        """Up to k tokens to follow req.token_ids."""
+    def draft(self, asked: list[tuple[Request, int]]) -> list[list[int]]:
+        """Up to k tokens to follow each request's token_ids, for all of them at once."""
         raise NotImplementedError
 
     def record(self, req: Request, num_proposed: int, num_accepted: int) -> None:
@@ -115,6 +119,6 @@ class Proposer:
 
 
 class NgramProposer(Proposer):
-    def draft(self, req: Request, k: int) -> list[int]:
+    def draft(self, asked: list[tuple[Request, int]]) -> list[list[int]]:
         c = self.config
-        return ngram_lookup(req.token_ids, c.prompt_lookup_min, c.prompt_lookup_max, k)
+        return [ngram_lookup(req.token_ids, c.prompt_lookup_min, c.prompt_lookup_max, k) for req, k in asked]

@@ -31,7 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from roseinfer.loader.gguf_architectures import SUPPORTED_ARCHITECTURES, TensorPlan, build_config, plan_tensors
+from roseinfer.loader.gguf_architectures import (ROPE_FACTOR_TENSORS, SUPPORTED_ARCHITECTURES, TensorPlan, build_config,
+                                                 plan_tensors)
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ KEPT_TYPES: tuple[str, ...] = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")  # kept a
 QUANTIZATION_FILE = "roseinfer_quantization.json"
 _GGUF_MAGIC = b"GGUF"
 _SHARD_BYTES = 2 * 2**30  # big models are written in shards of this size
-
+_NO_TRANSFORMERS_GGUF_CONFIG = frozenset({"smollm3", "gemma4"})  # transformers reads no config of these
 
 
 def default_cache_root() -> Path:
@@ -139,7 +140,11 @@ def _convert_into(src: Path, out: Path, keep_blocks: bool) -> None:
             f"{src}: unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     shapes = {name: t.shape for name, t in tensors.items()}
-    config = build_config(arch, meta, shapes)
+    freqs = tensors.get("rope_freqs.weight")  # Gemma 4 reads which pairs it rotates from it
+    rope_freqs = None if freqs is None else _dequantize(freqs, TensorPlan(freqs.name, freqs.name, freqs.shape))
+    rope_factors = {name: _dequantize(tensors[name], TensorPlan(name, name, tensors[name].shape)).tolist()
+                    for name in ROPE_FACTOR_TENSORS if name in tensors}
+    config = build_config(arch, meta, shapes, rope_freqs, rope_factors)
     plans = plan_tensors(arch, config, shapes)
     if keep_blocks:
         plans = [_kept_as_blocks(plan, tensors[plan.gguf_name]) for plan in plans]
@@ -149,7 +154,7 @@ def _convert_into(src: Path, out: Path, keep_blocks: bool) -> None:
     # Leaving the `with` waits for the thread even on error, so it never writes into a
     # temp dir that the caller is already removing.
     with ThreadPoolExecutor(max_workers=1) as pool:
-        tok_job = pool.submit(_save_tokenizer, src, out) if "tokenizer.ggml.model" in meta else None
+        tok_job = pool.submit(_save_tokenizer, src, out, arch) if "tokenizer.ggml.model" in meta else None
         _write_safetensors(out, plans, lambda p: _stored(tensors[p.gguf_name], p))
     if tok_job is not None:
         tok_job.result()  # re-raises a tokenizer failure
@@ -225,11 +230,15 @@ def _write_safetensors(out: Path, plans: list[TensorPlan], produce: Callable[[Te
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
-def _save_tokenizer(src: Path, out: Path) -> None:
+def _save_tokenizer(src: Path, out: Path, arch: str) -> None:
     # transformers rebuilds a fast tokenizer (vocab, merges, special tokens, chat
     # template) from the GGUF metadata; saving it makes the folder self-contained.
-    from transformers import AutoTokenizer
+    # AutoTokenizer reads the file's model config first, only to pick a class, and transformers
+    # reads none for some architectures (or fails on Gemma 4's per-layer lists): the fast class
+    # builds the same tokenizer without it.
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+    tokenizer_class = PreTrainedTokenizerFast if arch in _NO_TRANSFORMERS_GGUF_CONFIG else AutoTokenizer
+    tok = tokenizer_class.from_pretrained(str(src.parent), gguf_file=src.name)
     tok.save_pretrained(str(out))
 

@@ -11,9 +11,13 @@ from typing import Any
 
 import numpy as np
 
+from roseinfer.loader.gguf_gemma import (GEMMA_ARCHITECTURES, gemma_block_names, gemma_config, gemma_global_names,
+                                         gemma_hf_name, gemma_norm_transform)
+
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "phi3",
+                                           "smollm3") + GEMMA_ARCHITECTURES
 
 # GGUF per-block tensor name -> HF name inside `model.layers.N.` (llama-like families).
 _LLAMA_BLOCK_NAMES: dict[str, str] = {
@@ -22,6 +26,8 @@ _LLAMA_BLOCK_NAMES: dict[str, str] = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
 }  # fmt: skip
+# Phi-3 keeps its checkpoint's fused q/k/v and gate/up (ffn_up holds gate then up).
+_PHI3_BLOCK_NAMES: dict[str, str] = {**_LLAMA_BLOCK_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 _LLAMA_GLOBAL_NAMES: dict[str, str] = {
     "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # GGUF per-block tensor name -> HF name inside `transformer.h.N.` (gpt2).
@@ -38,10 +44,16 @@ _GPT2_GLOBAL_NAMES: dict[str, str] = {
 _GPT2_CONV1D = frozenset({"attn_qkv", "attn_output", "ffn_up", "ffn_down"})
 # Tensors that have no HF parameter. rope_freqs carries llama3-style rope factors that
 # HF expresses through rope_scaling instead; we cannot recover those parameters
-# exactly, so the tensor is dropped with a warning.
-_SKIPPED_TENSORS = frozenset({"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"})
+# exactly, so the tensor is dropped with a warning. Phi-3's LongRoPE factors become its
+# config's rope_scaling (build_config's `rope_factors`).
+ROPE_FACTOR_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+_SKIPPED_TENSORS = frozenset({"rope_freqs.weight", *ROPE_FACTOR_TENSORS})
 _HF_CLASSES: dict[str, str] = dict(llama="LlamaForCausalLM", mistral="MistralForCausalLM",
-                                    qwen2="Qwen2ForCausalLM", qwen3="Qwen3ForCausalLM", gpt2="GPT2LMHeadModel")
+                                    qwen2="Qwen2ForCausalLM", qwen3="Qwen3ForCausalLM", gpt2="GPT2LMHeadModel",
+                                    phi3="Phi3ForCausalLM", smollm3="SmolLM3ForCausalLM",
+                                    gemma2="Gemma2ForCausalLM", gemma3="Gemma3ForCausalLM",
+                                    gemma4="Gemma4ForCausalLM")
+_HF_MODEL_TYPES: dict[str, str] = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^([a-z0-9_]+)\.(weight|bias)$")
 
@@ -65,7 +77,11 @@ class TensorPlan:
         return int(np.prod(self.stored_shape, dtype=np.int64)) * (1 if self.blocks else 4)
 
 
-def build_config(arch: str, meta: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+def build_config(arch: str, meta: dict[str, Any], shapes: dict[str, tuple[int, ...]],
+                 rope_freqs: np.ndarray | None = None,
+                 rope_factors: dict[str, list[float]] | None = None) -> dict[str, Any]:
+    """config.json for a file; rope_freqs: the values of its rope_freqs tensor, where it has one;
+    rope_factors: the values of its ROPE_FACTOR_TENSORS (Phi-3's LongRoPE), by tensor name."""
     def get(key: str, default: Any = None, required: bool = False) -> Any:
         if required and f"{arch}.{key}" not in meta:
             raise ValueError(f"GGUF metadata lacks required key {arch}.{key}")
@@ -81,7 +97,7 @@ def build_config(arch: str, meta: dict[str, Any], shapes: dict[str, tuple[int, .
     n_heads = int(get("attention.head_count", required=True))
     ctx = int(get("context_length", 2048))
     common: dict[str, Any] = {
-        "architectures": [_HF_CLASSES[arch]], "model_type": arch, "vocab_size": vocab_size,
+        "architectures": [_HF_CLASSES[arch]], "model_type": _HF_MODEL_TYPES.get(arch, arch), "vocab_size": vocab_size,
         "tie_word_embeddings": "output.weight" not in shapes, "torch_dtype": "float32",
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
@@ -95,11 +111,13 @@ def build_config(arch: str, meta: dict[str, Any], shapes: dict[str, tuple[int, .
         }  # fmt: skip
 
     n_kv = get("attention.head_count_kv", n_heads)
-    if isinstance(n_kv, list):
+    n_ff = get("feed_forward_length", required=True)
+    if isinstance(n_kv, list) and arch != "gemma4":  # Gemma 4's per-layer lists: gguf_gemma.py
         raise ValueError("per-layer attention.head_count_kv is not supported")
     config = common | {
-        "hidden_size": hidden, "intermediate_size": int(get("feed_forward_length", required=True)),
-        "num_hidden_layers": n_layers, "num_attention_heads": n_heads, "num_key_value_heads": int(n_kv),
+        "hidden_size": hidden, "intermediate_size": int(n_ff[0] if isinstance(n_ff, list) else n_ff),
+        "num_hidden_layers": n_layers, "num_attention_heads": n_heads,
+        "num_key_value_heads": int(n_kv[0] if isinstance(n_kv, list) else n_kv),
         # key_length is only written when head_dim != hidden / heads (e.g. Qwen3).
         "head_dim": int(get("attention.key_length", hidden // n_heads)),
         "rms_norm_eps": _f32(get("attention.layer_norm_rms_epsilon", 1e-6)),
@@ -111,12 +129,37 @@ def build_config(arch: str, meta: dict[str, Any], shapes: dict[str, tuple[int, .
         config["mlp_bias"] = "blk.0.ffn_up.bias" in shapes
     elif arch == "qwen3":
         config["attention_bias"] = "blk.0.attn_q.bias" in shapes
-    # qwen2 always has q/k/v biases in HF; nothing to set.
-    if (rope_scaling := _rope_scaling(get)) is not None:
+    elif arch == "phi3":
+        config.update(_phi3_fields(get, config, rope_factors or {}))
+    # qwen2 always has q/k/v biases in HF; nothing to set. smollm3's NoPE layers are every 4th, as
+    # llama.cpp hardcodes them and as transformers derives them when config.json does not list them.
+    if arch != "phi3" and (rope_scaling := _rope_scaling(get)) is not None:
         config["rope_scaling"] = rope_scaling
+    if arch in GEMMA_ARCHITECTURES:
+        def get_float(key: str) -> float | None:
+            return None if (value := get(key)) is None else _f32(value)
+
+        return gemma_config(arch, get, get_float, config, shapes, rope_freqs)
     if "rope_freqs.weight" in shapes:
         logger.warning("dropping rope_freqs.weight (llama3-style rope factors are not reconstructed)")
     return config
+
+
+def _phi3_fields(get: Callable[..., Any], config: dict[str, Any], rope_factors: dict[str, list[float]]) -> dict[str, Any]:
+    """What convert_hf_to_gguf's Phi3MiniModel writes elsewhere: the rotating share of a head as
+    rope.dimension_count, LongRoPE's original context and factors (as tensors), no window as 0."""
+    fields: dict[str, Any] = {"rms_norm_eps": _f32(get("attention.layer_norm_rms_epsilon", 1e-5)),
+                              "sliding_window": int(get("attention.sliding_window", 0)) or None}
+    rotary_dims = int(get("rope.dimension_count", config["head_dim"]))
+    if rotary_dims != config["head_dim"]:
+        fields["partial_rotary_factor"] = rotary_dims / config["head_dim"]
+    if (original := get("rope.scaling.original_context_length")) is not None:
+        fields["original_max_position_embeddings"] = int(original)
+    if all(name in rope_factors for name in ROPE_FACTOR_TENSORS):
+        fields["rope_scaling"] = {"rope_type": "longrope", "type": "longrope",
+                                  "long_factor": rope_factors["rope_factors_long.weight"],
+                                  "short_factor": rope_factors["rope_factors_short.weight"]}
+    return fields
 
 
 def _f32(value: Any) -> float:
@@ -156,12 +199,19 @@ def _unpermute_rotary(n_head: int) -> Callable[[np.ndarray], np.ndarray]:
 
 def plan_tensors(arch: str, config: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> list[TensorPlan]:
     is_gpt2 = arch == "gpt2"
-    block_names = _GPT2_BLOCK_NAMES if is_gpt2 else _LLAMA_BLOCK_NAMES
-    global_names = _GPT2_GLOBAL_NAMES if is_gpt2 else _LLAMA_GLOBAL_NAMES
+    is_gemma = arch in GEMMA_ARCHITECTURES
+    if is_gpt2:
+        block_names, global_names = _GPT2_BLOCK_NAMES, _GPT2_GLOBAL_NAMES
+    elif is_gemma:
+        block_names = gemma_block_names(arch, _LLAMA_BLOCK_NAMES)
+        global_names = gemma_global_names(arch, _LLAMA_GLOBAL_NAMES)
+    else:
+        block_names = _PHI3_BLOCK_NAMES if arch == "phi3" else _LLAMA_BLOCK_NAMES
+        global_names = _LLAMA_GLOBAL_NAMES
     block_prefix = "transformer.h" if is_gpt2 else "model.layers"
-    # Only the llama family is stored permuted: qwen2/qwen3 use NEOX-style rope in
-    # llama.cpp, which matches HF's half-split layout as is.
-    permuted = arch in ("llama", "mistral")
+    # Only the llama family is stored permuted (SmolLM3 converts as llama does): qwen2/qwen3 and
+    # phi3 use NEOX-style rope in llama.cpp, which matches HF's half-split layout as is.
+    permuted = arch in ("llama", "mistral", "smollm3")
 
     plans: list[TensorPlan] = []
     for name, shape in shapes.items():
@@ -184,5 +234,7 @@ def plan_tensors(arch: str, config: dict[str, Any], shapes: dict[str, tuple[int,
             hf = f"{global_names[m.group(1)]}.{m.group(2)}"
         else:
             raise ValueError(f"unexpected tensor {name!r} for architecture {arch!r}")
+        if is_gemma:
+            hf, transform = gemma_hf_name(hf), gemma_norm_transform(arch, hf) or transform
         plans.append(TensorPlan(name, hf, shape, transform, transposed))
     return plans

@@ -4,8 +4,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
-SUPPORTED_MODEL_TYPES = ("gpt2",) + LLAMA_FAMILY
+from roseinfer.layers.rope_parameters import long_rope_original_positions
+
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3")
+GEMMA_FAMILY = ("gemma2", "gemma3_text", "gemma4_text")
+# multimodal checkpoints whose text model is read from their `text_config`
+MULTIMODAL_WRAPPERS = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}
+SUPPORTED_MODEL_TYPES = ("gpt2",) + LLAMA_FAMILY + GEMMA_FAMILY + tuple(MULTIMODAL_WRAPPERS)
 
 
 @dataclass
@@ -24,10 +29,19 @@ class ModelConfig:
     attention_bias: bool = False
     qk_norm: bool = False
     hidden_act: str = "silu"
-    raw_config: dict[str, Any] = field(default_factory=dict)  # config.json, for rotary scaling
+    nope_layers: tuple[int, ...] = ()  # layers whose attention has no rotary (SmolLM3's NoPE layers)
+    # LongRoPE (Phi-3/4): a sequence longer than this is rotated with the long factors throughout
+    long_rope_from: int | None = None
+    raw_config: dict[str, Any] = field(default_factory=dict)  # config.json (a wrapper's text_config), for rotary
     # per layer: its attention's sliding window (layers/attention.py PagedAttention), None where it
     # attends the whole context; empty: no layer slides
     sliding_windows: tuple[int | None, ...] = ()
+    # per layer "sliding_attention" or "full_attention" (HF's names, Gemma's rope tables); empty: all full
+    layer_types: tuple[str, ...] = ()
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    gemma4: Gemma4Layout | None = None
 
     def layer_sliding_window(self, layer: int) -> int | None:
         return self.sliding_windows[layer] if self.sliding_windows else None
@@ -46,6 +60,9 @@ class ModelConfig:
         150 MB of modules into every process. Missing optional fields take transformers' defaults
         (`_DEFAULTS`; tests/test_model_config.py checks them against transformers)."""
         model_type = raw.get("model_type")
+        if model_type in MULTIMODAL_WRAPPERS:
+            raw = _text_config(raw, MULTIMODAL_WRAPPERS[model_type])
+            model_type = raw["model_type"]
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
         get = _Fields(raw, _DEFAULTS[model_type])
@@ -57,6 +74,8 @@ class ModelConfig:
                 norm_eps=get("layer_norm_epsilon"), tie_word_embeddings=True, attention_bias=True,
                 hidden_act=get("activation_function"), raw_config=raw,
             )
+        if model_type in GEMMA_FAMILY:
+            return _gemma_config(cls, raw, get)
         num_heads = get("num_attention_heads")
         head_dim = get("head_dim") or get("hidden_size") // num_heads
         return cls(
@@ -67,17 +86,24 @@ class ModelConfig:
             tie_word_embeddings=bool(get("tie_word_embeddings")),
             attention_bias=bool(get("attention_bias")) or model_type == "qwen2",
             qk_norm=model_type == "qwen3", hidden_act=get("hidden_act"), raw_config=raw,
+            nope_layers=_nope_layers(get) if model_type == "smollm3" else (),
+            long_rope_from=long_rope_original_positions(raw),
             sliding_windows=_sliding_windows(get, get("num_hidden_layers")),
         )
 
 
 def _sliding_windows(get: "_Fields", num_layers: int) -> tuple[int | None, ...]:
-    """Each layer's window as transformers applies it: Mistral's `sliding_window` to every layer;
-    Qwen2/Qwen3's, under `use_sliding_window`, to the layers `layer_types` names sliding (by default
-    those from `max_window_layers` on)."""
+    """Each layer's window as transformers applies it: Mistral's and Phi-3's `sliding_window` to every
+    layer; Qwen2/Qwen3's, under `use_sliding_window`, to the layers `layer_types` names sliding (by
+    default those from `max_window_layers` on); SmolLM3's likewise, by default its NoPE layers."""
     model_type = get("model_type")
-    if model_type == "mistral":
+    if model_type in ("mistral", "phi3"):
         return (get("sliding_window"),) * num_layers if get("sliding_window") is not None else ()
+    if model_type == "smollm3" and get("use_sliding_window") and get("sliding_window") is not None:
+        nope = _nope_layers(get)
+        layer_types = get("layer_types") or ["sliding_attention" if i in nope else "full_attention"
+                                             for i in range(num_layers)]
+        return tuple(get("sliding_window") if kind == "sliding_attention" else None for kind in layer_types)
     if model_type not in ("qwen2", "qwen3") or not get("use_sliding_window") or get("sliding_window") is None:
         return ()
     layer_types = get("layer_types") or ["sliding_attention" if i >= get("max_window_layers") else "full_attention"
@@ -99,7 +125,144 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
               "num_key_value_heads": 32},
     "qwen3": {**_LLAMA_DEFAULTS, **_QWEN_WINDOW_DEFAULTS, "max_position_embeddings": 32768,
               "num_key_value_heads": 32, "head_dim": 128},
+    "phi3": {**_LLAMA_DEFAULTS, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "sliding_window": None},
+    "smollm3": {**_LLAMA_DEFAULTS, "max_position_embeddings": 32768, "num_key_value_heads": 4,
+                "tie_word_embeddings": True, "use_sliding_window": False, "sliding_window": None,
+                "no_rope_layers": None, "no_rope_layer_interval": 4, "layer_types": None},
 }
+
+_GEMMA_DEFAULTS = {"hidden_size": 2304, "intermediate_size": 9216, "num_attention_heads": 8,
+                   "num_key_value_heads": 4, "head_dim": 256, "rms_norm_eps": 1e-6,
+                   "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True, "attention_bias": False,
+                   "sliding_window": 4096, "query_pre_attn_scalar": 256, "final_logit_softcapping": None,
+                   "layer_types": None, "rope_parameters": None, "rope_scaling": None}
+_DEFAULTS.update({
+    "gemma2": {**_GEMMA_DEFAULTS, "vocab_size": 256000, "num_hidden_layers": 26, "max_position_embeddings": 8192,
+               "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0, "rope_theta": 10000.0},
+    "gemma3_text": {**_GEMMA_DEFAULTS, "vocab_size": 262208, "num_hidden_layers": 26,
+                    "max_position_embeddings": 131072, "sliding_window_pattern": 6, "rope_theta": 1_000_000.0,
+                    "rope_local_base_freq": 10000.0},
+    "gemma4_text": {**_GEMMA_DEFAULTS, "vocab_size": 262144, "num_hidden_layers": 30,
+                    "max_position_embeddings": 131072, "sliding_window": 512, "global_head_dim": 512,
+                    "num_global_key_value_heads": None, "attention_k_eq_v": False, "num_kv_shared_layers": 0,
+                    "hidden_size_per_layer_input": 256, "vocab_size_per_layer_input": 262144,
+                    "use_double_wide_mlp": False, "enable_moe_block": False},
+})
+# Gemma 4's rope when config.json gives none: proportional rope on a quarter of the global layers' dims
+_GEMMA4_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                   "rope_theta": 1_000_000.0}}
+
+
+@dataclass
+class Gemma4Layout:
+    """What Gemma 4 adds to a Gemma 3 layer stack (transformers' Gemma4TextConfig)."""
+    head_shapes: tuple[tuple[int, int], ...]  # per layer (kv heads, head dim): global layers' differ
+    k_eq_v: bool  # global layers have no v_proj: values are the keys' projection
+    kv_shared_layers: int  # the last this many layers attend to an earlier layer's K/V of their type
+    per_layer_input_size: int  # per-layer embeddings (0: none)
+    per_layer_vocab_size: int
+    double_wide_mlp: bool  # KV-shared layers' MLPs are twice as wide
+
+
+def _gemma4_head_shapes(raw: dict[str, Any], get: _Fields,
+                        layer_types: tuple[str, ...]) -> tuple[tuple[int, int], ...]:
+    """transformers 5 writes each global layer's shape into `per_layer_config`; older files give
+    global_head_dim and (where k_eq_v) num_global_key_value_heads."""
+    shapes = []
+    for i, kind in enumerate(layer_types):
+        heads, dim = get("num_key_value_heads"), get("head_dim")
+        if "per_layer_config" in raw:
+            override = raw["per_layer_config"].get(str(i), {})
+            heads, dim = override.get("num_key_value_heads", heads), override.get("head_dim", dim)
+        elif kind == "full_attention":
+            global_heads = get("num_global_key_value_heads") if get("attention_k_eq_v") else None
+            heads, dim = global_heads or heads, get("global_head_dim")
+        shapes.append((heads, dim))
+    return tuple(shapes)
+
+
+def _text_config(raw: dict[str, Any], text_type: str) -> dict[str, Any]:
+    """A multimodal checkpoint's text model config, with the wrapper's tying (HF ties at the top)."""
+    text = dict(raw.get("text_config") or {})
+    text["model_type"] = text_type
+    text.setdefault("tie_word_embeddings", raw.get("tie_word_embeddings", True))
+    return text
+
+
+def _gemma_layer_types(model_type: str, raw: dict[str, Any], get: _Fields) -> tuple[str, ...]:
+    layers = get("num_hidden_layers")
+    types = get("layer_types")
+    if types is None:  # Gemma 2 alternates; Gemma 3 and 4 have one global layer in every `pattern`
+        pattern = 2 if model_type == "gemma2" else raw.get("sliding_window_pattern", 6)
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    if model_type == "gemma4_text":
+        types = [*types[:-1], "full_attention"]  # transformers forces the last layer global
+    return tuple(types)
+
+
+def _gemma_rope(model_type: str, raw: dict[str, Any], get: _Fields) -> dict[str, dict[str, Any]]:
+    """Rope parameters per layer type, from transformers 5's `rope_parameters` or the older
+    rope_theta / rope_local_base_freq / rope_scaling fields."""
+    params = get("rope_parameters")
+    if model_type == "gemma2":
+        theta = (params or {}).get("rope_theta", get("rope_theta"))
+        return {kind: {"rope_type": "default", "rope_theta": theta}
+                for kind in ("sliding_attention", "full_attention")}
+    if model_type == "gemma4_text":
+        return params or _GEMMA4_ROPE
+    if params and "full_attention" in params:
+        return params
+    full = {**(get("rope_scaling") or {}), "rope_theta": get("rope_theta")}
+    full["rope_type"] = full.pop("rope_type", None) or full.pop("type", "default")
+    full.pop("type", None)
+    return {"full_attention": full,
+            "sliding_attention": {"rope_type": "default", "rope_theta": get("rope_local_base_freq")}}
+
+
+def _gemma_config(cls: type[ModelConfig], raw: dict[str, Any], get: _Fields) -> ModelConfig:
+    model_type = raw["model_type"]
+    layer_types = _gemma_layer_types(model_type, raw, get)
+    text = {**raw, "layer_types": list(layer_types), "rope_parameters": _gemma_rope(model_type, raw, get)}
+    head_dim, kv_heads = get("head_dim"), get("num_key_value_heads")
+    gemma4 = None
+    scale = get("query_pre_attn_scalar") ** -0.5
+    if raw.get("use_bidirectional_attention") in (True, "all"):
+        raise ValueError(f"{model_type} with use_bidirectional_attention={raw['use_bidirectional_attention']!r} "
+                         "attends both ways (an embedding model), not a causal LM; not supported")
+    if model_type == "gemma4_text":
+        if get("enable_moe_block"):
+            raise ValueError("Gemma 4 mixture-of-experts checkpoints (enable_moe_block) are not supported yet")
+        shapes = _gemma4_head_shapes(raw, get, layer_types)
+        gemma4 = Gemma4Layout(
+            head_shapes=shapes, k_eq_v=bool(get("attention_k_eq_v")), kv_shared_layers=get("num_kv_shared_layers"),
+            per_layer_input_size=get("hidden_size_per_layer_input") or 0,
+            per_layer_vocab_size=get("vocab_size_per_layer_input"), double_wide_mlp=bool(get("use_double_wide_mlp")))
+        # the KV pool's rows fit the widest layer: a layer of another shape views a prefix of its row
+        head_dim = max(dim for _, dim in shapes)
+        kv_heads = -(-max(heads * dim for heads, dim in shapes) // head_dim)
+        scale = 1.0
+    return cls(
+        model_type=model_type, vocab_size=get("vocab_size"), hidden_size=get("hidden_size"),
+        num_layers=get("num_hidden_layers"), num_heads=get("num_attention_heads"), num_kv_heads=kv_heads,
+        head_dim=head_dim, intermediate_size=get("intermediate_size"),
+        max_position_embeddings=get("max_position_embeddings"), norm_eps=get("rms_norm_eps"),
+        tie_word_embeddings=bool(get("tie_word_embeddings")), attention_bias=bool(get("attention_bias")),
+        qk_norm=model_type != "gemma2", hidden_act=get("hidden_activation"), raw_config=text,
+        layer_types=layer_types, attn_scale=scale,
+        sliding_windows=tuple(get("sliding_window") if kind != "full_attention" else None for kind in layer_types),
+        attn_logit_softcap=get("attn_logit_softcapping") if model_type == "gemma2" else None,
+        final_logit_softcap=get("final_logit_softcapping"), gemma4=gemma4)
+
+
+def _nope_layers(get: "_Fields") -> tuple[int, ...]:
+    """SmolLM3's `no_rope_layers` holds 1 for a layer that rotates, 0 for one that does not; absent,
+    every `no_rope_layer_interval`-th layer does not (transformers' SmolLM3Config)."""
+    uses_rope = get("no_rope_layers")
+    if uses_rope is None:
+        interval = get("no_rope_layer_interval")
+        uses_rope = [int((layer + 1) % interval != 0) for layer in range(get("num_hidden_layers"))]
+    return tuple(layer for layer, rotates in enumerate(uses_rope) if not rotates)
 
 
 class _Fields:

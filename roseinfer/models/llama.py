@@ -1,4 +1,6 @@
-"""The Llama family: Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2/2.5 (qkv bias), Qwen3 (q/k norm).
+"""The Llama family: Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2/2.5 (qkv bias), Qwen3 (q/k norm),
+Phi-3/Phi-4 (checkpoints with q/k/v and gate/up already fused; LongRoPE and partial rotary live in
+layers/rotary.py), SmolLM3 (NoPE layers: no rotary in every fourth layer, by default).
 
 A decoder layer reads norm -> attention -> norm -> MLP. q/k/v and gate/up are fused into one matmul
 each; `load_weights` slices the checkpoint's separate tensors into them, and reorders q/k rows for
@@ -23,6 +25,7 @@ from roseinfer.layers.activation import ActivationAndMul
 from roseinfer.layers.attention import AttentionMetadata, KVCache, PagedAttention
 from roseinfer.layers.linear import Linear, in_row_chunks
 from roseinfer.layers.norm import RMSNorm
+from roseinfer.layers.rope_parameters import rotary_dim
 from roseinfer.layers.rotary import RotaryEmbedding, interleave_rotary_rows
 from roseinfer.models.config import ModelConfig
 from roseinfer.models.weights import WeightLoader
@@ -37,7 +40,7 @@ class LlamaAttention(nn.Module):
         self.q_size, self.kv_size = q.rows, kv.rows
         self.qkv_proj = column_parallel(cfg.hidden_size, [q, kv, kv], bias=cfg.attention_bias)
         # Qwen2 has bias on q/k/v only; Llama's attention_bias covers o_proj too.
-        o_bias = cfg.attention_bias and cfg.model_type in ("llama", "mistral")
+        o_bias = cfg.attention_bias and cfg.model_type in ("llama", "mistral", "smollm3")
         self.o_proj = row_parallel(q.size, cfg.hidden_size, tp, bias=o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
@@ -80,6 +83,7 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel, layer: int) -> None:
         super().__init__()
         self.tp = tp
+        self.rotates = layer not in cfg.nope_layers  # a NoPE layer's forward gets rotations that change nothing
         self.self_attn = LlamaAttention(cfg, tp, layer)
         self.mlp = LlamaMLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
@@ -125,9 +129,11 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         x = self.tp.embed(self.model.embed_tokens, input_ids)
         rope = self.model.rotary.lookup(positions)
+        # NoPE layers rotate by 1 + 0i, which leaves q and k bit for bit: every backend's path serves them
+        unrotated = torch.ones_like(rope) if self.cfg.nope_layers else rope
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x, residual = layer.forward(x, residual, rope, kv_cache, meta)
+            x, residual = layer.forward(x, residual, rope if layer.rotates else unrotated, kv_cache, meta)
         return self.model.norm.forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -138,10 +144,17 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         loader = WeightLoader(self, self.packed_modules)
         rotated = (".q_proj.", ".k_proj.", ".q_norm.", ".k_norm.")
+        dims = rotary_dim(self.cfg.head_dim, self.cfg.raw_config)
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
                 continue
             if any(part in name for part in rotated):
-                tensor = interleave_rotary_rows(tensor, self.cfg.head_dim)  # see layers/rotary.py
-            loader.load(name, tensor)
+                tensor = interleave_rotary_rows(tensor, self.cfg.head_dim, dims)  # see layers/rotary.py
+            elif ".qkv_proj." in name:  # Phi-3 ships q/k/v fused: reorder its q and k rows the same way
+                q, k, v = tensor.split([self.cfg.num_heads * self.cfg.head_dim,
+                                        self.cfg.num_kv_heads * self.cfg.head_dim,
+                                        self.cfg.num_kv_heads * self.cfg.head_dim])
+                tensor = torch.cat([interleave_rotary_rows(q, self.cfg.head_dim, dims),
+                                    interleave_rotary_rows(k, self.cfg.head_dim, dims), v])
+            loader.load(name, tensor)  # a fused qkv_proj / gate_up_proj fills its layer whole
         loader.check_complete()

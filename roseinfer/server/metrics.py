@@ -15,8 +15,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from roseinfer.engine.request import Request
-from roseinfer.server.engine_loop import RequestStream, StreamDelta
+from roseinfer.output_processor import StreamDelta
+from roseinfer.server.request_stream import RequestStream
 
 # vLLM's bucket edges, so dashboards built for it read ours the same way
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -77,20 +77,21 @@ class ServerMetrics:
                          "spec_num_accepted_tokens": self.spec_accepted}
         self._seen = dict.fromkeys(self._counted, 0)  # at the last scrape
 
-    def observe_finished(self, stream: RequestStream, final: StreamDelta, request: Request) -> None:
+    def observe_finished(self, stream: RequestStream, final: StreamDelta) -> None:
         """SchedulerManager's on_finished hook."""
         self.requests.labels(final.finish_reason or "abort").inc()
         self.generation_tokens.inc(final.num_output_tokens)
         start = stream.timings["submit_start"]
         self.e2e.observe(final.timestamp - start)
-        if request.admitted_time is None:  # aborted while waiting: no prompt was computed
+        core = final.times
+        if core is None or core.admitted is None:  # aborted while waiting: no prompt was computed
             return
         self.prompt_tokens.inc(final.num_prompt_tokens)
-        self.queue_time.observe(request.admitted_time - request.arrival_time)
-        if request.first_token_time is not None:
-            self.ttft.observe(request.first_token_time - start)
-            self.prefill_time.observe(request.first_token_time - request.admitted_time)
-        times = request.token_times
+        self.queue_time.observe(core.admitted - core.arrival)
+        if core.first_token is not None:
+            self.ttft.observe(core.first_token - start)
+            self.prefill_time.observe(core.first_token - core.admitted)
+        times = core.token_times
         for earlier, later in zip(times, times[1:]):
             self.itl.observe(later - earlier)
 

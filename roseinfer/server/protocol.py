@@ -151,6 +151,7 @@ class SamplingRequest(StrictModel):
     ignore_eos: bool = False
     min_tokens: StrictInt = Field(0, **BOUNDS["min_tokens"].field_kwargs())
     stop_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: bool = False  # the text keeps the stop string that ended it
     # per prompt token: its logprob and this many alternatives
     prompt_logprobs: StrictInt | None = _bounded("prompt_logprobs", le=MAX_LOGPROBS)
     # constraints on the output: OpenAI's response_format, vLLM's structured_outputs and the older

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from roseinfer.server.stop_strings import held_length
+from roseinfer.stop_strings import held_length
 
 if TYPE_CHECKING:  # `roseinfer serve --help` builds its flags from this module without loading tokenizers
     from roseinfer.tokenizer import Tokenizer

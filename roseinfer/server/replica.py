@@ -17,7 +17,8 @@ from ray import serve
 from roseinfer.config import EngineConfig
 from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.sampling_params import SamplingParams
-from roseinfer.server.engine_loop import SchedulerManager, StreamDelta
+from roseinfer.output_processor import StreamDelta
+from roseinfer.server.engine_loop import SchedulerManager
 from roseinfer.server.metrics import ServerMetrics
 from roseinfer.server.structured import compile_pool
 
@@ -31,8 +32,7 @@ class EngineReplica:
         self.manager.start()
         self.compile_pool = compile_pool()
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       stop: list[str] | None) -> AsyncIterator[StreamDelta]:
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[StreamDelta]:
         """The request's deltas, the last one `finished`. Serve cancels this generator when the
         ingress cancels the call (the client went away): the request is then aborted here, which
         frees its KV blocks at the worker's next turn."""
@@ -40,7 +40,7 @@ class EngineReplica:
         if params.structured_outputs is not None:  # as the ingress does: not in the engine's step loop, deep stack
             grammar = await asyncio.get_running_loop().run_in_executor(
                 self.compile_pool, self.engine.compile_grammar, params.structured_outputs)
-        stream = self.manager.submit(prompt_ids, params, request_id, stop, grammar=grammar)
+        stream = self.manager.submit(prompt_ids, params, request_id, grammar=grammar)
         try:
             async for delta in stream:
                 yield delta

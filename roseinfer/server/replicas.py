@@ -34,7 +34,8 @@ from roseinfer.loader.generation_config import sampling_defaults
 from roseinfer.loader.model_loader import load_model_config, resolve_model_folder
 from roseinfer.models.config import ModelConfig
 from roseinfer.sampling_params import SamplingParams, StructuredOutputsParams
-from roseinfer.server.engine_loop import SHUTDOWN_MESSAGE, OverloadedError, ShuttingDownError, StreamDelta
+from roseinfer.output_processor import StreamDelta
+from roseinfer.server.engine_loop import SHUTDOWN_MESSAGE, OverloadedError, ShuttingDownError
 from roseinfer.server.metrics import RouterMetrics
 from roseinfer.server.replica import EngineReplica
 from roseinfer.server.router import ReplicaRouter
@@ -83,7 +84,6 @@ class ReplicaStream:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    stop: list[str] | None
     replica: int
     finished: bool = False
     streamed: bool = False  # a delta arrived: a failure can no longer be retried elsewhere
@@ -140,8 +140,8 @@ class ReplicaSet:
     def is_alive(self) -> bool:
         return not (self._draining or self._stopping)
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str, stop: list[str] | None = None,
-               submit_start: float | None = None, grammar: CompiledGrammar | None = None) -> ReplicaStream:
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str, submit_start: float | None = None,
+               grammar: CompiledGrammar | None = None) -> ReplicaStream:
         """`grammar` is not sent: the replica compiles the constraint again (EngineView.compile_grammar)."""
         prompt_ids = list(prompt_ids)
         self.engine.validate(prompt_ids, params)
@@ -155,7 +155,7 @@ class ReplicaSet:
         decision = self.router.route(prompt_ids)
         if decision.prefix_hit:
             self.metrics.prefix_hits.labels(str(decision.replica)).inc()
-        stream = ReplicaStream(request_id, prompt_ids, params, list(stop) if stop else None, decision.replica)
+        stream = ReplicaStream(request_id, prompt_ids, params, decision.replica)
         self._streams[request_id] = stream
         stream._pump = asyncio.get_running_loop().create_task(self._pump(stream))
         return stream
@@ -197,7 +197,7 @@ class ReplicaSet:
                 router.inflight[replica] += 1
                 self.metrics.routed.labels(str(replica)).inc()
                 call = self.handles[replica].options(stream=True).generate.remote(
-                    stream.request_id, stream.prompt_ids, stream.params, stream.stop)
+                    stream.request_id, stream.prompt_ids, stream.params)
                 try:
                     async for delta in call:
                         stream.streamed = True

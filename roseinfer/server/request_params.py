@@ -57,6 +57,8 @@ def sampling_params(body: SamplingRequest, defaults: dict[str, Any], max_tokens:
               "logit_bias": {int(key): value for key, value in (body.logit_bias or {}).items()},
               "top_k": body.top_k, "min_p": body.min_p, "repetition_penalty": body.repetition_penalty,
               "ignore_eos": body.ignore_eos, "min_tokens": body.min_tokens, "stop_token_ids": body.stop_token_ids,
+              "stop": [body.stop] if isinstance(body.stop, str) else body.stop,
+              "include_stop_str_in_output": body.include_stop_str_in_output,
               "logprobs": logprobs, "prompt_logprobs": prompt_logprobs, "structured_outputs": structured_outputs}
     try:
         return SamplingParams(**{**defaults, **{k: v for k, v in values.items() if v is not None}})

@@ -11,7 +11,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from roseinfer.engine.request import TokenLogprobs
-from roseinfer.server.engine_loop import StreamDelta
+from roseinfer.output_processor import StreamDelta
 from roseinfer.server.logprobs import Entry
 from roseinfer.server.protocol import APIError
 

@@ -24,7 +24,9 @@ from pydantic import BaseModel
 from roseinfer.chat_template import template_variables
 from roseinfer.engine.structured_output import CompiledGrammar
 from roseinfer.sampling_params import SamplingParams
-from roseinfer.server.engine_loop import OverloadedError, RequestStream, SchedulerManager, ShuttingDownError, StreamDelta
+from roseinfer.output_processor import StreamDelta
+from roseinfer.server.engine_loop import OverloadedError, SchedulerManager, ShuttingDownError
+from roseinfer.server.request_stream import RequestStream
 from roseinfer.server.logprobs import LogprobsFormatter
 from roseinfer.server.protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest, error_body
 from roseinfer.server.reasoning import ReasoningParser, pick_reasoning_parser
@@ -35,7 +37,7 @@ from roseinfer.server.responses import (Choice, EventStream, Reply, prompt_entri
                                         without_output)
 from roseinfer.server.structured import (Constraint, ConstraintLimits, compile_constraint, compile_pool,
                                          requested_constraint)
-from roseinfer.server.tool_calls import chat_inputs, pick_parser, plan_tools
+from roseinfer.server.tool_calls import chat_inputs, pick_parser, plan_tools, takes_system_role
 from roseinfer.server.tool_parsers import NamedCallParser, ToolParser
 
 if TYPE_CHECKING:  # Ray is imported only when replicas are asked for
@@ -72,6 +74,7 @@ class OpenAIServing:
             self.template_reads_tools = bool(template) and "tools" in template_variables(template)
         except TemplateError:  # a broken template fails each chat request with a 400 instead
             self.template_reads_tools = False
+        self.template_takes_system = takes_system_role(engine.tokenizer) if template else True
 
     # ---- endpoints ---------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
@@ -177,7 +180,8 @@ class OpenAIServing:
         """The conversation's prompt ids, with `tools` shown to the model (server/tool_calls.py) and
         the request's chat_template_kwargs as template variables."""
         def render() -> list[int]:  # in the pool: messages are copied, tool-call arguments parsed
-            rendered, variables = chat_inputs(messages, tools, self.tool_parser, self.template_reads_tools)
+            rendered, variables = chat_inputs(messages, tools, self.tool_parser, self.template_reads_tools,
+                                              self.template_takes_system)
             return self.tokenizer.apply_chat_template(rendered, **{**(template_kwargs or {}), **variables})
 
         try:
@@ -218,7 +222,6 @@ class OpenAIServing:
     def _submit(self, prompts: list[list[int]], body: SamplingRequest, params: SamplingParams,
                 start: float, grammar: CompiledGrammar | None) -> list[RequestStream]:
         """n engine requests per prompt; with a seed, choice i draws from seed + i."""
-        stop = [body.stop] if isinstance(body.stop, str) else body.stop
         base_id = uuid.uuid4().hex
         streams: list[RequestStream] = []
         try:
@@ -226,8 +229,7 @@ class OpenAIServing:
                 for i in range(body.n):
                     choice_params = params if params.seed is None or i == 0 else \
                         dataclasses.replace(params, seed=params.seed + i)
-                    streams.append(self.manager.submit(ids, choice_params, f"{base_id}-{len(streams)}", stop, start,
-                                                       grammar))
+                    streams.append(self.manager.submit(ids, choice_params, f"{base_id}-{len(streams)}", start, grammar))
         except BaseException as exc:
             for stream in streams:  # all or nothing: no half-submitted choice sets
                 self.manager.abort(stream.request_id)

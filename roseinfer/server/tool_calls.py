@@ -4,7 +4,8 @@ parser reads the output.
 Templates that read `tools` (Qwen2.5, Hermes, Llama 3.1, ...) get them as transformers passes them
 (OpenAI's shape), and the history's tool_calls and tool messages as they are. Templates that do not
 (ChatML, as the default model's) get what llama.cpp gives generic templates: a system prompt that
-lists the tools and the call format the parser reads, earlier calls written out in that format,
+lists the tools and the call format the parser reads (at the head of the first user message where
+the template refuses a system role, as Gemma 2's does), earlier calls written out in that format,
 and tool results as user messages.
 
 tool_choice "auto" (the default with tools): free output, parsed. "none": the model calls no tool
@@ -19,6 +20,8 @@ import json
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
+
+from jinja2 import TemplateError
 
 from roseinfer.server.protocol import APIError, ChatCompletionRequest, ChatMessage, Tool
 from roseinfer.server.structured import Constraint, constraint
@@ -113,7 +116,8 @@ def calls_schema(tools: list[Tool], parallel: bool) -> dict[str, Any]:
 
 
 def chat_inputs(messages: list[ChatMessage], shown: list[dict[str, Any]] | None, parser_kind: str,
-                template_reads_tools: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+                template_reads_tools: bool, template_takes_system: bool = True
+                ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The messages and extra template variables to render the conversation with."""
     if template_reads_tools:
         return [m.to_template() for m in messages], ({"tools": shown} if shown else {})
@@ -135,9 +139,22 @@ def chat_inputs(messages: list[ChatMessage], shown: list[dict[str, Any]] | None,
         prompt = tools_prompt(parser_kind, shown)
         if out and out[0]["role"] == "system":
             out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{prompt}"}
+        elif not template_takes_system and out and out[0]["role"] == "user":
+            out[0] = {**out[0], "content": f"{prompt}\n\n{out[0]['content']}"}
         else:
             out.insert(0, {"role": "system", "content": prompt})
     return out, {}
+
+
+def takes_system_role(tokenizer: Any) -> bool:
+    """Whether the chat template renders a system message (Gemma 2's raises on one; Gemma 3's folds
+    it into the first user turn): probed once, as llama.cpp probes a template's capabilities."""
+    probe = "roseinfer-system-probe"
+    try:
+        text = tokenizer.render_chat_template([{"role": "system", "content": probe}, {"role": "user", "content": "hi"}])
+    except (TemplateError, ValueError, TypeError):
+        return False
+    return probe in text
 
 
 def tools_prompt(parser_kind: str, shown: list[dict[str, Any]]) -> str:

@@ -23,7 +23,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
-from roseinfer.server.stop_strings import held_length
+from roseinfer.stop_strings import held_length
 
 PARSERS = ("hermes", "llama3_json")
 PYTHON_TAG = "<|python_tag|>"

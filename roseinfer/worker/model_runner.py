@@ -51,6 +51,7 @@ class ModelRunner:
         self.device = backend.device
         self.sampler = sampler
         self.vocab_size = model_config.vocab_size  # the logits' width
+        self.rotary_shift = model_config.max_position_embeddings  # the rotary table's rows per half
         shape = (model_config.num_layers, 2, num_kv_blocks * block_size, model_config.num_kv_heads,
                  model_config.head_dim)
         pool = backend.allocate_kv_pool(shape)
@@ -164,7 +165,9 @@ class ModelRunner:
             layout.block_tables.append(req.block_table)
             layout.input_ids.extend(req.token_ids[start:end])
             layout.input_ids.extend(item.draft)
-            layout.positions.extend(range(start, end))
+            # a sequence past LongRoPE's original context reads the table's long half (layers/rotary.py)
+            shift = self.rotary_shift if req.kv_rotated_long else 0
+            layout.positions.extend(range(start + shift, end + shift))
             table = req.block_table
             layout.slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             if item.samples:

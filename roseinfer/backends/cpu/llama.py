@@ -59,7 +59,7 @@ class CPULlamaDecoderLayer(LlamaDecoderLayer):
             k_cache=kv_cache[0].data_ptr(), v_cache=kv_cache[1].data_ptr(), qkv_type=attn.qkv_proj.native_type,
             o_type=attn.o_proj.native_type, gate_up_type=mlp.gate_up_proj.native_type,
             down_type=mlp.down_proj.native_type, sliding_window=attn.attn.sliding_window or 0,
-            logit_softcap=attn.attn.logit_softcap or 0.0)
+            logit_softcap=attn.attn.logit_softcap or 0.0, no_rope=int(not self.rotates))
 
 
 class CPULlamaForCausalLM(LlamaForCausalLM):

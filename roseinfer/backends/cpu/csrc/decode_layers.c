@@ -10,7 +10,8 @@
  *           as the first layer's fused add does in Python)
  * out:      [n, hidden] the last layer's MLP output (the final norm adds it into x)
  * rope, new_slots, block_tables, kv_lens: as paged_decode_attention_f32 takes them, one row per
- *           sequence. Every row decodes.
+ *           sequence. Every row decodes. A NoPE layer rotates by 1 + 0i instead, as the Python path
+ *           hands it (models/llama.py), so its q and k keep their bits.
  * Each weight is packed fp32 or GGUF blocks (decode_layer_t's types), so a model whose weights are kept
  * quantized runs here too.
  * Returns 0, or 1 where a buffer could not be allocated or a weight type is not handled (out is then
@@ -29,7 +30,12 @@ int decode_layers_f32(const decode_layer_t *layers, int64_t num_layers, float *x
     float *attn = malloc(sizeof(float) * (size_t)(n * q_size));
     float *attn_out = malloc(sizeof(float) * (size_t)(n * hidden));
     float *gate_up = malloc(sizeof(float) * (size_t)(n * 2 * intermediate));
-    int failed = qkv == NULL || attn == NULL || attn_out == NULL || gate_up == NULL;
+    int any_nope = 0;
+    for (int64_t l = 0; l < num_layers; l++) any_nope |= layers[l].no_rope != 0;
+    /* (cos, sin) = (1, 0) for every pair of every row: what a NoPE layer is rotated by */
+    float *unrotated = any_nope ? malloc(sizeof(float) * (size_t)(n * head_dim)) : NULL;
+    for (int64_t i = 0; unrotated != NULL && i < n * head_dim; i++) unrotated[i] = i % 2 == 0 ? 1.0f : 0.0f;
+    int failed = qkv == NULL || attn == NULL || attn_out == NULL || gate_up == NULL || (any_nope && unrotated == NULL);
     for (int64_t l = 0; l < num_layers && !failed; l++) {
         const decode_layer_t *layer = &layers[l];
         /* the first layer normalises the embeddings, which then are the stream; later ones add the
@@ -37,7 +43,8 @@ int decode_layers_f32(const decode_layer_t *layers, int64_t num_layers, float *x
         failed |= rms_norm_packed_matmul_f32(l == 0 ? x : out, hidden, l == 0 ? NULL : x, layer->input_norm, eps,
                                              layer->qkv, layer->qkv_type, layer->qkv_bias, qkv, n, qkv_size, hidden,
                                              num_threads);
-        failed |= paged_decode_attention_f32(qkv, qkv_size, rope, new_slots, layer->k_cache, layer->v_cache, attn,
+        failed |= paged_decode_attention_f32(qkv, qkv_size, layer->no_rope ? unrotated : rope, new_slots,
+                                             layer->k_cache, layer->v_cache, attn,
                                              block_tables, kv_lens, n, num_heads, num_kv_heads, head_dim, block_size,
                                              max_blocks, scale, layer->sliding_window, layer->logit_softcap,
                                              num_threads);
@@ -53,5 +60,6 @@ int decode_layers_f32(const decode_layer_t *layers, int64_t num_layers, float *x
     free(attn);
     free(attn_out);
     free(gate_up);
+    free(unrotated);
     return failed != 0;
 }

@@ -21,6 +21,7 @@ typedef struct {
     int64_t qkv_type, o_type, gate_up_type, down_type;
     int64_t sliding_window;                /* its attention's window, 0 for the whole context */
     float logit_softcap;                   /* its attention's soft-cap, 0 for none */
+    int64_t no_rope;                       /* 1 for a NoPE layer (SmolLM3): q and k rotated by 1 + 0i */
 } decode_layer_t;
 
 void rms_norm_f32(const float *x, int64_t x_row_stride, float *residual, const float *weight, float *out,

@@ -1,0 +1,69 @@
+"""RequestStream: one request's output deltas, read by an event loop (`async for`) or a thread (`get`),
+and their delivery from the engine's worker thread."""
+from __future__ import annotations
+
+import asyncio
+import queue
+from typing import AsyncIterator
+
+from roseinfer.output_processor import StreamDelta
+
+
+class RequestStream:
+    """One request's output as a sequence of StreamDelta, the last one with `finished` set.
+
+    A stream submitted from inside a running event loop is read with `async for` on that loop;
+    one submitted from a plain thread is read with `get()`.
+    """
+
+    def __init__(self, request_id: str, num_prompt_tokens: int, timings: dict[str, float]) -> None:
+        self.request_id = request_id
+        self.num_prompt_tokens = num_prompt_tokens
+        # submit_start, tokenized, submit_end, admitted, first_token, finished (perf_counter)
+        self.timings = timings
+        self.finished = False  # the consumer has received the final delta
+        try:
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None
+        self._queue: asyncio.Queue | queue.SimpleQueue = asyncio.Queue() if self._loop else queue.SimpleQueue()
+
+    def get(self, timeout: float | None = None) -> StreamDelta:
+        """Block for the next delta; TimeoutError after `timeout` seconds."""
+        if self._loop is not None:
+            raise RuntimeError("this stream was submitted from an event loop; read it with `async for`")
+        try:
+            delta = self._queue.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"no output for request {self.request_id!r} within {timeout}s") from None
+        self.finished = delta.finished
+        return delta
+
+    async def __aiter__(self) -> AsyncIterator[StreamDelta]:
+        if self._loop is None:
+            raise RuntimeError("this stream was submitted outside an event loop; read it with get()")
+        while not self.finished:
+            delta = await self._queue.get()
+            self.finished = delta.finished
+            yield delta
+
+
+def deliver(deltas: list[tuple[RequestStream, StreamDelta]]) -> None:
+    """Hand a step's deltas over: to an async consumer through one `call_soon_threadsafe` per event
+    loop however many streams it has, to a thread consumer through its queue."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, StreamDelta]]] = {}
+    for stream, delta in deltas:
+        if stream._loop is None:
+            stream._queue.put(delta)
+        else:
+            by_loop.setdefault(stream._loop, []).append((stream._queue, delta))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # the loop is closed: nobody is reading these streams any more
+            pass
+
+
+def _put_all(items: list[tuple[asyncio.Queue, StreamDelta]]) -> None:
+    for q, delta in items:
+        q.put_nowait(delta)
