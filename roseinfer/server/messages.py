@@ -32,23 +32,17 @@ class MessageRun:
     id: str
     stream: RequestStream
     input_tokens: int
-    stops: list[str]
     parser: ToolParser | None
     reasoner: ReasoningParser | None
-    output_ids: list[int] = field(default_factory=list)
 
-    def stop_reason(self, finish_reason: str | None, text: str, tokenizer: Any) -> tuple[str | None, str | None]:
-        """(stop_reason, stop_sequence): a stop string is told from the end of the output by the
-        output's full text, which still holds the stop string the returned text was cut at."""
+    def stop_reason(self, finish_reason: str | None, ended_by: str | int | None) -> tuple[str | None, str | None]:
+        """(stop_reason, stop_sequence); `ended_by` is the output's stop string or stop token id."""
         if finish_reason == "length":
             return "max_tokens", None
         if self.parser is not None and self.parser.calls:
             return "tool_use", None
-        if self.stops:
-            full = tokenizer.decode(self.output_ids)
-            matched = [s for s in self.stops if full.startswith(s, len(text))]
-            if matched:
-                return "stop_sequence", max(matched, key=len)
+        if isinstance(ended_by, str):
+            return "stop_sequence", ended_by
         return "end_turn", None
 
 
@@ -66,7 +60,6 @@ class AnthropicServing:
         choice = choices[0]
         if choice.error:
             raise APIError(choice.error_status, choice.error)
-        run.output_ids = choice.token_ids
         content: list[dict[str, Any]] = []
         text, calls = choice.text, []
         if run.reasoner is not None:  # Anthropic's thinking block, first; it has no signature to verify
@@ -83,7 +76,7 @@ class AnthropicServing:
         # JSON has already gone out as input_json_delta)
         content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": arguments}
                     for c in calls if isinstance(arguments := _json_object(c.arguments), dict)]
-        stop_reason, stop_sequence = run.stop_reason(choice.finish_reason, choice.text, self.serving.tokenizer)
+        stop_reason, stop_sequence = run.stop_reason(choice.finish_reason, choice.stop_reason)
         return JSONResponse({"id": run.id, "type": "message", "role": "assistant", "content": content,
                              "model": self.serving.model_name, "stop_reason": stop_reason,
                              "stop_sequence": stop_sequence,
@@ -103,7 +96,7 @@ class AnthropicServing:
         params = sampling_params(chat, serving.defaults, body.max_tokens, None, None,
                                  tools.constraint.params if tools.constraint else None)
         [stream] = serving._submit([ids], chat, params, start, grammar)
-        return MessageRun(f"msg_{uuid.uuid4().hex}", stream, len(ids), body.stop_sequences or [],
+        return MessageRun(f"msg_{uuid.uuid4().hex}", stream, len(ids),
                           tools.parser() if tools.parser else None, reasoner)
 
     async def _events(self, run: MessageRun) -> AsyncIterator[str]:
@@ -117,13 +110,10 @@ class AnthropicServing:
             "usage": {"input_tokens": run.input_tokens, "output_tokens": 0}}})
         yield event("ping", {})
         blocks = Blocks()
-        text = ""
         async for _, delta in self.serving._merge([run.stream]):
             if delta.error:
                 yield f"event: error\ndata: {json.dumps(error_body(delta.error_status, delta.error))}\n\n"
                 return
-            run.output_ids += delta.token_ids
-            text += delta.text
             content, calls, reasoning = delta.text, [], ""
             if run.reasoner is not None:
                 split = run.reasoner.feed(delta.text, delta.token_ids)
@@ -140,7 +130,7 @@ class AnthropicServing:
             if delta.finished:
                 for line in blocks.close():
                     yield line
-                stop_reason, stop_sequence = run.stop_reason(delta.finish_reason, text, self.serving.tokenizer)
+                stop_reason, stop_sequence = run.stop_reason(delta.finish_reason, delta.stop_reason)
                 yield event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                                               "usage": {"output_tokens": delta.num_output_tokens}})
         yield event("message_stop", {})
