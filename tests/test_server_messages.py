@@ -86,7 +86,8 @@ def test_the_reply_is_the_chat_endpoints_greedy_reply(client: anthropic.Anthropi
 def test_a_system_prompt_and_content_blocks_render_as_the_chat_conversation(client: anthropic.Anthropic,
                                                                             chat: openai.OpenAI) -> None:
     message = client.messages.create(
-        model=MODEL, max_tokens=MAX_TOKENS, extra_body=GREEDY, system=[{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}],
+        model=MODEL, max_tokens=MAX_TOKENS, extra_body=GREEDY,
+        system=[{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}],
         messages=[{"role": "user", "content": [{"type": "text", "text": "Tell me "},
                                                {"type": "text", "text": "a story."}]}])
     expected = chat_reply(chat, [{"role": "system", "content": "Be brief."}, *USER], max_tokens=MAX_TOKENS)
