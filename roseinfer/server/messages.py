@@ -125,7 +125,10 @@ class AnthropicServing:
                 if delta.finished:
                     parsed.extend(run.parser.finish())
                 content, calls = parsed.content, parsed.tool_calls
-            for line in blocks.text(reasoning, "thinking") + blocks.text(content) + [line for call in calls for line in blocks.tool_call(call)]:
+            lines = blocks.text(reasoning, "thinking") + blocks.text(content)
+            for call in calls:
+                lines += blocks.tool_call(call)
+            for line in lines:
                 yield line
             if delta.finished:
                 for line in blocks.close():
