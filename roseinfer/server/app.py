@@ -18,7 +18,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
@@ -30,9 +30,13 @@ from roseinfer.server.args import ServerOptions, served_name, server_options
 from roseinfer.server.body_limit import BodyLimit
 from roseinfer.server.connections import GuardedH11Protocol
 from roseinfer.server.engine_loop import SchedulerManager
+from roseinfer.server.messages import AnthropicServing
+from roseinfer.server.messages_protocol import MESSAGES_PATH, MessagesErrorResponse, MessagesRequest
+from roseinfer.server.messages_protocol import UNSUPPORTED_FIELDS as MESSAGES_UNSUPPORTED_FIELDS
+from roseinfer.server.messages_protocol import error_body as messages_error_body
 from roseinfer.server.metrics import CountResponses, RouterMetrics, ServerMetrics
-from roseinfer.server.openapi import (GENERATION_ERRORS, GENERATION_OK, TOKENIZER_ERRORS, error_responses,
-                                      install_openapi, request_body)
+from roseinfer.server.openapi import (GENERATION_ERRORS, GENERATION_OK, MESSAGES_OK, TOKENIZER_ERRORS,
+                                      error_responses, install_openapi, request_body)
 from roseinfer.server.protocol import (UNSUPPORTED_FIELDS, APIError, ChatCompletionRequest, CompletionRequest,
                                        DetokenizeRequest, TokenizeRequest, error_body)
 from roseinfer.server.serving import OpenAIServing
@@ -123,7 +127,8 @@ def _app(manager: SchedulerManager | ReplicaSet, served_model_name: str, options
         app.add_middleware(CORSMiddleware, allow_origins=options.allowed_origins, allow_methods=["*"],
                            allow_headers=["*"])
     app.add_middleware(CountResponses, counter=metrics.responses)  # added last: outermost, sees every response
-    install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
+    install_openapi(app, [CompletionRequest, ChatCompletionRequest, MessagesRequest, TokenizeRequest,
+                          DetokenizeRequest])
     guarded = _api_key_check(options.api_key)
     unauthorized = (401,) if options.api_key else ()
 
@@ -143,6 +148,15 @@ def _app(manager: SchedulerManager | ReplicaSet, served_model_name: str, options
               openapi_extra=request_body(ChatCompletionRequest))
     async def chat_completions(raw: Request) -> Response:
         return await serving.chat(await serving.parse(ChatCompletionRequest, raw), raw)
+
+    anthropic = AnthropicServing(serving)
+
+    @app.post(MESSAGES_PATH, dependencies=guarded,
+              responses={**MESSAGES_OK, **error_responses(*GENERATION_ERRORS, model=MessagesErrorResponse)},
+              openapi_extra=request_body(MessagesRequest))
+    async def messages(raw: Request) -> Response:
+        """Anthropic's Messages API; errors in Anthropic's shape."""
+        return await anthropic.messages(await serving.parse(MessagesRequest, raw), raw)
 
     @app.get("/v1/models", dependencies=guarded, responses=error_responses(*unauthorized))
     async def models() -> ModelList:
@@ -199,11 +213,15 @@ def _api_key_check(api_key: str | None) -> list[Any]:
     if not api_key:
         return []
     bearer = HTTPBearer(auto_error=False, description="the server's --api-key")
+    # Anthropic's clients send the key in x-api-key; any guarded route takes either header
+    x_api_key = APIKeyHeader(name="x-api-key", auto_error=False, description="the server's --api-key")
 
-    async def check(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
-        given = credentials.credentials.encode() if credentials is not None else b""
+    async def check(credentials: HTTPAuthorizationCredentials | None = Depends(bearer),
+                    header_key: str | None = Depends(x_api_key)) -> None:
+        given = (credentials.credentials if credentials is not None else header_key or "").encode()
         if not secrets.compare_digest(given, api_key.encode()):  # constant time: no timing oracle on the key
-            raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+            raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>' or "
+                                "'x-api-key: <key>'.",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})  # RFC 6750
 
     return [Depends(check)]
@@ -215,42 +233,47 @@ REJECTION_REASONS = {400: "invalid", 401: "unauthorized", 404: "model_not_found"
 
 
 def _add_error_handlers(app: FastAPI, metrics: ServerMetrics | RouterMetrics) -> None:
-    """Every error leaves in OpenAI's shape; validation errors are 400s (OpenAI's), not 422s."""
+    """Every error leaves in OpenAI's shape (Anthropic's on /v1/messages); validation errors are
+    400s (OpenAI's), not 422s."""
 
-    def reply(status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> JSONResponse:
-        if status in REJECTION_REASONS:
+    def reply(request: Request, status: int, body: dict[str, Any], headers: dict[str, str] | None = None,
+              rejected: bool = True) -> JSONResponse:
+        if rejected and status in REJECTION_REASONS:
             metrics.rejected.labels(REJECTION_REASONS[status]).inc()
+        if request.url.path == MESSAGES_PATH:  # Anthropic's clients read Anthropic's error shape
+            body = messages_error_body(status, body["error"]["message"])
         return JSONResponse(body, status_code=status, headers=headers)
 
     @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return reply(exc.status, exc.body(), exc.headers)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return reply(request, exc.status, exc.body(), exc.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors() or [{"loc": (), "msg": "invalid request"}]
         if errors[0].get("type") == "json_invalid":
             detail = errors[0].get("ctx", {}).get("error", "")
-            return reply(400, error_body(400, f"malformed JSON body: {detail}"))
+            return reply(request, 400, error_body(400, f"malformed JSON body: {detail}"))
         fields = [[str(p) for p in e.get("loc", ()) if p != "body"] for e in errors]
         param = fields[0][0] if fields[0] else None
         if errors[0].get("type") == "extra_forbidden":
             where = ".".join(fields[0])
-            reason = UNSUPPORTED_FIELDS.get(where, "roseinfer does not implement it")
-            return reply(400, error_body(400, f"unsupported field {where!r}: {reason}", param))
+            unsupported = MESSAGES_UNSUPPORTED_FIELDS if request.url.path == MESSAGES_PATH else UNSUPPORTED_FIELDS
+            reason = unsupported.get(where, "roseinfer does not implement it")
+            return reply(request, 400, error_body(400, f"unsupported field {where!r}: {reason}", param))
         # a union field (prompt) fails once per accepted shape: say so once, naming the field
         reasons = list(dict.fromkeys(e["msg"] for e, f in zip(errors, fields) if (f[0] if f else None) == param))
-        return reply(400, error_body(400, f"{param or 'body'}: {'; '.join(reasons[:4])}", param))
+        return reply(request, 400, error_body(400, f"{param or 'body'}: {'; '.join(reasons[:4])}", param))
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:  # unknown route, wrong method
-        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:  # unknown route, wrong method
+        return reply(request, exc.status_code, error_body(exc.status_code, str(exc.detail)),
+                     getattr(exc, "headers", None), rejected=False)
 
     @app.exception_handler(Exception)
-    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error")
-        return JSONResponse(error_body(500, f"internal server error ({type(exc).__name__})"), status_code=500)
+        return reply(request, 500, error_body(500, f"internal server error ({type(exc).__name__})"), rejected=False)
 
 
 class DrainingServer(uvicorn.Server):

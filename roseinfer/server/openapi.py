@@ -15,7 +15,7 @@ from roseinfer.server.protocol import ErrorResponse
 
 ERROR_DESCRIPTIONS = {
     400: "the request is invalid: a field's value, an unsupported field, or a prompt the model cannot take",
-    401: "no valid 'Authorization: Bearer' API key (only when the server has --api-key)",
+    401: "no valid 'Authorization: Bearer' or 'x-api-key' API key (only when the server has --api-key)",
     404: "the model named is not the one this server serves",
     413: "the request body is larger than --max-request-body-mb",
     429: "more requests in flight than --max-inflight-requests; retry after Retry-After seconds",
@@ -26,8 +26,8 @@ GENERATION_ERRORS = (400, 401, 404, 413, 429, 500, 503)
 TOKENIZER_ERRORS = (400, 401, 404, 413)
 
 
-def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    return {status: {"model": ErrorResponse, "description": ERROR_DESCRIPTIONS[status]} for status in statuses}
+def error_responses(*statuses: int, model: type[BaseModel] = ErrorResponse) -> dict[int | str, dict[str, Any]]:
+    return {status: {"model": model, "description": ERROR_DESCRIPTIONS[status]} for status in statuses}
 
 
 # 200 of the generation routes: JSON, or server-sent events with stream: true
@@ -36,6 +36,11 @@ GENERATION_OK: dict[int | str, dict[str, Any]] = {
                          "stream is true", "content": {"application/json": {}, "text/event-stream": {}}},
 }
 
+# 200 of /v1/messages: Anthropic's message as JSON, or its events with stream: true
+MESSAGES_OK: dict[int | str, dict[str, Any]] = {
+    200: {"description": "the message as JSON, or as server-sent events ending with 'event: message_stop' when "
+                         "stream is true", "content": {"application/json": {}, "text/event-stream": {}}},
+}
 
 REF = "#/components/schemas/{model}"
 

@@ -100,6 +100,7 @@ def check_counts(data: dict[str, Any], limits: BodyLimits) -> None:
         ("messages", data.get("messages"), MAX_MESSAGES, ""),
         ("tools", data.get("tools"), MAX_TOOLS, ""),
         ("stop", data.get("stop"), MAX_STOP, ""),
+        ("stop_sequences", data.get("stop_sequences"), MAX_STOP, ""),  # /v1/messages' stop
         ("logit_bias", data.get("logit_bias"), MAX_LOGIT_BIAS, ""),
         ("guided_choice", data.get("guided_choice"), MAX_CHOICES, ""),
         ("structured_outputs.choice", structured.get("choice") if isinstance(structured, dict) else None,

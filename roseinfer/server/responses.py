@@ -28,6 +28,7 @@ class Choice:
     num_output_tokens: int = 0
     error: str | None = None
     error_status: int = 500
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None: EOS)
 
     def add(self, delta: StreamDelta) -> None:
         self.text += delta.text
@@ -37,6 +38,7 @@ class Choice:
             self.prompt_logprobs = delta.prompt_logprobs
         self.num_output_tokens = delta.num_output_tokens
         self.finish_reason, self.error, self.error_status = delta.finish_reason, delta.error, delta.error_status
+        self.stop_reason = delta.stop_reason
 
 
 @dataclass
