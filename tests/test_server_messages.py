@@ -20,6 +20,7 @@ from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.server.app import build_app
 from roseinfer.server.args import ServerOptions
 from server_helpers import metric, model_copy, openai_client, serve_app
+from step_gate import StepGate
 from tiny_models import OPEN_THINKING_TEMPLATE, build_thinking_model
 
 MODEL = "tiny-llama"
@@ -239,8 +240,11 @@ def test_a_thinking_models_reasoning_is_a_thinking_block(tmp_path: Path) -> None
     assert again.usage.input_tokens == without.usage.prompt_tokens
 
 
-def test_a_stream_cut_by_shutdown_ends_with_an_error_event(long_model: Path) -> None:
-    app = build_app(LLMEngine(EngineConfig(model=str(long_model))), MODEL)
+def test_a_stream_cut_by_shutdown_ends_with_an_error_event(long_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = LLMEngine(EngineConfig(model=str(long_model)))
+    gate = StepGate(engine, monkeypatch)
+    gate.allow(8)  # the reply's first text, then its steps held until the drain has begun
+    app = build_app(engine, MODEL)
     body = {"model": MODEL, "max_tokens": 900, "messages": USER, "stream": True, "temperature": 0}
     with serve_app(app) as url, httpx.stream("POST", f"{url}/v1/messages", json=body, trust_env=False,
                                              timeout=60) as response:
@@ -249,6 +253,7 @@ def test_a_stream_cut_by_shutdown_ends_with_an_error_event(long_model: Path) -> 
             lines.append(line)
             if line == "event: content_block_delta" and lines.count(line) == 1:
                 app.state.manager.drain(0)  # as a second SIGTERM does: every running request ends at once
+                gate.allow()
     names = [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
     assert names[0] == "message_start" and names[-1] == "error" and "message_stop" not in names
     error = json.loads(lines[lines.index("event: error") + 1].removeprefix("data: "))
