@@ -73,6 +73,11 @@ def _up(c: httpx.Client, proc: subprocess.Popen) -> bool:
         return False
 
 
+def llama_for_tools(tiny_model_factory: Callable[[str], Path], folder: Path) -> Path:
+    """The tiny Llama with 1024 positions: the tools' system prompt is longer than its 256."""
+    return model_copy(tiny_model_factory("llama"), folder / "llama", max_position_embeddings=1024)
+
+
 def model_copy(model_dir: Path, out: Path, max_position_embeddings: int | None = None,
                chat_template: str | None = None) -> Path:
     """A copy of a tiny checkpoint with a longer context (rotary models only: nothing learned is

@@ -398,4 +398,4 @@ def test_every_entry_point_of_the_real_header_is_bound() -> None:
     fields = [name for name, _ in library.structs["decode_layer_t"]._fields_]
     assert fields == ["input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up", "down", "k_cache",
                       "v_cache", "qkv_type", "o_type", "gate_up_type", "down_type", "sliding_window",
-                      "logit_softcap"]
+                      "logit_softcap", "no_rope"]

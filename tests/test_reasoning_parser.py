@@ -12,7 +12,8 @@ from roseinfer.server.reasoning import ReasoningDelta, ReasoningParser, ThinkTag
 from roseinfer.server.tool_parsers import HermesParser
 from roseinfer.tokenizer import Tokenizer
 from server_helpers import model_copy
-from tiny_models import CHAT_TEMPLATE, OPEN_THINKING_TEMPLATE, QWEN3_THINKING_TEMPLATE, build_thinking_model
+from thinking_model import OPEN_THINKING_TEMPLATE, QWEN3_THINKING_TEMPLATE, build_thinking_model
+from tiny_models import CHAT_TEMPLATE
 
 START_ID, END_ID, WORD_ID = 384, 385, 7
 QWEN3 = ThinkTags("qwen3", START_ID, END_ID)

@@ -19,9 +19,9 @@ from roseinfer.config import EngineConfig
 from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.server.app import build_app
 from roseinfer.server.args import ServerOptions
-from server_helpers import metric, model_copy, openai_client, serve_app
+from server_helpers import llama_for_tools, metric, model_copy, openai_client, serve_app
 from step_gate import StepGate
-from tiny_models import OPEN_THINKING_TEMPLATE, build_thinking_model
+from thinking_model import OPEN_THINKING_TEMPLATE, build_thinking_model
 
 MODEL = "tiny-llama"
 MAX_TOKENS = 24
@@ -40,9 +40,7 @@ def anthropic_client(base_url: str, api_key: str = "unused") -> anthropic.Anthro
 
 @pytest.fixture(scope="module")
 def long_model(tiny_model_factory, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # the tools' system prompt is longer than the tiny models' 256 positions
-    return model_copy(tiny_model_factory("llama"), tmp_path_factory.mktemp("messages") / "llama",
-                      max_position_embeddings=1024)
+    return llama_for_tools(tiny_model_factory, tmp_path_factory.mktemp("messages"))
 
 
 @pytest.fixture(scope="module")

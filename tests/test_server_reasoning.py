@@ -21,7 +21,8 @@ from roseinfer.server.app import build_app
 from roseinfer.server.args import ServerOptions, server_options
 from roseinfer.tokenizer import Tokenizer
 from server_helpers import model_copy, openai_client, serve_app
-from tiny_models import OPEN_THINKING_TEMPLATE, build_thinking_model, hf_greedy, load_hf_model
+from thinking_model import OPEN_THINKING_TEMPLATE, build_thinking_model
+from tiny_models import hf_greedy, load_hf_model
 
 MODEL = "tiny-thinker"
 MESSAGES = [{"role": "user", "content": "Why is the sky blue?"}]

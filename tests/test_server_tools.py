@@ -25,7 +25,7 @@ from roseinfer.server.protocol import APIError, ChatCompletionRequest
 from roseinfer.server.tool_calls import NO_PARAMETERS, chat_inputs, pick_parser, plan_tools
 from roseinfer.server.tool_parsers import HermesParser, JsonCallsParser, NamedCallParser
 from roseinfer.tokenizer import Tokenizer
-from server_helpers import model_copy, openai_client, serve_app
+from server_helpers import llama_for_tools, model_copy, openai_client, serve_app
 
 MODEL = "tiny-llama"
 MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
@@ -208,9 +208,7 @@ def test_a_template_without_tools_gets_them_as_a_system_prompt(tokenizer_with) -
 # ---- through the server --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def long_model(tiny_model_factory, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # the tools' system prompt is longer than the tiny models' 256 positions
-    return model_copy(tiny_model_factory("llama"), tmp_path_factory.mktemp("tools") / "llama",
-                      max_position_embeddings=1024)
+    return llama_for_tools(tiny_model_factory, tmp_path_factory.mktemp("tools"))
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from roseinfer.layers.linear import Linear
 from roseinfer.layers.rotary import RotaryEmbedding, interleave_rotary_rows
 from roseinfer.models.config import ModelConfig
 from roseinfer.models.gemma_layers import GemmaRMSNorm, kv_cache_view, rms_normalise, text_model_name
-from roseinfer.models.llama import LlamaMLP
+from roseinfer.models.llama import PACKED_MODULES, LlamaMLP, lm_head
 from roseinfer.models.weights import WeightLoader
 
 FULL = "full_attention"
@@ -155,21 +155,13 @@ class GemmaModel(nn.Module):
 
 
 class GemmaForCausalLM(nn.Module):
-    packed_modules = {
-        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-    }
+    packed_modules = PACKED_MODULES
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.cfg, self.tp = cfg, tp
         self.model = GemmaModel(cfg, tp)
-        vocab = tp.vocab(cfg.vocab_size)
-        if cfg.tie_word_embeddings:  # the head reads the embedding's weight: no weight of its own
-            self.lm_head = Linear(cfg.hidden_size, vocab.rows, bias=False, device="meta")
-            self.lm_head.weight = self.model.embed_tokens.weight
-        else:
-            self.lm_head = column_parallel(cfg.hidden_size, [vocab], bias=False)
+        self.lm_head = lm_head(cfg, tp, self.model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -108,22 +108,31 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
 
 
+# a checkpoint's separate projections -> (the fused layer, its slot)
+PACKED_MODULES = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+def lm_head(cfg: ModelConfig, tp: TensorParallel, embed_tokens: nn.Module) -> Linear:
+    """The LM head, this rank's rows of the vocabulary; tied, it reads the embedding's weight."""
+    vocab = tp.vocab(cfg.vocab_size)
+    if not cfg.tie_word_embeddings:
+        return column_parallel(cfg.hidden_size, [vocab], bias=False)
+    head = Linear(cfg.hidden_size, vocab.rows, bias=False, device="meta")
+    head.weight = embed_tokens.weight
+    return head
+
+
 class LlamaForCausalLM(nn.Module):
-    packed_modules = {
-        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-    }
+    packed_modules = PACKED_MODULES
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.cfg, self.tp = cfg, tp
         self.model = LlamaModel(cfg, tp)
-        vocab = tp.vocab(cfg.vocab_size)
-        if cfg.tie_word_embeddings:  # the head reads the embedding's weight: no weight of its own
-            self.lm_head = Linear(cfg.hidden_size, vocab.rows, bias=False, device="meta")
-            self.lm_head.weight = self.model.embed_tokens.weight
-        else:
-            self.lm_head = column_parallel(cfg.hidden_size, [vocab], bias=False)
+        self.lm_head = lm_head(cfg, tp, self.model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
