@@ -27,7 +27,7 @@ SHAPES: dict[str, dict[str, Any]] = {
                    "vocab_size": 151936, "tie_word_embeddings": True},
     "tiny-llama": {"model_type": "llama", "num_hidden_layers": 3, "hidden_size": 128, "intermediate_size": 384,
                    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048,
-                   "vocab_size": 32000},
+                   "vocab_size": 384},
 }
 LAYER_KEYS = {"gpt2": "n_layer", "qwen3": "num_hidden_layers", "llama": "num_hidden_layers"}
 

@@ -6,7 +6,8 @@ p99 polled beside the server runs.
 
 Usage: python benchmarks/server_overhead.py [--model DIR] [--num-requests 256] [--prompt-len 32]
        [--output-len 128] [--port 18700] [--rounds 1] [--serve-args "..."]
-Without --model, a random tiny Llama (hidden 128, 3 layers, vocab 32,000) is written to a temp folder.
+Without --model, a random tiny Llama (hidden 128, 3 layers, vocabulary 384 as the tests' tiny models) is
+written to a temp folder.
 Linux only (CPU time read from /proc).
 """
 from __future__ import annotations
