@@ -150,9 +150,13 @@ def start_server(model: str, port: int, num_requests: int, extra: list[str]) -> 
                "--max-num-seqs", str(num_requests), "--no-enable-prefix-caching", *extra]
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600  # a guard against a hang, not a bound on start-up
     while True:
         if server.poll() is not None:
             raise SystemExit(f"the server exited: {server.stderr.read()[-2000:]}")
+        if time.monotonic() > deadline:
+            server.kill()
+            raise SystemExit("the server did not answer /health within 600 s")
         try:
             if httpx.get(f"{base}/health", trust_env=False).status_code == 200:
                 return server
