@@ -145,15 +145,16 @@ def server_run(name: str, base: str, server_pid: int, prompts: list[list[int]], 
     return Run(name, tokens, wall, cpu, client_cpu, health)
 
 
-def start_server(model: str, port: int, num_requests: int, extra: list[str]) -> subprocess.Popen:
+def start_server(model: str, port: int, num_requests: int, extra: list[str], log: Path) -> subprocess.Popen:
     command = [sys.executable, "-m", "roseinfer.cli", "serve", "--model", model, "--port", str(port),
                "--max-num-seqs", str(num_requests), "--no-enable-prefix-caching", *extra]
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # its log to a file: a pipe nobody reads would fill and stall the server
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log.open("w"))
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600  # a guard against a hang, not a bound on start-up
     while True:
         if server.poll() is not None:
-            raise SystemExit(f"the server exited: {server.stderr.read()[-2000:]}")
+            raise SystemExit(f"the server exited: {log.read_text()[-2000:]}")
         if time.monotonic() > deadline:
             server.kill()
             raise SystemExit("the server did not answer /health within 600 s")
@@ -186,7 +187,7 @@ def main() -> None:
               f"once; model {model}")
         offline = offline_run(model, prompts, args.output_len)
         print(offline.line(None), flush=True)
-        server = start_server(model, args.port, args.num_requests, shlex.split(args.serve_args))
+        server = start_server(model, args.port, args.num_requests, shlex.split(args.serve_args), Path(tmp) / "serve.log")
         base = f"http://127.0.0.1:{args.port}"
         try:
             asyncio.run(all_at_once(base, prompts, args.output_len, stream=True))  # warm-up, as offline's
