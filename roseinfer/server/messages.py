@@ -54,7 +54,7 @@ class AnthropicServing:
         run = await self._start(body)
         if body.stream:
             return EventStream(self._events(run), lambda: self.serving.abort_unfinished([run.stream]))
-        choices = await self.serving._collect([run.stream], raw)
+        choices = await self.serving.collect([run.stream], raw)
         if choices is None:
             return Response(status_code=CLIENT_CLOSED)
         choice = choices[0]
@@ -92,10 +92,10 @@ class AnthropicServing:
         tools = await serving.run_blocking(plan_tools, chat, serving.tool_parser, False)
         ids = await serving.chat_prompt(chat.messages, tools.shown)
         reasoner = serving.reasoning_parser(ids, tools.constraint)
-        grammar = await serving._compile(tools.constraint)
+        grammar = await serving.compile_constraint(tools.constraint)
         params = sampling_params(chat, serving.defaults, body.max_tokens, None, None,
                                  tools.constraint.params if tools.constraint else None)
-        [stream] = serving._submit([ids], chat, params, start, grammar)
+        [stream] = serving.submit([ids], chat, params, start, grammar)
         return MessageRun(f"msg_{uuid.uuid4().hex}", stream, len(ids),
                           tools.parser() if tools.parser else None, reasoner)
 
@@ -110,7 +110,7 @@ class AnthropicServing:
             "usage": {"input_tokens": run.input_tokens, "output_tokens": 0}}})
         yield event("ping", {})
         blocks = Blocks()
-        async for _, delta in self.serving._merge([run.stream]):
+        async for _, delta in self.serving.merge_streams([run.stream]):
             if delta.error:
                 yield f"event: error\ndata: {json.dumps(error_body(delta.error_status, delta.error))}\n\n"
                 return

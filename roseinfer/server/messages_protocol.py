@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, Field, StrictInt, model_validator
 
 from roseinfer.server.protocol import (MAX_TOOLS, ChatCompletionRequest, FunctionName, JsonObject, JsonSchema,
-                                       StrictModel, Text, _bounded)
+                                       StrictModel, Text, bounded)
 
 MESSAGES_PATH = "/v1/messages"
 # Anthropic's error types by HTTP status (its API reference, "Errors")
@@ -152,9 +152,9 @@ class MessagesRequest(StrictModel):
     system: Text | list[TextBlock] | None = None
     stop_sequences: list[Text] | None = None
     stream: bool = False
-    temperature: float | None = _bounded("temperature")
-    top_p: float | None = _bounded("top_p")
-    top_k: StrictInt | None = _bounded("top_k")
+    temperature: float | None = bounded("temperature")
+    top_p: float | None = bounded("top_p")
+    top_k: StrictInt | None = bounded("top_k")
     tools: Annotated[list[AnthropicTool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = None
     metadata: Metadata | None = None

@@ -40,7 +40,7 @@ UNSUPPORTED_FIELDS = {
 }
 
 
-def _bounded(name: str, **extra: Any) -> Any:
+def bounded(name: str, **extra: Any) -> Any:
     """Field(None) with SamplingParams' range for `name`."""
     return Field(None, **BOUNDS[name].field_kwargs(), **extra)
 
@@ -133,27 +133,27 @@ class SamplingRequest(StrictModel):
 
     model: Text | None = None  # optional, as in vLLM; when given it must name the served model
     max_tokens: StrictInt | None = Field(None, ge=0)  # 0 only with echo (the prompt alone)
-    temperature: float | None = _bounded("temperature")
-    top_p: float | None = _bounded("top_p")
+    temperature: float | None = bounded("temperature")
+    top_p: float | None = bounded("top_p")
     n: StrictInt = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Text | list[Text] | None = None
-    seed: StrictInt | None = _bounded("seed")
-    presence_penalty: float | None = _bounded("presence_penalty")
-    frequency_penalty: float | None = _bounded("frequency_penalty")
+    seed: StrictInt | None = bounded("seed")
+    presence_penalty: float | None = bounded("presence_penalty")
+    frequency_penalty: float | None = bounded("frequency_penalty")
     logit_bias: dict[TokenIdKey, Bias] | None = None
     user: Text | None = None  # an end-user id OpenAI's clients may send; recorded nowhere
     # vLLM's extensions
-    top_k: StrictInt | None = _bounded("top_k")
-    min_p: float | None = _bounded("min_p")
-    repetition_penalty: float | None = _bounded("repetition_penalty")
+    top_k: StrictInt | None = bounded("top_k")
+    min_p: float | None = bounded("min_p")
+    repetition_penalty: float | None = bounded("repetition_penalty")
     ignore_eos: bool = False
     min_tokens: StrictInt = Field(0, **BOUNDS["min_tokens"].field_kwargs())
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False  # the text keeps the stop string that ended it
     # per prompt token: its logprob and this many alternatives
-    prompt_logprobs: StrictInt | None = _bounded("prompt_logprobs", le=MAX_LOGPROBS)
+    prompt_logprobs: StrictInt | None = bounded("prompt_logprobs", le=MAX_LOGPROBS)
     # constraints on the output: OpenAI's response_format, vLLM's structured_outputs and the older
     # guided_* fields; at most one per request (server/structured.py)
     response_format: ResponseFormat | None = None
@@ -186,7 +186,7 @@ class CompletionRequest(SamplingRequest):
                   Annotated[list[TokenIds], Field(min_length=1)]]
     echo: bool = False
     # alternatives per token; with echo, the prompt's too
-    logprobs: StrictInt | None = _bounded("logprobs", le=MAX_LOGPROBS)
+    logprobs: StrictInt | None = bounded("logprobs", le=MAX_LOGPROBS)
     best_of: StrictInt | None = Field(None, ge=1, le=MAX_N)  # only = n: no server-side ranking
 
 
@@ -296,7 +296,7 @@ class ChatCompletionRequest(SamplingRequest):
     # OpenAI's newer name for max_tokens; wins if both
     max_completion_tokens: StrictInt | None = Field(None, **BOUNDS["max_tokens"].field_kwargs())
     logprobs: bool = False
-    top_logprobs: StrictInt | None = _bounded("logprobs", le=MAX_LOGPROBS)
+    top_logprobs: StrictInt | None = bounded("logprobs", le=MAX_LOGPROBS)
     tools: Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True

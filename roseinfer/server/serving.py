@@ -92,14 +92,14 @@ class OpenAIServing:
         check_request(body, len(texts), self.max_sequences, self.manager.max_inflight_requests)
         check_completion_fields(body)
         constraint = await self.run_blocking(requested_constraint, body, self.constraint_limits.max_bytes)
-        grammar = await self._compile(constraint)
+        grammar = await self.compile_constraint(constraint)
         prompts = [(await self.run_blocking(self.tokenizer.encode, p), p) if isinstance(p, str) else (list(p), None)
                    for p in texts]
         max_tokens = self.defaults.get("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS) if body.max_tokens is None \
             else body.max_tokens
         params = sampling_params(body, self.defaults, 1 if prompt_only else max_tokens, body.logprobs, prompt_logprobs,
                                  constraint.params if constraint else None)
-        streams = self._submit([ids for ids, _ in prompts], body, params, start, grammar)
+        streams = self.submit([ids for ids, _ in prompts], body, params, start, grammar)
         echoes = [(text if text is not None else self.tokenizer.decode(ids)) if body.echo else ""
                   for ids, text in prompts for _ in range(body.n)]
         prompt_ids = [ids if echo_logprobs else [] for ids, _ in prompts for _ in range(body.n)]
@@ -108,7 +108,7 @@ class OpenAIServing:
         if body.stream:
             return EventStream(self._stream_completion(streams, reply, echoes, prompt_ids, body.logprobs, prompt_only),
                                lambda: self.abort_unfinished(streams))
-        choices = await self._collect(streams, raw, prompt_only)
+        choices = await self.collect(streams, raw, prompt_only)
         if choices is None:
             return Response(status_code=CLIENT_CLOSED)
         out = []
@@ -135,13 +135,13 @@ class OpenAIServing:
         constraint = constraint or tools.constraint
         ids = await self.chat_prompt(body.messages, tools.shown, body.chat_template_kwargs)
         reasoners = [self.reasoning_parser(ids, constraint) for _ in range(body.n)]
-        grammar = await self._compile(constraint)
+        grammar = await self.compile_constraint(constraint)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_tokens is None:  # OpenAI's chat default: whatever room the context has left
             max_tokens = min(max(1, self.context_limit - len(ids)), self.defaults.get("max_tokens", self.context_limit))
         params = sampling_params(body, self.defaults, max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
                                  body.prompt_logprobs, constraint.params if constraint else None)
-        streams = self._submit([ids], body, params, start, grammar)
+        streams = self.submit([ids], body, params, start, grammar)
         reply = Reply(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name, "chat.completion",
                       [len(ids)], body.include_usage, body.continuous_usage,
                       reasoning_tokens={} if self.think_tags else None)
@@ -149,7 +149,7 @@ class OpenAIServing:
         if body.stream:
             return EventStream(self._stream_chat(streams, reply, body.logprobs, parsers, reasoners),
                                lambda: self.abort_unfinished(streams))
-        choices = await self._collect(streams, raw)
+        choices = await self.collect(streams, raw)
         if choices is None:
             return Response(status_code=CLIENT_CLOSED)
         out = []
@@ -209,7 +209,7 @@ class OpenAIServing:
         """The request's body as `model`, parsed, counted and validated off the event loop (request_body.py)."""
         return await self.run_blocking(parse_body, model, await raw.body(), self.body_limits)
 
-    async def _compile(self, constraint: Constraint | None) -> CompiledGrammar | None:
+    async def compile_constraint(self, constraint: Constraint | None) -> CompiledGrammar | None:
         if constraint is None:
             return None
         return await compile_constraint(constraint, self.manager.engine, self._compile_pool, self.constraint_limits)
@@ -219,7 +219,7 @@ class OpenAIServing:
         self._compile_pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- request -> engine -------------------------------------------------------------------
-    def _submit(self, prompts: list[list[int]], body: SamplingRequest, params: SamplingParams,
+    def submit(self, prompts: list[list[int]], body: SamplingRequest, params: SamplingParams,
                 start: float, grammar: CompiledGrammar | None) -> list[RequestStream]:
         """n engine requests per prompt; with a seed, choice i draws from seed + i."""
         base_id = uuid.uuid4().hex
@@ -249,7 +249,7 @@ class OpenAIServing:
         """The first chunk of each choice carries the echoed prompt (and its tokens' logprobs)."""
         offsets = [0] * len(echoes)  # text_offset of the next token, per choice
         echoed = [False] * len(echoes)
-        async for index, delta in self._merge(streams):
+        async for index, delta in self.merge_streams(streams):
             if prompt_only:
                 delta = without_output(delta)
             text, entries = delta.text, [(lp.token_id, lp) for lp in delta.logprobs]
@@ -277,7 +277,7 @@ class OpenAIServing:
         for index in range(len(streams)):  # OpenAI's first chunk per choice names the role
             yield sse(reply.chunk({"index": index, "delta": {"role": "assistant", "content": ""},
                                    "logprobs": None, "finish_reason": None}))
-        async for index, delta in self._merge(streams):
+        async for index, delta in self.merge_streams(streams):
             reply.record(index, delta)
             if delta.error:
                 yield sse(error_body(delta.error_status, delta.error))
@@ -307,7 +307,7 @@ class OpenAIServing:
         for line in reply.tail():
             yield line
 
-    async def _merge(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, StreamDelta]]:
+    async def merge_streams(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, StreamDelta]]:
         """(choice index, delta) from all streams as they come."""
         tasks: list[asyncio.Task] = []
         try:
@@ -331,13 +331,13 @@ class OpenAIServing:
             for task in tasks:
                 task.cancel()
 
-    async def _collect(self, streams: list[RequestStream], raw: Request,
+    async def collect(self, streams: list[RequestStream], raw: Request,
                        prompt_only: bool = False) -> list[Choice] | None:
         """Run a non-streaming request to the end; None if the client went away first."""
         choices = [Choice() for _ in streams]
 
         async def gather() -> None:
-            async for index, delta in self._merge(streams):
+            async for index, delta in self.merge_streams(streams):
                 choices[index].add(without_output(delta) if prompt_only else delta)
 
         work = asyncio.ensure_future(gather())
