@@ -4,7 +4,6 @@ running the dequantized weights."""
 from __future__ import annotations
 
 import platform
-import shutil
 from pathlib import Path
 
 import gguf
@@ -18,11 +17,10 @@ from gguf_writer import encode_weights, make_tiny_tokenizer, write_tiny_gguf
 from roseinfer import LLM, SamplingParams
 from roseinfer.backends.cpu import ops
 from roseinfer.loader.gguf import convert_gguf
+from test_native_kernels import needs_kernels
 from tiny_models import hf_greedy
 
 QTYPES = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q4_K, QT.Q6_K]
-needs_kernels = pytest.mark.skipif(not any(shutil.which(c) for c in ("cc", "gcc", "clang")),
-                                   reason="no C compiler: the native kernels cannot be built")
 
 
 def random_blocks(qtype: QT, rows: int, cols: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
