@@ -14,13 +14,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from roseinfer.server.engine_loop import RequestStream
 from roseinfer.server.messages_protocol import MessagesRequest, chat_request, error_body
 from roseinfer.server.protocol import APIError, ChatCompletionRequest
 from roseinfer.server.reasoning import ReasoningParser
+from roseinfer.server.request_stream import RequestStream
 from roseinfer.server.request_params import check_request, sampling_params
 from roseinfer.server.responses import EventStream
-from roseinfer.server.serving import CLIENT_CLOSED, OpenAIServing
+from roseinfer.server.serving import CLIENT_CLOSED, OpenAIServing, split_delta, split_reply
 from roseinfer.server.tool_calls import plan_tools
 from roseinfer.server.tool_parsers import ToolParser
 
@@ -61,15 +61,9 @@ class AnthropicServing:
         if choice.error:
             raise APIError(choice.error_status, choice.error)
         content: list[dict[str, Any]] = []
-        text, calls = choice.text, []
-        if run.reasoner is not None:  # Anthropic's thinking block, first; it has no signature to verify
-            reasoning, text = run.reasoner.parse(text, choice.token_ids)
-            text = text or ""
-            if reasoning:
-                content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
-        if run.parser is not None:  # the answer's calls: the reasoning may mention calls it did not make
-            parsed, calls = run.parser.parse(text)
-            text = parsed or ""
+        reasoning, text, calls = split_reply(choice.text, choice.token_ids, run.reasoner, run.parser)
+        if reasoning:  # Anthropic's thinking block, first; it has no signature to verify
+            content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
         if text:
             content.append({"type": "text", "text": text})
         # a call max_tokens cut has no input object to give: it is left out (streamed, its partial
@@ -112,19 +106,9 @@ class AnthropicServing:
         blocks = Blocks()
         async for _, delta in self.serving.merge_streams([run.stream]):
             if delta.error:
-                yield f"event: error\ndata: {json.dumps(error_body(delta.error_status, delta.error))}\n\n"
+                yield event("error", error_body(delta.error_status, delta.error))
                 return
-            content, calls, reasoning = delta.text, [], ""
-            if run.reasoner is not None:
-                split = run.reasoner.feed(delta.text, delta.token_ids)
-                if delta.finished:
-                    split.extend(run.reasoner.finish())
-                reasoning, content = split.reasoning, split.content
-            if run.parser is not None:
-                parsed = run.parser.feed(content)
-                if delta.finished:
-                    parsed.extend(run.parser.finish())
-                content, calls = parsed.content, parsed.tool_calls
+            reasoning, content, calls = split_delta(delta, run.reasoner, run.parser)
             lines = blocks.text(reasoning, "thinking") + blocks.text(content)
             for call in calls:
                 lines += blocks.tool_call(call)

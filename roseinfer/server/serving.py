@@ -38,7 +38,7 @@ from roseinfer.server.responses import (Choice, EventStream, Reply, prompt_entri
 from roseinfer.server.structured import (Constraint, ConstraintLimits, compile_constraint, compile_pool,
                                          requested_constraint)
 from roseinfer.server.tool_calls import chat_inputs, pick_parser, plan_tools, takes_system_role
-from roseinfer.server.tool_parsers import NamedCallParser, ToolParser
+from roseinfer.server.tool_parsers import NamedCallParser, ToolCall, ToolParser
 
 if TYPE_CHECKING:  # Ray is imported only when replicas are asked for
     from roseinfer.server.replicas import ReplicaSet
@@ -154,15 +154,13 @@ class OpenAIServing:
             return Response(status_code=CLIENT_CLOSED)
         out = []
         for i, (c, parser, reasoner) in enumerate(zip(choices, parsers, reasoners)):
-            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            reasoning, content, calls = split_reply(c.text, c.token_ids, reasoner, parser)
+            message: dict[str, Any] = {"role": "assistant", "content": content}
             if reasoner is not None:
-                reasoning, message["content"] = reasoner.parse(c.text, c.token_ids)
                 message["reasoning_content"] = message["reasoning"] = reasoning
                 reply.reasoning_tokens[i] = reasoner.reasoning_tokens
-            if parser is not None:  # the answer's calls: the reasoning may mention calls it did not make
-                message["content"], calls = parser.parse(message["content"] or "")
-                if calls:
-                    message["tool_calls"] = [call.to_openai() for call in calls]
+            if calls:
+                message["tool_calls"] = [call.to_openai() for call in calls]
             out.append({"index": i, "message": message, "finish_reason": finish_reason(c.finish_reason, parser),
                         "logprobs": self.logprobs.chat(c.logprobs) if body.logprobs else None})
         response = reply.body(out, choices)
@@ -283,19 +281,10 @@ class OpenAIServing:
                 yield sse(error_body(delta.error_status, delta.error))
                 continue
             logprobs = self.logprobs.chat(delta.logprobs) if want_logprobs and delta.logprobs else None
-            content, calls, parser, reasoner = delta.text, [], parsers[index], reasoners[index]
-            reasoning = ""
+            parser, reasoner = parsers[index], reasoners[index]
+            reasoning, content, calls = split_delta(delta, reasoner, parser)
             if reasoner is not None:
-                split = reasoner.feed(delta.text, delta.token_ids)
-                if delta.finished:
-                    split.extend(reasoner.finish())
-                reasoning, content = split.reasoning, split.content
                 reply.reasoning_tokens[index] = reasoner.reasoning_tokens
-            if parser is not None:
-                parsed = parser.feed(content)
-                if delta.finished:
-                    parsed.extend(parser.finish())
-                content, calls = parsed.content, parsed.tool_calls
             parts = ([{"reasoning_content": reasoning, "reasoning": reasoning}] if reasoning else []) + \
                 ([{"content": content}] if content else []) + [{"tool_calls": [call]} for call in calls]
             if not parts and (delta.finished or logprobs):
@@ -357,6 +346,37 @@ class OpenAIServing:
         for stream in streams:
             if not stream.finished:
                 self.manager.abort(stream.request_id)
+
+
+def split_reply(text: str, token_ids: list[int], reasoner: ReasoningParser | None,
+                parser: ToolParser | None) -> tuple[str | None, str | None, list[ToolCall]]:
+    """A whole reply's (reasoning, answer, tool calls): the reasoning split off first, then the
+    answer's calls (the reasoning may mention calls it did not make)."""
+    reasoning = None
+    if reasoner is not None:
+        reasoning, text = reasoner.parse(text, token_ids)
+    if parser is None:
+        return reasoning, text, []
+    content, calls = parser.parse(text or "")
+    return reasoning, content, calls
+
+
+def split_delta(delta: StreamDelta, reasoner: ReasoningParser | None,
+                parser: ToolParser | None) -> tuple[str, str, list[dict[str, Any]]]:
+    """A streamed delta's (reasoning, answer text, OpenAI delta.tool_calls entries), as split_reply
+    splits a whole reply; the parsers' held-back text comes out with the final delta."""
+    reasoning, content, calls = "", delta.text, []
+    if reasoner is not None:
+        split = reasoner.feed(delta.text, delta.token_ids)
+        if delta.finished:
+            split.extend(reasoner.finish())
+        reasoning, content = split.reasoning, split.content
+    if parser is not None:
+        parsed = parser.feed(content)
+        if delta.finished:
+            parsed.extend(parser.finish())
+        content, calls = parsed.content, parsed.tool_calls
+    return reasoning, content, calls
 
 
 def finish_reason(reason: str | None, parser: ToolParser | None) -> str | None:
