@@ -85,17 +85,18 @@ def test_streamed_text_equals_the_full_decode(engine, manager) -> None:
         assert [timings[k] for k in order] == sorted(timings[k] for k in order)
 
 
-def _reference_text(engine: LLMEngine, m: SchedulerManager, ids: list[int], n: int) -> str:
-    return "".join(d.text for d in drain(m.submit(ids, greedy(n))))
+def _a_stop_string(engine: LLMEngine, m: SchedulerManager) -> tuple[list[int], str, str]:
+    """PROMPT's ids, its 60-token greedy text, and a stop string that starts a third of the way in and
+    spans several tokens' worth of that text."""
+    ids = engine.tokenizer.encode(PROMPT)
+    full = "".join(d.text for d in drain(m.submit(ids, greedy(60))))
+    start = len(full) // 3
+    return ids, full, full[start:start + 6]
 
 
 def test_stop_string_across_chunks_is_cut_with_everything_after_it(engine, manager) -> None:
     m = manager()
-    ids = engine.tokenizer.encode(PROMPT)
-    full = _reference_text(engine, m, ids, 60)
-    # a stop string that starts a few tokens in and spans several tokens' worth of text
-    start = len(full) // 3
-    stop = full[start:start + 6]
+    ids, full, stop = _a_stop_string(engine, m)
     expected = full[:full.index(stop)]
     deltas = drain(m.submit(ids, greedy(60, stop=[stop, "never-appears-xyz"])))
     streamed = "".join(d.text for d in deltas)
@@ -112,10 +113,7 @@ def test_stop_string_across_chunks_is_cut_with_everything_after_it(engine, manag
 
 def test_include_stop_str_in_output_streams_through_the_stop_and_no_further(engine, manager) -> None:
     m = manager()
-    ids = engine.tokenizer.encode(PROMPT)
-    full = _reference_text(engine, m, ids, 60)
-    start = len(full) // 3
-    stop = full[start:start + 6]
+    ids, full, stop = _a_stop_string(engine, m)
     expected = full[:full.index(stop) + len(stop)]
     deltas = drain(m.submit(ids, greedy(60, stop=[stop], include_stop_str_in_output=True)))
     assert "".join(d.text for d in deltas) == expected
