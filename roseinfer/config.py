@@ -22,8 +22,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1  # n-gram sizes tried, longest first
     prompt_lookup_max: int = 4
     # no speculation in steps with more running decodes than this: each verification row costs its
-    # own attention and widens the step's matmuls, so beyond one sequence it stopped paying on the
-    # AVX2 CPU it was measured on (2 sequences 0.96-1.02x, 4: 0.88-0.95x; benchmarks/README.md)
+    # own attention and widens the step's matmuls, so beyond one sequence it stops paying on a CPU
+    # (docs/profiling.md)
     disable_by_batch_size: int = 1
 
     def __post_init__(self) -> None:

@@ -2,8 +2,8 @@
 
 For a folder with a tokenizer.json, the tokenizer runs on the `tokenizers` library and renders
 chat templates with jinja2 itself, reproducing what `transformers.AutoTokenizer` (v5) gives,
-without importing transformers: that import alone costs ~150 MB of RSS. Folders without a
-tokenizer.json (sentencepiece-only) fall back to transformers' AutoTokenizer.
+without importing transformers (its import alone is a large share of a small server's memory). Folders
+without a tokenizer.json (sentencepiece-only) fall back to transformers' AutoTokenizer.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ claim.
 
 Where the CPU backend runs a decode step's layers from C in one call (backends/cpu/llama.py), with
 no Python between matmuls, the decode floor runs its matmuls from one C loop too (Backend.matmul_loop):
-called one by one from Python they would pay ~8 us of cache-cold Python each that the engine no
+called one by one from Python they would pay a call's cache-cold Python each that the engine no
 longer pays, and the engine would beat its own floor.
 
 On a GPU a decode step is bound by memory, not matmuls: the bandwidth floor is the bytes a step

@@ -2,10 +2,9 @@
 
 Each process builds a Worker (roseinfer/worker) and runs the calls rank 0 sends it, in order, over
 its pipe: loading, sizing the pool (a collective every rank joins), and each step's `follow` (the
-BatchLayout and the rows whose logits rank 0 takes, pickled once). A pipe per process was as cheap
-as nano-vllm's shared memory + event and ~3x cheaper than a gloo broadcast
-(benchmarks/tp_broadcast.py, docs/distributed.md), needs no size limit, and tells a waiting rank at
-once (EOF) that rank 0 is gone.
+BatchLayout and the rows whose logits rank 0 takes, pickled once). A pipe per process is as cheap
+as shared memory and cheaper than a gloo broadcast (docs/distributed.md), needs no size limit, and
+tells a waiting rank at once (EOF) that rank 0 is gone.
 
 Lifetime: the processes are spawned (torch.multiprocessing, daemon) when the engine starts and stopped
 with it (`close`, also on garbage collection and at interpreter exit). A rank exits when rank 0's

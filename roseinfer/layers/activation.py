@@ -1,7 +1,7 @@
 """Activations by the names transformers configs use.
 
-Plain torch functions rather than transformers.activations, whose import alone costs ~1 s and
-~80 MB of resident memory. gelu_new is written out as GPT-2 (and transformers) defines it, so the
+Plain torch functions rather than transformers.activations, whose import is slow and heavy for what
+it gives. gelu_new is written out as GPT-2 (and transformers) defines it, so the
 rounding matches the reference exactly.
 """
 from __future__ import annotations

@@ -3,8 +3,7 @@ longrope, proportional), per layer type where a model has several, and partial r
 
 HF checkpoints rotate each head as two halves (x[i] pairs with x[i + d/2]). Here the pairs are
 adjacent (x[2i], x[2i+1]) so that a rotation is one complex multiply: one kernel instead of the
-six of the half-split form (slices, neg, cat, two muls, add), which measured 10-40x faster at 64-256
-tokens on CPU. The model reorders q/k projection rows at load time (`interleave_rotary_rows`); a
+six of the half-split form (slices, neg, cat, two muls, add). The model reorders q/k projection rows at load time (`interleave_rotary_rows`); a
 permutation of head_dim applied to both q and k leaves every q.k score, and so the output, unchanged.
 
 Under partial rotary the dims that do not rotate keep their places and get the rotation 1 + 0i,

@@ -56,8 +56,8 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
-        """Reads config.json directly: importing transformers' config classes would pull about
-        150 MB of modules into every process. Missing optional fields take transformers' defaults
+        """Reads config.json directly: importing transformers' config classes would pull its heavy
+        modules into every process. Missing optional fields take transformers' defaults
         (`_DEFAULTS`; tests/test_model_config.py checks them against transformers)."""
         model_type = raw.get("model_type")
         if model_type in MULTIMODAL_WRAPPERS:

@@ -1,7 +1,7 @@
 """Request bodies larger than the limit are answered 413 before anything parses them.
 
 An ASGI middleware rather than a check in the handlers: FastAPI reads and parses the whole body
-before a handler runs, and a 52 MB prompt took minutes of event-loop time to be refused. A
+before a handler runs, so an oversized prompt would hold the event loop before it is refused. A
 declared Content-Length over the limit is refused without reading a byte; a chunked body is
 counted as it arrives and refused at the first byte past the limit. What passes is handed on
 whole, then the client's later messages (its disconnect) as they come.

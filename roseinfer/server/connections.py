@@ -1,16 +1,16 @@
 """uvicorn's h11 HTTP/1.1 protocol with the two guards on a request's head that nginx has and uvicorn
 lacks: a size limit (431) and a time limit (408).
 
-Why h11 and not httptools (uvicorn's pick when it is installed): httptools has no header limit, and
-a 64 MB header was read, buffered and answered 200 before authentication. h11 caps its buffer of an
+Why h11 and not httptools (uvicorn's pick when it is installed): httptools has no header limit, so a
+head of any size is read and buffered before authentication. h11 caps its buffer of an
 incomplete head (`h11_max_incomplete_event_size`, which uvicorn passes on), but only once a read
 ends without the head complete: a larger head that arrives in one read passes. So the head is
 measured here, on every read, before h11 sees it; h11's own cap stays as the backstop for a head
 pipelined behind a request still being answered.
 
 uvicorn times a connection out only between requests (--timeout-keep-alive, disarmed by the first
-byte): a connection that never sends a byte, or sends a head one byte at a time (slowloris), was
-held forever. Here a connection waiting for a head gets --header-timeout seconds to complete it.
+byte): a connection that never sends a byte, or sends a head one byte at a time (slowloris), would
+be held forever. Here a connection waiting for a head gets --header-timeout seconds to complete it.
 """
 from __future__ import annotations
 

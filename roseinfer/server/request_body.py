@@ -1,7 +1,7 @@
 """Request bodies parsed and validated in a worker thread, with cheap count checks first.
 
-FastAPI parses and validates a body on the event loop, where 3.4 million one-token prompts (under
-16 MB) held every other request for 9 s. Here a handler hands the raw bytes to a worker thread,
+FastAPI parses and validates a body on the event loop, where a body of millions of small values
+holds every other request for seconds. Here a handler hands the raw bytes to a worker thread,
 which parses them, counts what the limits below cap (prompts, messages, choices, stop strings, ...)
 before pydantic walks anything, and only then validates. The C JSON parser holds the GIL for the
 whole body, so a body that may hold more values than any request needs (counted from its commas

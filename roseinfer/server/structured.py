@@ -21,9 +21,8 @@ if TYPE_CHECKING:
     from roseinfer.server.replicas import EngineView
 
 COMPILE_THREADS = 2
-# llguidance recurses once per nested rule as it compiles: a 6,000-rule chain (100 KB) overflowed a
-# thread's default 8 MB stack and crashed the process; 256 MB covers --max-constraint-bytes' default
-# with room to spare (the stack is reserved address space, used only as deep as a compile goes)
+# llguidance recurses once per nested rule as it compiles, so a deep grammar overflows a thread's default
+# stack; this covers --max-constraint-bytes' default (reserved address space, used only as deep as needed)
 COMPILE_STACK_BYTES = 256 << 20
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
