@@ -10,7 +10,6 @@ import pytest
 from roseinfer.bench.datasets import BenchRequest, jsonl_requests, random_requests, shared_prefix_requests
 from roseinfer.bench.metrics import (
     RequestTiming,
-    aggregate,
     format_p50_mean,
     format_p50_p95_p99,
     goodput,
@@ -86,25 +85,6 @@ def test_request_timing_edge_cases() -> None:
     # output_tokens (from a usage record) overrides the chunk count for TPOT.
     coalesced = RequestTiming(0.0, 0.0, token_times=[1.0, 2.0], end=2.0, output_tokens=5)
     assert coalesced.tpot == pytest.approx(0.25)
-
-
-def test_aggregate_pools_itls() -> None:
-    a = _timing()
-    b = RequestTiming(submit_start=10.5, submit_end=10.5, token_times=[12.0, 13.0], end=13.5)
-    agg = aggregate([a, b])
-    assert agg["num_requests"] == 2
-    assert agg["duration"] == pytest.approx(3.5)  # 13.5 - 10.0
-    assert agg["output_tokens"] == 6
-    assert agg["itl"]["count"] == 4  # 3 from a + 1 from b
-    assert agg["itl"]["mean"] == pytest.approx((0.2 + 0.3 + 0.1 + 1.0) / 4)
-    assert agg["ttft"]["mean"] == pytest.approx((1.0 + 1.5) / 2)
-    assert agg["tpot"]["mean"] == pytest.approx((0.2 + 1.0) / 2)
-    assert agg["e2el"]["max"] == pytest.approx(3.0)
-    assert agg["queue_wait"]["count"] == 1  # b has no engine-side stamps
-    assert aggregate([])["ttft"]["count"] == 0
-
-
-# --- goodput ------------------------------------------------------------------------------
 
 
 def test_goodput_counts_requests_meeting_all_slos() -> None:

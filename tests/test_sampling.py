@@ -66,8 +66,7 @@ def _processed(params: SamplingParams, logits: torch.Tensor, prompt: list[int], 
     req.token_ids.extend(output)
     sampler = Sampler(eos_token_ids={0}, device=torch.device("cpu"), seed=0)
     row = logits.clone().unsqueeze(0)
-    sampler._process_row(row, 0, req)
-    return row[0]
+    return sampler._process(row, *sampler._inputs([req], row.shape[1], row.device))[0]
 
 
 def test_penalties_follow_their_definitions():

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -205,6 +204,3 @@ def load_requests(
                                       num_prefixes=num_prefixes)
     raise ValueError(f"unknown dataset {dataset!r}; expected one of {', '.join(DATASETS)}")
 
-
-def total_prompt_len(requests: Sequence[BenchRequest]) -> int:
-    return sum(r.prompt_len or 0 for r in requests)

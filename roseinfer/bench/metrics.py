@@ -139,35 +139,11 @@ class RequestTiming:
         return self.finish - self.submit_start
 
 
-def _present(values: Iterable[float | None]) -> list[float]:
-    return [v for v in values if v is not None]
-
-
 def benchmark_duration(timings: Sequence[RequestTiming]) -> float:
     """From the first submission to the last completion; 0.0 for no requests."""
     if not timings:
         return 0.0
     return max(t.finish for t in timings) - min(t.submit_start for t in timings)
-
-
-def aggregate(timings: Sequence[RequestTiming]) -> dict[str, object]:
-    """Summaries (seconds) of each per-request metric across ``timings``.
-
-    ITLs are pooled over all requests (every gap is one sample), as vLLM does, so long
-    requests weigh in proportion to their token count. Requests lacking a metric
-    (e.g. no ``admitted`` timestamp) are simply left out of that metric's summary.
-    """
-    return {
-        "num_requests": len(timings),
-        "duration": benchmark_duration(timings),
-        "output_tokens": sum(t.num_tokens for t in timings),
-        "ttft": summarize(_present(t.ttft for t in timings)),
-        "tpot": summarize(_present(t.tpot for t in timings)),
-        "itl": summarize(itl for t in timings for itl in t.itls),
-        "e2el": summarize(t.latency for t in timings),
-        "queue_wait": summarize(_present(t.queue_wait for t in timings)),
-        "prefill_to_first_token": summarize(_present(t.prefill_to_first_token for t in timings)),
-    }
 
 
 def meets_slo(timing: RequestTiming, slo: dict[str, float]) -> bool:

@@ -181,10 +181,6 @@ class Sampler:
             work.scatter_(1, ints["banned"], NEG_INF)
         return work[:, :vocab]
 
-    def _process_row(self, logits: torch.Tensor, i: int, req: Request) -> None:
-        """Row i of logits for req alone, in place: the definitions one request's tests check."""
-        logits[i] = self._process(logits[i:i + 1], *self._inputs([req], logits.shape[1], logits.device))[0]
-
     def _sample(self, logits: torch.Tensor, requests: list[Request], ints: Tensors,
                 floats: Tensors) -> tuple[torch.Tensor, _Retry | None]:
         """Greedy rows take the argmax; sampled rows that filter race among their candidates, the

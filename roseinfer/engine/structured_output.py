@@ -53,10 +53,6 @@ class GrammarCompiler:
         self._compiled: OrderedDict[str, CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
 
-    @property
-    def num_compiled(self) -> int:
-        return len(self._compiled)
-
     def compile(self, params: StructuredOutputsParams, max_bytes: int | None = None) -> CompiledGrammar:
         """The compiled constraint; ValueError names what is wrong with it, ConstraintTooLarge that its
         grammar text is over `max_bytes` (None: no limit)."""
