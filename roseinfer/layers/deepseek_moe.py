@@ -1,6 +1,6 @@
 """DeepSeek's mixture of experts: the router (V2's softmax top-k, greedy or group-limited; V3's sigmoid
-scores with a correction bias and group-limited top-k), the routed experts computed token group by
-token group, and the shared experts beside them, as transformers' DeepseekV2Moe / DeepseekV3MoE.
+scores with a correction bias and group-limited top-k) and the routed experts computed token group by
+token group, as transformers' DeepseekV2Moe / DeepseekV3MoE (models/deepseek.py adds the shared experts).
 
 The interface the engine's MoE layers share: `route(hidden, router) -> (weights [T, k], ids [T, k])`
 and `RoutedExperts.forward(hidden, weights, ids) -> out`. The experts' compute is the plainest exact
@@ -13,8 +13,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from roseinfer.distributed.parallel import SINGLE, column_parallel, row_parallel
-from roseinfer.layers.activation import ActivationAndMul
 from roseinfer.layers.deepseek_layouts import DeepseekRouting
 
 
@@ -58,21 +56,9 @@ def _top(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(scores, dim=-1, descending=True, stable=True)[1][:, :k]
 
 
-class Expert(nn.Module):
-    """One SwiGLU expert; gate and up fused as in LlamaMLP."""
-
-    def __init__(self, hidden_size: int, width: int, act: str) -> None:
-        super().__init__()
-        part = SINGLE.even(width)
-        self.gate_up_proj = column_parallel(hidden_size, [part, part], bias=False)
-        self.down_proj = row_parallel(width, hidden_size, SINGLE, bias=False)
-        self.act_and_mul = ActivationAndMul(act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward(self.act_and_mul.forward(self.gate_up_proj.forward(x)))
-
-
 class RoutedExperts(nn.ModuleList):
+    """The routed experts, any modules mapping [rows, hidden] to [rows, hidden] (models/deepseek.py Expert)."""
+
     def forward(self, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """sum over each token's k experts of weight * expert(token), [T, hidden]."""
         out = torch.zeros_like(hidden)

@@ -11,9 +11,11 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from roseinfer.distributed.parallel import SINGLE, TensorParallel, vocab_parallel_embedding
+from roseinfer.distributed.parallel import (SINGLE, TensorParallel, column_parallel, row_parallel,
+                                            vocab_parallel_embedding)
+from roseinfer.layers.activation import ActivationAndMul
 from roseinfer.layers.attention import AttentionMetadata, KVCache
-from roseinfer.layers.deepseek_moe import DeepseekRouter, Expert, RoutedExperts, route
+from roseinfer.layers.deepseek_moe import DeepseekRouter, RoutedExperts, route
 from roseinfer.layers.mla import MultiHeadLatentAttention
 from roseinfer.layers.norm import RMSNorm
 from roseinfer.layers.rotary import RotaryEmbedding, interleave_rotary_rows
@@ -21,6 +23,20 @@ from roseinfer.models.config import ModelConfig
 from roseinfer.models.deepseek_config import mla_softmax_scale
 from roseinfer.models.llama import PACKED_MODULES, LlamaMLP, lm_head
 from roseinfer.models.weights import WeightLoader
+
+
+class Expert(nn.Module):
+    """One SwiGLU expert; gate and up fused as in LlamaMLP."""
+
+    def __init__(self, hidden_size: int, width: int, act: str) -> None:
+        super().__init__()
+        part = SINGLE.even(width)
+        self.gate_up_proj = column_parallel(hidden_size, [part, part], bias=False)
+        self.down_proj = row_parallel(width, hidden_size, SINGLE, bias=False)
+        self.act_and_mul = ActivationAndMul(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj.forward(self.act_and_mul.forward(self.gate_up_proj.forward(x)))
 
 
 class DeepseekMoE(nn.Module):
