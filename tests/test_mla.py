@@ -120,10 +120,13 @@ def test_rope_in_halves_checkpoint_matches_hf(tiny_model_factory, tmp_path: Path
     assert [o.token_ids for o in outs] == refs
 
 
-def test_tensor_parallel_is_refused_with_the_reason(tiny_model_factory) -> None:
-    cfg = ModelConfig.from_dict(json.loads((tiny_model_factory("deepseek_v3") / "config.json").read_text()))
+def test_tensor_parallel_and_fp8_checkpoints_are_refused_with_the_reason(tiny_model_factory) -> None:
+    raw = json.loads((tiny_model_factory("deepseek_v3") / "config.json").read_text())
     with pytest.raises(ValueError, match="latent attention"):
-        check_tensor_parallel(cfg, 2)
+        check_tensor_parallel(ModelConfig.from_dict(raw), 2)
+    fp8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    with pytest.raises(ValueError, match="fp8 block-quantized"):
+        ModelConfig.from_dict({**raw, "quantization_config": fp8})
 
 
 # --------------------------------------------------------------------------- routing

@@ -12,7 +12,7 @@ from roseinfer.layers.rope_parameters import rope_parameters
 DEEPSEEK_FAMILY = ("deepseek_v2", "deepseek_v3")
 
 # What transformers' DeepseekV2Config / DeepseekV3Config assume for fields a config.json leaves out.
-_COMMON = {"rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False, "attention_bias": False,
+_COMMON = {"quantization_config": None, "rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False, "attention_bias": False,
            "num_key_value_heads": None, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
            "qk_nope_head_dim": 128, "v_head_dim": 128}
 DEEPSEEK_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -35,6 +35,11 @@ class DeepseekMoeLayout:
 
 
 def deepseek_layouts(model_type: str, get: Callable[[str], Any]) -> tuple[MlaLayout, DeepseekMoeLayout]:
+    quantization = get("quantization_config") or {}
+    if quantization.get("quant_method") == "fp8":
+        # DeepSeek's own V3 release: 128 x 128 fp8 blocks with weight_scale_inv tensors beside them
+        raise ValueError(f"{model_type} with fp8 block-quantized weights is not supported; use a bf16 or fp32 "
+                         "conversion of the checkpoint")
     v3 = model_type == "deepseek_v3"
     mla = MlaLayout(get("q_lora_rank"), get("kv_lora_rank"), get("qk_nope_head_dim"), get("qk_rope_head_dim"),
                     get("v_head_dim"), rope_in_halves=v3 and not get("rope_interleave"))
