@@ -35,7 +35,26 @@ def _expected(hf) -> dict:
                      else None}
     if hf.model_type == "gemma4_text":  # head_dim / num_kv_heads are the KV pool's row; each layer's own:
         del expected["head_dim"], expected["num_kv_heads"]
+    if hf.model_type.startswith("deepseek"):  # the pool's row is MLA's latent + rope key (_assert_deepseek)
+        expected |= {"head_dim": hf.kv_lora_rank + hf.qk_rope_head_dim, "num_kv_heads": 1}
     return expected
+
+
+def _assert_deepseek(cfg: ModelConfig, hf) -> None:
+    """MLA's shapes and the routing, field by field as transformers' modeling files read them."""
+    mla, moe = cfg.mla, cfg.deepseek_moe
+    assert (mla.q_lora_rank, mla.kv_lora_rank, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim) == (
+        hf.q_lora_rank, hf.kv_lora_rank, hf.qk_nope_head_dim, hf.qk_rope_head_dim, hf.v_head_dim)
+    assert mla.rope_in_halves == (hf.model_type == "deepseek_v3" and not hf.rope_interleave)
+    v3 = hf.model_type == "deepseek_v3"
+    grouped = v3 or hf.topk_method == "group_limited_greedy"
+    routing = moe.routing
+    assert (routing.num_experts, routing.top_k, routing.scaling_factor) == (
+        hf.n_routed_experts, hf.num_experts_per_tok, hf.routed_scaling_factor)
+    assert (routing.num_groups, routing.top_groups) == ((hf.n_group, hf.topk_group) if grouped else (1, 1))
+    assert routing.normalise == (v3 and hf.norm_topk_prob)
+    assert (moe.expert_size, moe.shared_size, moe.first_moe_layer) == (
+        hf.moe_intermediate_size, hf.moe_intermediate_size * hf.n_shared_experts, hf.first_k_dense_replace)
 
 
 def _assert_gemma(cfg: ModelConfig, hf) -> None:
@@ -72,6 +91,8 @@ def _assert_matches(cfg: ModelConfig, hf) -> None:
         assert [cfg.layer_sliding_window(i) for i in range(cfg.num_layers)] == _expected_windows(hf)
     if hf.model_type.startswith("gemma"):
         _assert_gemma(cfg, hf)
+    if hf.model_type.startswith("deepseek"):
+        _assert_deepseek(cfg, hf)
 
 
 @pytest.mark.parametrize("arch", ARCHS + EXTRA_ARCHS)

@@ -34,7 +34,7 @@ ARCHS: list[str] = ["gpt2", "llama", "llama3_rope_untied", "mistral", "qwen2", "
 # Built on demand (tiny_model_factory), not run by every arch-parametrized test: every layer of
 # mistral_sliding slides, so its KV blocks go back to the pool as sequences grow and the pools that
 # those tests size to force preemption no longer run short (tests/test_sliding_window.py runs it).
-EXTRA_ARCHS: list[str] = ["mistral_sliding"]
+EXTRA_ARCHS: list[str] = ["mistral_sliding", "deepseek_v2_lite", "deepseek_v3"]
 
 # Weights that do not move when archs are added before these ones: the speculative tests need a
 # model that continues a repeated pattern, and the references must be far from ties
@@ -183,6 +183,8 @@ def _config(arch: str) -> Any:
         return LlamaConfig(**{**common, "num_key_value_heads": 1}, tie_word_embeddings=False)
     if arch.startswith("gemma"):
         return _gemma_config(arch, common)
+    if arch.startswith("deepseek"):
+        return _deepseek_config(arch, common)
     if arch == "mistral_sliding":  # every layer slides
         return MistralConfig(**common, sliding_window=SLIDING_WINDOW, tie_word_embeddings=False)
     if arch == "qwen2_sliding":  # layer 0 attends the whole context, layer 1 slides
@@ -230,6 +232,23 @@ def _gemma_config(arch: str, common: dict[str, Any]) -> Any:
                             final_logit_softcapping=5.0, tie_word_embeddings=False)
 
 
+# DeepSeek: latent attention with small ranks, 4 experts (top 2) and a shared one after a dense first
+# layer; V2-Lite's q straight from the hidden state, V3's through its own rank, YaRN with mscale.
+def _deepseek_config(arch: str, common: dict[str, Any]) -> Any:
+    from transformers import DeepseekV2Config, DeepseekV3Config
+
+    deepseek = {**common, "num_hidden_layers": 3, "num_key_value_heads": 4, "kv_lora_rank": 16, "qk_nope_head_dim": 16,
+                "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                "n_shared_experts": 1, "moe_intermediate_size": 32, "first_k_dense_replace": 1,
+                "tie_word_embeddings": False}
+    if arch == "deepseek_v2_lite":  # group-limited: the best 2 of 4 one-expert groups
+        return DeepseekV2Config(**deepseek, q_lora_rank=None, topk_method="group_limited_greedy", n_group=4,
+                                topk_group=2, routed_scaling_factor=1.5, rope_theta=20000.0)
+    return DeepseekV3Config(**deepseek, q_lora_rank=24, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                            rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                             "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0})
+
+
 @torch.no_grad()
 def _randomize(model: torch.nn.Module, seed: int) -> None:
     """Re-initialise every parameter with a large scale.
@@ -255,6 +274,8 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
     for name, buffer in model.named_buffers():
         if name.endswith("layer_scalar"):  # Gemma 4's per-layer output scale, saved with the weights
             buffer.copy_(1.0 + torch.randn(buffer.shape, generator=gen) * 0.2)
+        if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias, saved with the weights
+            buffer.copy_(torch.randn(buffer.shape, generator=gen) * 0.2)
 
 
 def build_tiny_model(arch: str, out_dir: str | pathlib.Path) -> pathlib.Path:

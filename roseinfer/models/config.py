@@ -5,12 +5,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from roseinfer.layers.rope_parameters import long_rope_original_positions
+from roseinfer.models.deepseek_config import (DEEPSEEK_DEFAULTS, DEEPSEEK_FAMILY, DeepseekMoeLayout, MlaLayout,
+                                              deepseek_layouts)
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3")
 GEMMA_FAMILY = ("gemma2", "gemma3_text", "gemma4_text")
 # multimodal checkpoints whose text model is read from their `text_config`
 MULTIMODAL_WRAPPERS = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}
-SUPPORTED_MODEL_TYPES = ("gpt2",) + LLAMA_FAMILY + GEMMA_FAMILY + tuple(MULTIMODAL_WRAPPERS)
+SUPPORTED_MODEL_TYPES = ("gpt2",) + LLAMA_FAMILY + GEMMA_FAMILY + DEEPSEEK_FAMILY + tuple(MULTIMODAL_WRAPPERS)
 
 
 @dataclass
@@ -42,6 +44,15 @@ class ModelConfig:
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
     gemma4: Gemma4Layout | None = None
+    # DeepSeek: latent attention, whose KV pool row is one head of mla.cache_width (num_kv_heads 1,
+    # head_dim that width) with no separate V plane; and the mixture of experts after the dense layers
+    mla: MlaLayout | None = None
+    deepseek_moe: DeepseekMoeLayout | None = None
+
+    @property
+    def kv_cache_planes(self) -> int:
+        """Tensors per layer in the KV pool: K and V, or the one latent row MLA keys and values read."""
+        return 1 if self.mla is not None else 2
 
     def layer_sliding_window(self, layer: int) -> int | None:
         return self.sliding_windows[layer] if self.sliding_windows else None
@@ -76,6 +87,8 @@ class ModelConfig:
             )
         if model_type in GEMMA_FAMILY:
             return _gemma_config(cls, raw, get)
+        if model_type in DEEPSEEK_FAMILY:
+            return _deepseek_config(cls, raw, get)
         num_heads = get("num_attention_heads")
         head_dim = get("head_dim") or get("hidden_size") // num_heads
         return cls(
@@ -148,6 +161,7 @@ _DEFAULTS.update({
                     "hidden_size_per_layer_input": 256, "vocab_size_per_layer_input": 262144,
                     "use_double_wide_mlp": False, "enable_moe_block": False},
 })
+_DEFAULTS.update(DEEPSEEK_DEFAULTS)
 # Gemma 4's rope when config.json gives none: proportional rope on a quarter of the global layers' dims
 _GEMMA4_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
                 "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
@@ -253,6 +267,17 @@ def _gemma_config(cls: type[ModelConfig], raw: dict[str, Any], get: _Fields) -> 
         sliding_windows=tuple(get("sliding_window") if kind != "full_attention" else None for kind in layer_types),
         attn_logit_softcap=get("attn_logit_softcapping") if model_type == "gemma2" else None,
         final_logit_softcap=get("final_logit_softcapping"), gemma4=gemma4)
+
+
+def _deepseek_config(cls: type[ModelConfig], raw: dict[str, Any], get: _Fields) -> ModelConfig:
+    mla, moe = deepseek_layouts(raw["model_type"], get)
+    return cls(
+        model_type=raw["model_type"], vocab_size=get("vocab_size"), hidden_size=get("hidden_size"),
+        num_layers=get("num_hidden_layers"), num_heads=get("num_attention_heads"), num_kv_heads=1,
+        head_dim=mla.cache_width, intermediate_size=get("intermediate_size"),
+        max_position_embeddings=get("max_position_embeddings"), norm_eps=get("rms_norm_eps"),
+        tie_word_embeddings=bool(get("tie_word_embeddings")), attention_bias=bool(get("attention_bias")),
+        hidden_act=get("hidden_act"), raw_config=raw, mla=mla, deepseek_moe=moe)
 
 
 def _nope_layers(get: "_Fields") -> tuple[int, ...]:

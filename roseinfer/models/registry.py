@@ -5,6 +5,8 @@ from torch import nn
 
 from roseinfer.distributed.parallel import SINGLE, TensorParallel
 from roseinfer.models.config import GEMMA_FAMILY, LLAMA_FAMILY, ModelConfig
+from roseinfer.models.deepseek import DeepseekForCausalLM
+from roseinfer.models.deepseek_config import DEEPSEEK_FAMILY
 from roseinfer.models.gemma import GemmaForCausalLM
 from roseinfer.models.gpt2 import GPT2LMHeadModel
 from roseinfer.models.llama import LlamaForCausalLM
@@ -12,6 +14,7 @@ from roseinfer.models.llama import LlamaForCausalLM
 MODEL_CLASSES: dict[str, type[nn.Module]] = {"gpt2": GPT2LMHeadModel}
 MODEL_CLASSES.update({name: LlamaForCausalLM for name in LLAMA_FAMILY})
 MODEL_CLASSES.update({name: GemmaForCausalLM for name in GEMMA_FAMILY})
+MODEL_CLASSES.update({name: DeepseekForCausalLM for name in DEEPSEEK_FAMILY})
 
 
 def build_model(cfg: ModelConfig, tp: TensorParallel = SINGLE) -> nn.Module:

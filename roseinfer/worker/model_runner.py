@@ -15,6 +15,7 @@ from roseinfer.backends.base import LOGITS_CHUNK_ROWS, Backend, BatchLayout
 from roseinfer.engine.request import TokenLogprobs
 from roseinfer.engine.scheduler import ScheduledRequest, SchedulerOutput
 from roseinfer.engine.speculative import accept_draft
+from roseinfer.layers.attention import KVCache
 from roseinfer.models.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -40,6 +41,15 @@ class PreparedStep:
         return self.sample_chunks + [rows for _, rows, _ in self.prompt_pieces]
 
 
+def kv_pool(backend: Backend, model_config: ModelConfig, slots: int) -> list[KVCache]:
+    """Each layer's (K, V) cache, [slots, kv heads, head dim] each, in one allocation. Where the model
+    keeps one plane (MLA's latent rows: ModelConfig.kv_cache_planes) K and V are the same tensor."""
+    shape = (model_config.num_layers, model_config.kv_cache_planes, slots, model_config.num_kv_heads,
+             model_config.head_dim)
+    pool = backend.allocate_kv_pool(shape)
+    return [(pool[layer, 0], pool[layer, -1]) for layer in range(model_config.num_layers)]
+
+
 class ModelRunner:
     def __init__(self, model: nn.Module, model_config: ModelConfig, num_kv_blocks: int, block_size: int,
                  backend: Backend, sampler: Sampler | None) -> None:
@@ -52,10 +62,7 @@ class ModelRunner:
         self.sampler = sampler
         self.vocab_size = model_config.vocab_size  # the logits' width
         self.rotary_shift = model_config.max_position_embeddings  # the rotary table's rows per half
-        shape = (model_config.num_layers, 2, num_kv_blocks * block_size, model_config.num_kv_heads,
-                 model_config.head_dim)
-        pool = backend.allocate_kv_pool(shape)
-        self.kv_caches = [(pool[layer, 0], pool[layer, 1]) for layer in range(model_config.num_layers)]
+        self.kv_caches = kv_pool(backend, model_config, num_kv_blocks * block_size)
 
     def capture(self, max_num_seqs: int, max_model_len: int) -> None:
         """What the backend records for later steps (CUDA graphs of decode steps, where it has them)."""
@@ -64,7 +71,8 @@ class ModelRunner:
 
     @staticmethod
     def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        return 2 * model_config.num_layers * block_size * model_config.num_kv_heads * model_config.head_dim * dtype.itemsize
+        return (model_config.kv_cache_planes * model_config.num_layers * block_size * model_config.num_kv_heads
+                * model_config.head_dim * dtype.itemsize)
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Run one forward over the scheduled tokens; returns the new tokens per scheduled request
@@ -181,9 +189,7 @@ class ModelRunner:
         """One forward of the largest step, a prompt of num_tokens into a throwaway pool, and the LM
         head on num_logits rows: its peak memory sizes the real pool (Backend.kv_pool_bytes)."""
         blocks = -(-num_tokens // block_size)
-        pool = backend.allocate_kv_pool((model_config.num_layers, 2, blocks * block_size, model_config.num_kv_heads,
-                                         model_config.head_dim))
-        caches = [(pool[layer, 0], pool[layer, 1]) for layer in range(model_config.num_layers)]
+        caches = kv_pool(backend, model_config, blocks * block_size)
         tokens = list(range(num_tokens))
         layout = BatchLayout(block_size, [0] * num_tokens, tokens, tokens, [0], [num_tokens], [num_tokens],
                              [list(range(blocks))])

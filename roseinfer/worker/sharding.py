@@ -19,6 +19,8 @@ def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
 
 def _uneven(cfg: ModelConfig, size: int) -> list[str]:
     problems = []
+    if cfg.mla is not None and size > 1:
+        problems.append("its latent attention (MLA) keeps one KV row per token, which is not split across ranks yet")
     if cfg.num_heads % size:
         problems.append(f"its {cfg.num_heads} attention heads are not divisible by {size}")
     if cfg.num_kv_heads != cfg.num_heads and cfg.num_kv_heads % size and size % cfg.num_kv_heads:
