@@ -8,9 +8,28 @@ from roseinfer.layers.rope_parameters import long_rope_original_positions
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3")
 GEMMA_FAMILY = ("gemma2", "gemma3_text", "gemma4_text")
+# linear-attention layers (Gated DeltaNet) between full-attention ones
+HYBRID_FAMILY = ("qwen3_5_text",)
 # multimodal checkpoints whose text model is read from their `text_config`
-MULTIMODAL_WRAPPERS = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}
-SUPPORTED_MODEL_TYPES = ("gpt2",) + LLAMA_FAMILY + GEMMA_FAMILY + tuple(MULTIMODAL_WRAPPERS)
+MULTIMODAL_WRAPPERS = {"gemma3": "gemma3_text", "gemma4": "gemma4_text", "qwen3_5": "qwen3_5_text"}
+SUPPORTED_MODEL_TYPES = ("gpt2",) + LLAMA_FAMILY + GEMMA_FAMILY + HYBRID_FAMILY + tuple(MULTIMODAL_WRAPPERS)
+
+
+@dataclass
+class LinearAttentionShape:
+    """A Gated DeltaNet layer's shape (transformers' linear_* fields): its per-request state is a
+    recurrent state [v_heads, k_head_dim, v_head_dim] and a conv state [conv_dim, conv_kernel - 1]."""
+
+    num_k_heads: int
+    num_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_dim(self) -> int:
+        """The convolution's channels: q, k and v side by side."""
+        return 2 * self.num_k_heads * self.k_head_dim + self.num_v_heads * self.v_head_dim
 
 
 @dataclass
@@ -42,6 +61,17 @@ class ModelConfig:
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
     gemma4: Gemma4Layout | None = None
+    linear_attention: LinearAttentionShape | None = None  # hybrid models: the layer_types "linear_attention"
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """The layers whose per-request state lives in the state pool (engine/state_pool.py)."""
+        return tuple(i for i, kind in enumerate(self.layer_types) if kind == "linear_attention")
+
+    @property
+    def num_kv_layers(self) -> int:
+        """The layers whose K/V the paged pool holds."""
+        return self.num_layers - len(self.linear_layers)
 
     def layer_sliding_window(self, layer: int) -> int | None:
         return self.sliding_windows[layer] if self.sliding_windows else None
@@ -76,6 +106,8 @@ class ModelConfig:
             )
         if model_type in GEMMA_FAMILY:
             return _gemma_config(cls, raw, get)
+        if model_type in HYBRID_FAMILY:
+            return _hybrid_config(cls, raw, get)
         num_heads = get("num_attention_heads")
         head_dim = get("head_dim") or get("hidden_size") // num_heads
         return cls(
@@ -136,6 +168,12 @@ _GEMMA_DEFAULTS = {"hidden_size": 2304, "intermediate_size": 9216, "num_attentio
                    "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True, "attention_bias": False,
                    "sliding_window": 4096, "query_pre_attn_scalar": 256, "final_logit_softcapping": None,
                    "layer_types": None, "rope_parameters": None, "rope_scaling": None}
+_DEFAULTS["qwen3_5_text"] = {
+    **_LLAMA_DEFAULTS, "vocab_size": 248320, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 32,
+    "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 32768,
+    "rope_parameters": None, "rope_theta": 10000.0, "layer_types": None, "full_attention_interval": 4,
+    "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32}
 _DEFAULTS.update({
     "gemma2": {**_GEMMA_DEFAULTS, "vocab_size": 256000, "num_hidden_layers": 26, "max_position_embeddings": 8192,
                "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0, "rope_theta": 10000.0},
@@ -253,6 +291,26 @@ def _gemma_config(cls: type[ModelConfig], raw: dict[str, Any], get: _Fields) -> 
         sliding_windows=tuple(get("sliding_window") if kind != "full_attention" else None for kind in layer_types),
         attn_logit_softcap=get("attn_logit_softcapping") if model_type == "gemma2" else None,
         final_logit_softcap=get("final_logit_softcapping"), gemma4=gemma4)
+
+
+def _hybrid_config(cls: type[ModelConfig], raw: dict[str, Any], get: _Fields) -> ModelConfig:
+    """Qwen3.5: every `full_attention_interval`-th layer gated full attention, the others Gated DeltaNet."""
+    layers = get("num_hidden_layers")
+    interval = get("full_attention_interval")
+    layer_types = tuple(get("layer_types") or ["linear_attention" if (i + 1) % interval else "full_attention"
+                                               for i in range(layers)])
+    rope = {"rope_type": "default", "rope_theta": get("rope_theta"), "partial_rotary_factor": 0.25,
+            **(get("rope_parameters") or {})}
+    return cls(
+        model_type=raw["model_type"], vocab_size=get("vocab_size"), hidden_size=get("hidden_size"), num_layers=layers,
+        num_heads=get("num_attention_heads"), num_kv_heads=get("num_key_value_heads"), head_dim=get("head_dim"),
+        intermediate_size=get("intermediate_size"), max_position_embeddings=get("max_position_embeddings"),
+        norm_eps=get("rms_norm_eps"), tie_word_embeddings=bool(get("tie_word_embeddings")),
+        attention_bias=bool(get("attention_bias")), qk_norm=True, hidden_act=get("hidden_act"),
+        raw_config={**raw, "rope_parameters": rope}, layer_types=layer_types,
+        linear_attention=LinearAttentionShape(get("linear_num_key_heads"), get("linear_num_value_heads"),
+                                              get("linear_key_head_dim"), get("linear_value_head_dim"),
+                                              get("linear_conv_kernel_dim")))
 
 
 def _nope_layers(get: "_Fields") -> tuple[int, ...]:
