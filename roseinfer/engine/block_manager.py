@@ -73,7 +73,10 @@ class BlockManager:
         return self.num_blocks - self.num_free_blocks
 
     def stats_dict(self) -> dict[str, int]:
+        slots = {} if self.state_pool is None else {"state_slots": self.state_pool.num_slots,
+                                                     "free_state_slots": self.state_pool.num_free_slots}
         return {
+            **slots,
             "total_blocks": self.num_blocks,
             "free_blocks": self.num_free_blocks,
             "used_blocks": self.num_used_blocks,

@@ -91,7 +91,7 @@ class ModelConfig:
         (`_DEFAULTS`; tests/test_model_config.py checks them against transformers)."""
         model_type = raw.get("model_type")
         if model_type in MULTIMODAL_WRAPPERS:
-            raw = _text_config(raw, MULTIMODAL_WRAPPERS[model_type])
+            raw = _text_config(raw, MULTIMODAL_WRAPPERS[model_type], model_type != "qwen3_5")
             model_type = raw["model_type"]
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
@@ -220,11 +220,12 @@ def _gemma4_head_shapes(raw: dict[str, Any], get: _Fields,
     return tuple(shapes)
 
 
-def _text_config(raw: dict[str, Any], text_type: str) -> dict[str, Any]:
-    """A multimodal checkpoint's text model config, with the wrapper's tying (HF ties at the top)."""
+def _text_config(raw: dict[str, Any], text_type: str, ties_by_default: bool) -> dict[str, Any]:
+    """A multimodal checkpoint's text model config, with the wrapper's tying (HF ties at the top;
+    Gemma's wrappers by default, Qwen3.5's not)."""
     text = dict(raw.get("text_config") or {})
     text["model_type"] = text_type
-    text.setdefault("tie_word_embeddings", raw.get("tie_word_embeddings", True))
+    text.setdefault("tie_word_embeddings", raw.get("tie_word_embeddings", ties_by_default))
     return text
 
 

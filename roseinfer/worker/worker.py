@@ -58,7 +58,8 @@ class Worker:
 
     def determine_num_kv_blocks(self) -> int:
         """The blocks every rank's pool can hold: config.num_kv_blocks, else the smallest of the ranks'
-        budgets (a collective: every rank calls it at once); 0 when not even one fits."""
+        budgets (a collective: every rank calls it at once); 0 when not even one fits. A hybrid model's
+        state slots (num_state_slots) come out of the same budget first."""
         config = self.spec.config
         slot_bytes = ModelRunner.state_bytes_per_slot(self.local_config, self.backend.dtype)
         if config.num_kv_blocks:
