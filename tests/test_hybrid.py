@@ -234,3 +234,26 @@ def test_conv_across_chunks_equals_one_pass(split: int) -> None:
         y, state = conv_decode(x[:, t], state, weight)
         decoded.append(y)
     torch.testing.assert_close(torch.stack(decoded, 1), whole[:, split:])
+
+
+def test_state_pool_and_kv_pool_share_one_budget(model_dir) -> None:
+    """With --kv-cache-memory-gb, the slots come first (one per sequence within half the budget) and
+    the KV pool, for the full-attention layer only, takes what is left."""
+    from roseinfer.worker.model_runner import ModelRunner
+
+    budget_gb = 0.0005  # 512 KiB: 15 slots of this model (16.5 KiB each) in its half, 132 blocks in the rest
+    llm = LLM(model=str(model_dir), kv_cache_memory_gb=budget_gb, max_num_seqs=64)
+    engine = llm.engine
+    slot_bytes = ModelRunner.state_bytes_per_slot(engine.model_config, torch.float32)
+    block_bytes = ModelRunner.kv_bytes_per_block(engine.model_config, engine.config.block_size, torch.float32)
+    stats = llm.kv_cache_stats()
+    budget = int(budget_gb * 2**30)
+    assert stats["state_slots"] == budget // 2 // slot_bytes < 64
+    assert stats["total_blocks"] == (budget - stats["state_slots"] * slot_bytes) // block_bytes
+    assert engine.model_config.num_kv_layers == 1 and block_bytes == 2 * 16 * 2 * 32 * 4
+    # twice the slots in requests: the second half waits for slots, not blocks, and nobody is preempted
+    prompts = sample_prompts(model_dir, 2 * stats["state_slots"], seed=2, max_len=20)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs[:3]] == [hf_greedy(model_dir, p, MAX_TOKENS) for p in prompts[:3]]
+    assert max(o.metrics["num_preemptions"] for o in outs) == 0
+    _assert_all_free(llm)
