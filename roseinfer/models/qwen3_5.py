@@ -46,6 +46,20 @@ class Conv1dWeight(nn.Module):
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel))
 
 
+class GatedRMSNorm(nn.Module):
+    """Per head: RMS-normalised in float32, scaled by w (not 1 + w) in the model's dtype, then gated
+    by silu(z) in float32, as transformers' Qwen3_5RMSNormGated."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return ((self.weight * normed.to(dtype)).float() * F.silu(gate.float())).to(dtype)
+
+
 class GatedDeltaNet(nn.Module):
     """One linear-attention layer: projections, causal conv with state, L2-normed q/k, the gated
     delta rule (layers/gated_delta_rule.py) and a gated RMSNorm before the output projection."""
@@ -62,9 +76,7 @@ class GatedDeltaNet(nn.Module):
         self.conv1d = Conv1dWeight(self.conv_dim, shape.conv_kernel)
         self.dt_bias = nn.Parameter(torch.empty(self.v_heads))
         self.A_log = nn.Parameter(torch.empty(self.v_heads))
-        self.norm = nn.Module()
-        self.norm.weight = nn.Parameter(torch.empty(self.v_dim))
-        self.norm_eps = cfg.norm_eps
+        self.norm = GatedRMSNorm(self.v_dim, cfg.norm_eps)
         self.out_proj = Linear(self.value_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, state: KVCache, meta: AttentionMetadata) -> torch.Tensor:
@@ -98,10 +110,8 @@ class GatedDeltaNet(nn.Module):
                                                        beta[rows] * valid.unsqueeze(-1),
                                                        recurrent_pool[slots] * keep[:, None, None, None])
             out[rows[valid > 0]] = o[valid > 0]
-        normed = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.norm_eps)
-        gated = (self.norm.weight * normed.to(x.dtype)).float() * F.silu(z.view(tokens, self.v_heads,
-                                                                                   self.v_dim).float())
-        return self.out_proj.forward(gated.to(x.dtype).view(tokens, self.value_size))
+        gated = self.norm.forward(out, z.view(tokens, self.v_heads, self.v_dim), x.dtype)
+        return self.out_proj.forward(gated.view(tokens, self.value_size))
 
     def _heads(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k (L2-normed, q scaled, k heads repeated up to the v heads) and v in float32, from the conv's
