@@ -9,6 +9,7 @@ import sys
 import pytest
 from transformers import AutoConfig
 
+from roseinfer.layers.rope_parameters import rope_parameters, rotary_dim
 from roseinfer.loader.model_loader import load_model_config
 from roseinfer.models.config import MULTIMODAL_WRAPPERS, SUPPORTED_MODEL_TYPES, ModelConfig
 from tiny_models import ARCHS, EXTRA_ARCHS
@@ -75,6 +76,18 @@ def _assert_gemma(cfg: ModelConfig, hf) -> None:
     assert cfg.gemma4.per_layer_vocab_size == hf.vocab_size_per_layer_input
 
 
+def _assert_hybrid(cfg: ModelConfig, hf) -> None:
+    """Qwen3.5: which layers are linear, their shape, and the full layers' partial rotary."""
+    assert cfg.layer_types == tuple(hf.layer_types)
+    shape = cfg.linear_attention
+    assert (shape.num_k_heads, shape.num_v_heads, shape.k_head_dim, shape.v_head_dim, shape.conv_kernel) == (
+        hf.linear_num_key_heads, hf.linear_num_value_heads, hf.linear_key_head_dim, hf.linear_value_head_dim,
+        hf.linear_conv_kernel_dim)
+    params = rope_parameters(cfg.raw_config)
+    assert params["rope_theta"] == hf.rope_parameters["rope_theta"]
+    assert rotary_dim(cfg.head_dim, cfg.raw_config) == int(cfg.head_dim * hf.rope_parameters["partial_rotary_factor"])
+
+
 def _expected_windows(hf) -> list[int | None]:
     """Each layer's sliding window as transformers' modeling files apply it: to every layer where
     the config has no `layer_types` (Mistral), else to its sliding ones."""
@@ -93,6 +106,8 @@ def _assert_matches(cfg: ModelConfig, hf) -> None:
         _assert_gemma(cfg, hf)
     if hf.model_type.startswith("deepseek"):
         _assert_deepseek(cfg, hf)
+    if hf.model_type == "qwen3_5_text":
+        _assert_hybrid(cfg, hf)
 
 
 @pytest.mark.parametrize("arch", ARCHS + EXTRA_ARCHS)

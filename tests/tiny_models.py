@@ -34,12 +34,15 @@ ARCHS: list[str] = ["gpt2", "llama", "llama3_rope_untied", "mistral", "qwen2", "
 # Built on demand (tiny_model_factory), not run by every arch-parametrized test: every layer of
 # mistral_sliding slides, so its KV blocks go back to the pool as sequences grow and the pools that
 # those tests size to force preemption no longer run short (tests/test_sliding_window.py runs it).
-EXTRA_ARCHS: list[str] = ["mistral_sliding", "deepseek_v2_lite", "deepseek_v3"]
+# qwen3_5 (linear-attention layers with a state pool) refuses prefix caching and speculation, which
+# arch-parametrized tests exercise; tests/test_hybrid.py runs it through every other mode.
+EXTRA_ARCHS: list[str] = ["mistral_sliding", "deepseek_v2_lite", "deepseek_v3", "qwen3_5"]
 
 # Weights that do not move when archs are added before these ones: the speculative tests need a
 # model that continues a repeated pattern, and the references must be far from ties
 # (test_reference_not_degenerate), which some draws of random weights do not give.
-PINNED_SEEDS: dict[str, int] = {"phi3_longrope": 7, "smollm3_yarn": 8, "gemma2": 8, "gemma3": 9, "gemma4": 10}
+PINNED_SEEDS: dict[str, int] = {"phi3_longrope": 7, "smollm3_yarn": 8, "gemma2": 8, "gemma3": 9, "gemma4": 10,
+                                "qwen3_5": 11}
 
 # Sliding windows far shorter than the test prompts, so that every mode attends across a window's edge.
 SLIDING_WINDOW = 8
@@ -190,6 +193,17 @@ def _config(arch: str) -> Any:
     if arch == "qwen2_sliding":  # layer 0 attends the whole context, layer 1 slides
         return Qwen2Config(**common, use_sliding_window=True, sliding_window=SLIDING_WINDOW, max_window_layers=1,
                            tie_word_embeddings=True)
+    if arch == "qwen3_5":
+        # 3 Gated DeltaNet layers + 1 gated full-attention layer; 2 key heads shared by 4 value heads,
+        # a conv kernel of 4, a quarter of each full-attention head rotating (8 of 32 dims)
+        from transformers import Qwen3_5TextConfig
+
+        return Qwen3_5TextConfig(**{**common, "num_hidden_layers": 4}, head_dim=32, linear_num_key_heads=2,
+                                 linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                                 linear_conv_kernel_dim=4, rope_parameters={"rope_type": "default",
+                                                                            "rope_theta": 100000.0,
+                                                                            "partial_rotary_factor": 0.25},
+                                 tie_word_embeddings=False)
     if arch == "phi3_longrope":
         # Phi-4-mini's shape in small: 3/4 of each head rotates (12 of 16 dims: 6 factors each), and
         # LongRoPE's original context (48) is shorter than the test prompts, so both factor sets run.

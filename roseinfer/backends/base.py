@@ -10,7 +10,7 @@ import math
 import mmap
 import os
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, ClassVar
 
 import torch
@@ -18,6 +18,7 @@ from torch import nn
 
 from roseinfer.config import EngineConfig
 from roseinfer.layers.attention import AttentionMetadata, KVCache
+from roseinfer.layers.gated_delta_rule import LinearStateBatch
 from roseinfer.layers.linear import Linear
 from roseinfer.models.config import ModelConfig
 
@@ -40,6 +41,7 @@ class BatchLayout:
     q_lens: list[int]  # per sequence: its rows this step (1 for a decode)
     kv_lens: list[int]  # per sequence: its context once this step's tokens are cached
     block_tables: list[list[int]]  # per sequence: its cache blocks, in order
+    state_slots: list[int] = field(default_factory=list)  # per sequence of a hybrid model: its state pool slot
 
     @property
     def num_tokens(self) -> int:
@@ -71,8 +73,11 @@ class Backend(ABC):
 
     def forward(self, model: nn.Module, layout: BatchLayout, kv_caches: list[KVCache]) -> torch.Tensor:
         """One forward over the step's flat batch; returns the hidden states, a row per token."""
-        return model(self.tensor(layout.input_ids), self.tensor(layout.positions), kv_caches,
-                     self.build_metadata(layout))
+        meta = self.build_metadata(layout)
+        if layout.state_slots:
+            meta.linear_state = LinearStateBatch.build(layout.state_slots, layout.q_starts, layout.q_lens,
+                                                       layout.kv_lens, self.device, self.dtype)
+        return model(self.tensor(layout.input_ids), self.tensor(layout.positions), kv_caches, meta)
 
     def capture(self, model: nn.Module, kv_caches: list[KVCache], max_num_seqs: int, max_blocks: int,
                 block_size: int) -> None:

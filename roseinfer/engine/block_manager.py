@@ -9,6 +9,9 @@ Where every layer of the model slides (`sliding_window`: the widest layer's wind
 blocks that fall wholly before every window are given back as it grows (`release_outside_window`):
 the request's table keeps its length, those leading entries reading block 0, which no attention
 reads (layers/attention.py). Indexed ones stay in the prefix cache, evictable.
+
+A hybrid model's requests also hold a state-pool slot (engine/state_pool.py), taken with their first
+blocks and given back with all of them, so the scheduler admits by both pools through this one.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from roseinfer.engine.request import Request
+from roseinfer.engine.state_pool import StatePool
 
 
 @dataclass
@@ -49,6 +53,7 @@ class BlockManager:
     enable_prefix_caching: bool = True
     sliding_window: int | None = None  # ModelConfig.kv_window: None where some layer sees the whole context
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    state_pool: StatePool | None = None  # hybrid models' linear-attention state slots
 
     def __post_init__(self) -> None:
         self.blocks = [Block(i) for i in range(self.num_blocks)]
@@ -68,7 +73,10 @@ class BlockManager:
         return self.num_blocks - self.num_free_blocks
 
     def stats_dict(self) -> dict[str, int]:
+        slots = {} if self.state_pool is None else {"state_slots": self.state_pool.num_slots,
+                                                     "free_state_slots": self.state_pool.num_free_slots}
         return {
+            **slots,
             "total_blocks": self.num_blocks,
             "free_blocks": self.num_free_blocks,
             "used_blocks": self.num_used_blocks,
@@ -144,6 +152,8 @@ class BlockManager:
         needed = self.blocks_needed(req.num_computed_tokens + num_new_tokens) - len(req.block_table)
         if needed > self.num_free_blocks:
             return False
+        if self.state_pool is not None and not self.state_pool.allocate(req):
+            return False
         for _ in range(needed):
             req.block_table.append(self._allocate_block())
         return True
@@ -198,6 +208,8 @@ class BlockManager:
             self._drop(block_id)
         req.block_table = []
         req.num_indexed_blocks, req.last_block_key, req.num_released_blocks = 0, None, 0
+        if self.state_pool is not None:
+            self.state_pool.free(req)
 
     def release_outside_window(self, req: Request) -> None:
         """Give back the request's blocks that no later query can attend to: its next position p is

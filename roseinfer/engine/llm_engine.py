@@ -19,10 +19,12 @@ from roseinfer.engine.outputs import EngineCoreOutput
 from roseinfer.engine.request import Request
 from roseinfer.engine.scheduler import Scheduler
 from roseinfer.engine.speculative import SpecStats
+from roseinfer.engine.state_pool import StatePool
 from roseinfer.engine.structured_output import CompiledGrammar, GrammarCompiler
 from roseinfer.executor.executor import Executor, make_executor
 from roseinfer.loader.generation_config import sampling_defaults
 from roseinfer.loader.model_loader import load_model_config, resolve_model_folder
+from roseinfer.models.config import ModelConfig
 from roseinfer.sampling_params import SamplingParams, StructuredOutputsParams
 from roseinfer.tokenizer import Tokenizer
 from roseinfer.worker.sharding import check_tensor_parallel
@@ -52,6 +54,7 @@ class LLMEngine:
         self.model_folder = resolve_model_folder(config.model, config.quantization)
         self.model_config = load_model_config(self.model_folder)
         check_tensor_parallel(self.model_config, size)
+        check_hybrid(self.model_config, config)
         self.tokenizer = Tokenizer(self.model_folder)
         self.sampling_defaults = sampling_defaults(self.model_folder, config.generation_config,
                                                    config.override_generation_config)
@@ -92,8 +95,17 @@ class LLMEngine:
         eos = self.tokenizer.eos_token_ids
         self.executor.init_kv_cache(self.num_kv_blocks, eos, capture=not config.enforce_eager)
         self.runner = self.executor.driver.runner  # rank 0's
-        self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching,
-                                          self.model_config.kv_window)
+        hybrid = bool(self.model_config.linear_layers)
+        if hybrid and config.enable_prefix_caching:
+            # a hit would need the linear layers' state at the cached boundary, which no block keeps
+            logger.warning("prefix caching is off for %s: its linear-attention state is not snapshotted at "
+                           "block boundaries, so a cached prefix could not restore it", self.model_config.model_type)
+        num_slots = self.executor.driver.num_state_slots
+        if hybrid and num_slots < 1:
+            raise ValueError("the KV cache budget is too small for even one linear-attention state slot")
+        self.block_manager = BlockManager(self.num_kv_blocks, config.block_size,
+                                          config.enable_prefix_caching and not hybrid, self.model_config.kv_window,
+                                          state_pool=StatePool(num_slots) if hybrid else None)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, eos, proposer)
 
     def shutdown(self) -> None:
@@ -192,6 +204,19 @@ class LLMEngine:
     def kv_cache_stats(self) -> dict[str, int]:
         """The block manager's counters, and preemptions since the engine started."""
         return {**self.block_manager.stats_dict(), "num_preemptions": self.scheduler.num_preemptions}
+
+
+def check_hybrid(model_config: ModelConfig, config: EngineConfig) -> None:
+    """What a hybrid model (linear-attention layers) cannot run with, refused before any worker starts.
+    Speculation: a rejected draft token would have advanced the recurrent state past the accepted
+    ones, and rolling it back needs a state per draft position or a recompute; refused instead."""
+    if not model_config.linear_layers:
+        return
+    if config.speculative is not None:
+        raise ValueError(f"speculative decoding is not supported for {model_config.model_type}: a rejected draft "
+                         "cannot be taken back out of its linear-attention state")
+    if config.tensor_parallel_size > 1:
+        raise ValueError(f"{model_config.model_type} runs on one rank: tensor_parallel_size must be 1")
 
 
 def validate_request(prompt_ids: list[int], params: SamplingParams, vocab: int, max_model_len: int,

@@ -49,6 +49,7 @@ class Request:
     last_block_key: int | None = None
     # leading block_table entries given back to the pool, outside every layer's window (block_manager.py)
     num_released_blocks: int = 0
+    state_slot: int | None = None  # hybrid models: the request's slot in the state pool (engine/state_pool.py)
     # LongRoPE (Phi-3/4): the model's original context, past which a sequence's K/V are all rotated
     # with the long factors (ModelConfig.long_rope_from; None for other models), and whether
     # its cached K/V were rotated so (set when its blocks are allocated)

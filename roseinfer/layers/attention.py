@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from roseinfer.layers.gated_delta_rule import LinearStateBatch
 from roseinfer.layers.rotary import apply_rotary
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -23,6 +24,8 @@ class AttentionMetadata(ABC):
 
     # rows a model's MLP takes per pass (layers/linear.py in_row_chunks); None: all at once
     mlp_chunk_rows: int | None = None
+    # hybrid models: each sequence's state slot, for the linear-attention layers (layers/gated_delta_rule.py)
+    linear_state: LinearStateBatch | None = None
 
     @abstractmethod
     def attend(self, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -10,9 +10,28 @@ from roseinfer.models.deepseek_config import (DEEPSEEK_DEFAULTS, DEEPSEEK_FAMILY
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3")
 GEMMA_FAMILY = ("gemma2", "gemma3_text", "gemma4_text")
+# linear-attention layers (Gated DeltaNet) between full-attention ones
+HYBRID_FAMILY = ("qwen3_5_text",)
 # multimodal checkpoints whose text model is read from their `text_config`
-MULTIMODAL_WRAPPERS = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}
-SUPPORTED_MODEL_TYPES = ("gpt2",) + LLAMA_FAMILY + GEMMA_FAMILY + DEEPSEEK_FAMILY + tuple(MULTIMODAL_WRAPPERS)
+MULTIMODAL_WRAPPERS = {"gemma3": "gemma3_text", "gemma4": "gemma4_text", "qwen3_5": "qwen3_5_text"}
+SUPPORTED_MODEL_TYPES = ("gpt2",) + LLAMA_FAMILY + GEMMA_FAMILY + DEEPSEEK_FAMILY + HYBRID_FAMILY + tuple(MULTIMODAL_WRAPPERS)
+
+
+@dataclass
+class LinearAttentionShape:
+    """A Gated DeltaNet layer's shape (transformers' linear_* fields): its per-request state is a
+    recurrent state [v_heads, k_head_dim, v_head_dim] and a conv state [conv_dim, conv_kernel - 1]."""
+
+    num_k_heads: int
+    num_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_dim(self) -> int:
+        """The convolution's channels: q, k and v side by side."""
+        return 2 * self.num_k_heads * self.k_head_dim + self.num_v_heads * self.v_head_dim
 
 
 @dataclass
@@ -48,11 +67,22 @@ class ModelConfig:
     # head_dim that width) with no separate V plane; and the mixture of experts after the dense layers
     mla: MlaLayout | None = None
     deepseek_moe: DeepseekMoeLayout | None = None
+    linear_attention: LinearAttentionShape | None = None  # hybrid models: the layer_types "linear_attention"
 
     @property
     def kv_cache_planes(self) -> int:
         """Tensors per layer in the KV pool: K and V, or the one latent row MLA keys and values read."""
         return 1 if self.mla is not None else 2
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """The layers whose per-request state lives in the state pool (engine/state_pool.py)."""
+        return tuple(i for i, kind in enumerate(self.layer_types) if kind == "linear_attention")
+
+    @property
+    def num_kv_layers(self) -> int:
+        """The layers whose K/V the paged pool holds."""
+        return self.num_layers - len(self.linear_layers)
 
     def layer_sliding_window(self, layer: int) -> int | None:
         return self.sliding_windows[layer] if self.sliding_windows else None
@@ -72,7 +102,7 @@ class ModelConfig:
         (`_DEFAULTS`; tests/test_model_config.py checks them against transformers)."""
         model_type = raw.get("model_type")
         if model_type in MULTIMODAL_WRAPPERS:
-            raw = _text_config(raw, MULTIMODAL_WRAPPERS[model_type])
+            raw = _text_config(raw, MULTIMODAL_WRAPPERS[model_type], model_type != "qwen3_5")
             model_type = raw["model_type"]
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
@@ -89,6 +119,8 @@ class ModelConfig:
             return _gemma_config(cls, raw, get)
         if model_type in DEEPSEEK_FAMILY:
             return _deepseek_config(cls, raw, get)
+        if model_type in HYBRID_FAMILY:
+            return _hybrid_config(cls, raw, get)
         num_heads = get("num_attention_heads")
         head_dim = get("head_dim") or get("hidden_size") // num_heads
         return cls(
@@ -149,6 +181,12 @@ _GEMMA_DEFAULTS = {"hidden_size": 2304, "intermediate_size": 9216, "num_attentio
                    "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True, "attention_bias": False,
                    "sliding_window": 4096, "query_pre_attn_scalar": 256, "final_logit_softcapping": None,
                    "layer_types": None, "rope_parameters": None, "rope_scaling": None}
+_DEFAULTS["qwen3_5_text"] = {
+    **_LLAMA_DEFAULTS, "vocab_size": 248320, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 32,
+    "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 32768,
+    "rope_parameters": None, "rope_theta": 10000.0, "layer_types": None, "full_attention_interval": 4,
+    "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32}
 _DEFAULTS.update({
     "gemma2": {**_GEMMA_DEFAULTS, "vocab_size": 256000, "num_hidden_layers": 26, "max_position_embeddings": 8192,
                "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0, "rope_theta": 10000.0},
@@ -196,11 +234,12 @@ def _gemma4_head_shapes(raw: dict[str, Any], get: _Fields,
     return tuple(shapes)
 
 
-def _text_config(raw: dict[str, Any], text_type: str) -> dict[str, Any]:
-    """A multimodal checkpoint's text model config, with the wrapper's tying (HF ties at the top)."""
+def _text_config(raw: dict[str, Any], text_type: str, ties_by_default: bool) -> dict[str, Any]:
+    """A multimodal checkpoint's text model config, with the wrapper's tying (HF ties at the top;
+    Gemma's wrappers by default, Qwen3.5's not)."""
     text = dict(raw.get("text_config") or {})
     text["model_type"] = text_type
-    text.setdefault("tie_word_embeddings", raw.get("tie_word_embeddings", True))
+    text.setdefault("tie_word_embeddings", raw.get("tie_word_embeddings", ties_by_default))
     return text
 
 
@@ -278,6 +317,26 @@ def _deepseek_config(cls: type[ModelConfig], raw: dict[str, Any], get: _Fields) 
         max_position_embeddings=get("max_position_embeddings"), norm_eps=get("rms_norm_eps"),
         tie_word_embeddings=bool(get("tie_word_embeddings")), attention_bias=bool(get("attention_bias")),
         hidden_act=get("hidden_act"), raw_config=raw, mla=mla, deepseek_moe=moe)
+
+
+def _hybrid_config(cls: type[ModelConfig], raw: dict[str, Any], get: _Fields) -> ModelConfig:
+    """Qwen3.5: every `full_attention_interval`-th layer gated full attention, the others Gated DeltaNet."""
+    layers = get("num_hidden_layers")
+    interval = get("full_attention_interval")
+    layer_types = tuple(get("layer_types") or ["linear_attention" if (i + 1) % interval else "full_attention"
+                                               for i in range(layers)])
+    rope = {"rope_type": "default", "rope_theta": get("rope_theta"), "partial_rotary_factor": 0.25,
+            **(get("rope_parameters") or {})}
+    return cls(
+        model_type=raw["model_type"], vocab_size=get("vocab_size"), hidden_size=get("hidden_size"), num_layers=layers,
+        num_heads=get("num_attention_heads"), num_kv_heads=get("num_key_value_heads"), head_dim=get("head_dim"),
+        intermediate_size=get("intermediate_size"), max_position_embeddings=get("max_position_embeddings"),
+        norm_eps=get("rms_norm_eps"), tie_word_embeddings=bool(get("tie_word_embeddings")),
+        attention_bias=bool(get("attention_bias")), qk_norm=True, hidden_act=get("hidden_act"),
+        raw_config={**raw, "rope_parameters": rope}, layer_types=layer_types,
+        linear_attention=LinearAttentionShape(get("linear_num_key_heads"), get("linear_num_value_heads"),
+                                              get("linear_key_head_dim"), get("linear_value_head_dim"),
+                                              get("linear_conv_kernel_dim")))
 
 
 def _nope_layers(get: "_Fields") -> tuple[int, ...]:

@@ -41,20 +41,11 @@ class PreparedStep:
         return self.sample_chunks + [rows for _, rows, _ in self.prompt_pieces]
 
 
-def kv_pool(backend: Backend, model_config: ModelConfig, slots: int) -> list[KVCache]:
-    """Each layer's (K, V) cache, [slots, kv heads, head dim] each, in one allocation. Where the model
-    keeps one plane (MLA's latent rows: ModelConfig.kv_cache_planes) K and V are the same tensor."""
-    shape = (model_config.num_layers, model_config.kv_cache_planes, slots, model_config.num_kv_heads,
-             model_config.head_dim)
-    pool = backend.allocate_kv_pool(shape)
-    return [(pool[layer, 0], pool[layer, -1]) for layer in range(model_config.num_layers)]
-
-
 class ModelRunner:
     def __init__(self, model: nn.Module, model_config: ModelConfig, num_kv_blocks: int, block_size: int,
-                 backend: Backend, sampler: Sampler | None) -> None:
+                 backend: Backend, sampler: Sampler | None, num_state_slots: int = 0) -> None:
         """model_config: what this rank computes (its heads: the pool's shape); sampler: None on a
-        rank that only follows."""
+        rank that only follows; num_state_slots: a hybrid model's state pool (engine/state_pool.py)."""
         self.model = model
         self.backend = backend
         self.block_size = block_size
@@ -62,17 +53,32 @@ class ModelRunner:
         self.sampler = sampler
         self.vocab_size = model_config.vocab_size  # the logits' width
         self.rotary_shift = model_config.max_position_embeddings  # the rotary table's rows per half
-        self.kv_caches = kv_pool(backend, model_config, num_kv_blocks * block_size)
+        self.hybrid = bool(model_config.linear_layers)
+        self.kv_caches = layer_caches(model_config, backend, num_kv_blocks * block_size, num_state_slots)
 
     def capture(self, max_num_seqs: int, max_model_len: int) -> None:
-        """What the backend records for later steps (CUDA graphs of decode steps, where it has them)."""
+        """What the backend records for later steps (CUDA graphs of decode steps, where it has them;
+        not for hybrid models, whose steps gather state slots that a graph would fix)."""
+        if self.hybrid:
+            return
         self.backend.capture(self.model, self.kv_caches, max_num_seqs, -(-max_model_len // self.block_size),
                              self.block_size)
 
     @staticmethod
     def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        return (model_config.kv_cache_planes * model_config.num_layers * block_size * model_config.num_kv_heads
+        return (model_config.kv_cache_planes * model_config.num_kv_layers * block_size * model_config.num_kv_heads
                 * model_config.head_dim * dtype.itemsize)
+
+    @staticmethod
+    def state_bytes_per_slot(model_config: ModelConfig, dtype: torch.dtype) -> int:
+        """A state-pool slot: every linear layer's conv state (model dtype) and recurrent state
+        (float32: it sums every token so far); 0 for a model without linear layers."""
+        shape = model_config.linear_attention
+        if shape is None:
+            return 0
+        per_layer = (shape.conv_dim * (shape.conv_kernel - 1) * dtype.itemsize
+                     + shape.num_v_heads * shape.k_head_dim * shape.v_head_dim * 4)
+        return len(model_config.linear_layers) * per_layer
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Run one forward over the scheduled tokens; returns the new tokens per scheduled request
@@ -171,6 +177,8 @@ class ModelRunner:
             layout.q_lens.append(item.num_tokens)
             layout.kv_lens.append(end)
             layout.block_tables.append(req.block_table)
+            if req.state_slot is not None:
+                layout.state_slots.append(req.state_slot)
             layout.input_ids.extend(req.token_ids[start:end])
             layout.input_ids.extend(item.draft)
             # a sequence past LongRoPE's original context reads the table's long half (layers/rotary.py)
@@ -189,9 +197,31 @@ class ModelRunner:
         """One forward of the largest step, a prompt of num_tokens into a throwaway pool, and the LM
         head on num_logits rows: its peak memory sizes the real pool (Backend.kv_pool_bytes)."""
         blocks = -(-num_tokens // block_size)
-        caches = kv_pool(backend, model_config, blocks * block_size)
+        hybrid = bool(model_config.linear_layers)
+        caches = layer_caches(model_config, backend, blocks * block_size, 1 if hybrid else 0)
         tokens = list(range(num_tokens))
         layout = BatchLayout(block_size, [0] * num_tokens, tokens, tokens, [0], [num_tokens], [num_tokens],
-                             [list(range(blocks))])
+                             [list(range(blocks))], [0] if hybrid else [])
         hidden = backend.forward(model, layout, caches)
         model.compute_logits(hidden[-min(num_logits, num_tokens):])
+
+
+def layer_caches(model_config: ModelConfig, backend: Backend, kv_slots: int, state_slots: int) -> list[KVCache]:
+    """Each layer's cache, in layer order: a full-attention layer's (K, V) from the paged pool (one
+    tensor for all of them, backend-allocated; where the model keeps one plane, MLA's latent rows
+    (ModelConfig.kv_cache_planes), K and V are the same tensor), a linear-attention layer's (conv
+    state, recurrent state) with a row per state-pool slot (zeroed once; see engine/state_pool.py)."""
+    pool = backend.allocate_kv_pool((model_config.num_kv_layers, model_config.kv_cache_planes, kv_slots,
+                                     model_config.num_kv_heads, model_config.head_dim))
+    kv = iter([(pool[i, 0], pool[i, -1]) for i in range(model_config.num_kv_layers)])
+    shape = model_config.linear_attention
+    caches: list[KVCache] = []
+    for layer in range(model_config.num_layers):
+        if layer not in model_config.linear_layers:
+            caches.append(next(kv))
+            continue
+        caches.append((torch.zeros(state_slots, shape.conv_dim, shape.conv_kernel - 1, dtype=backend.dtype,
+                                   device=backend.device),
+                       torch.zeros(state_slots, shape.num_v_heads, shape.k_head_dim, shape.v_head_dim,
+                                   dtype=torch.float32, device=backend.device)))
+    return caches

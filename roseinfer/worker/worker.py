@@ -48,6 +48,7 @@ class Worker:
         self.backend = select_backend(spec.backend, device, spec.dtype, self.local_config, spec.world_size)
         self.tp = SINGLE
         self.runner: ModelRunner | None = None
+        self.num_state_slots = 0  # a hybrid model's state pool, sized with the KV blocks
 
     def load_model(self, tp: TensorParallel = SINGLE) -> None:
         """This rank's share of the weights; `tp` is its place in the group (the models' collectives)."""
@@ -57,15 +58,22 @@ class Worker:
 
     def determine_num_kv_blocks(self) -> int:
         """The blocks every rank's pool can hold: config.num_kv_blocks, else the smallest of the ranks'
-        budgets (a collective: every rank calls it at once); 0 when not even one fits."""
+        budgets (a collective: every rank calls it at once); 0 when not even one fits. A hybrid model's
+        state slots (num_state_slots) come out of the same budget first."""
         config = self.spec.config
+        slot_bytes = ModelRunner.state_bytes_per_slot(self.local_config, self.backend.dtype)
         if config.num_kv_blocks:
+            self.num_state_slots = config.max_num_seqs if slot_bytes else 0
             return config.num_kv_blocks
         per_block = ModelRunner.kv_bytes_per_block(self.local_config, config.block_size, self.backend.dtype)
         step_tokens = min(config.max_num_batched_tokens, self.spec.max_model_len)
         # on CUDA, what is left after a profiling forward of the largest step (Backend.kv_pool_bytes)
         budget = self.backend.kv_pool_bytes(config, lambda: ModelRunner.profile(
             self.model, self.local_config, self.backend, config.block_size, step_tokens, config.max_num_seqs))
+        if slot_bytes:
+            # the state pool first, a slot per sequence that may run within half the budget; KV gets the rest
+            self.num_state_slots = min(config.max_num_seqs, int(budget // 2 // slot_bytes))
+            budget -= self.num_state_slots * slot_bytes
         # never more than every sequence at full length could use
         ceiling = config.max_num_seqs * -(-self.spec.max_model_len // config.block_size)
         return self.tp.min(max(0, min(int(budget // per_block), ceiling)))
@@ -80,7 +88,7 @@ class Worker:
 
             sampler = Sampler(eos_token_ids, self.device, self.spec.config.seed, self.backend.argmax)
         self.runner = ModelRunner(self.model, self.local_config, num_blocks, self.spec.config.block_size,
-                                  self.backend, sampler)
+                                  self.backend, sampler, self.num_state_slots)
 
     def capture(self) -> None:
         """What the backend records for later steps (CUDA graphs of decode steps, where it has them)."""
