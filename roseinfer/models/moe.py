@@ -59,25 +59,27 @@ class StackedExperts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """x [T, H], weights and expert ids [T, k] -> sum over each token's experts [T, H]."""
         tokens, top_k = experts.shape
-        flat = experts.flatten()
-        order = torch.argsort(flat, stable=True)  # pairs grouped by expert
+        # pairs numbered slot-major (slot * T + token) and grouped by expert: within an expert, rows
+        # in transformers' order, which a small matmul's rounding can depend on
+        flat = experts.t().flatten()
+        order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        per_pair = torch.empty(tokens * top_k, x.shape[1], dtype=x.dtype, device=x.device)
-        flat_weights = weights.flatten()
+        per_pair = torch.empty(top_k * tokens, x.shape[1], dtype=x.dtype, device=x.device)
+        flat_weights = weights.t().flatten()
         start = 0
         for expert, count in enumerate(counts):
             if count == 0:
                 continue
             pairs = order[start:start + count]
             start += count
-            h = self.act_and_mul.forward(F.linear(x[pairs // top_k], self.gate_up_proj[expert]))
+            h = self.act_and_mul.forward(F.linear(x[pairs % tokens], self.gate_up_proj[expert]))
             per_pair[pairs] = F.linear(h, self.down_proj[expert]) * flat_weights[pairs, None]
-        per_slot = per_pair.view(tokens, top_k, -1)
+        per_slot = per_pair.view(top_k, tokens, -1)
         by_expert = experts.argsort(dim=1, stable=True)  # each token's slots in ascending expert order
         rows = torch.arange(tokens, device=x.device)
         out = torch.zeros_like(x)
-        for slot in range(top_k):
-            out += per_slot[rows, by_expert[:, slot]]
+        for rank in range(top_k):
+            out += per_slot[by_expert[:, rank], rows]
         return out
 
     def load(self, projection: str, expert: int | None, tensor: torch.Tensor) -> bool:
