@@ -72,6 +72,19 @@ def _assert_matches(cfg: ModelConfig, hf) -> None:
         assert [cfg.layer_sliding_window(i) for i in range(cfg.num_layers)] == _expected_windows(hf)
     if hf.model_type.startswith("gemma"):
         _assert_gemma(cfg, hf)
+    if hasattr(hf, "num_experts_per_tok"):
+        _assert_moe(cfg, hf)
+
+
+def _assert_moe(cfg: ModelConfig, hf) -> None:
+    """Experts, top-k, widths and renormalisation as transformers' MoE modules read them (Mixtral
+    always renormalises; which layers are sparse: tests/test_moe.py, against the built model)."""
+    moe = cfg.moe
+    assert (moe.num_experts, moe.top_k) == (hf.num_experts, hf.num_experts_per_tok)
+    assert moe.expert_width == (getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size)
+    assert moe.norm_topk_prob == getattr(hf, "norm_topk_prob", True)
+    assert moe.shared_expert_width == getattr(hf, "shared_expert_intermediate_size", 0)
+    assert cfg.clip_qkv == getattr(hf, "clip_qkv", None)
 
 
 @pytest.mark.parametrize("arch", ARCHS + EXTRA_ARCHS)

@@ -47,8 +47,9 @@ def test_greedy_matches_hf_on_two_ranks(tiny_model_factory, arch: str) -> None:
         assert [o.token_ids for o in outs] == refs
         assert sum(o.metrics["num_preemptions"] for o in outs) > 0
         assert llm.kv_cache_stats()["used_blocks"] == 0
-        experts = llm.engine.runner.model.model.layers[-1].mlp.experts
-        assert experts.down_proj.shape[-1] == llm.engine.model_config.moe.expert_width // 2
+        moe = llm.engine.model_config.moe  # rank 0 holds half of every expert's width
+        experts = llm.engine.runner.model.model.layers[moe.sparse_layers[0]].mlp.experts
+        assert experts.down_proj.shape == (moe.num_experts, llm.engine.model_config.hidden_size, moe.expert_width // 2)
     finally:
         llm.shutdown()
 
