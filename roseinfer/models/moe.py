@@ -22,6 +22,7 @@ from torch import nn
 
 from roseinfer.distributed.parallel import SINGLE, TensorParallel, column_parallel, row_parallel
 from roseinfer.layers.activation import ActivationAndMul
+from roseinfer.layers.attention import AttentionMetadata
 from roseinfer.layers.linear import Linear
 from roseinfer.models.config import MoeLayout
 
@@ -134,9 +135,9 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = SharedExpert(hidden_size, layout.shared_expert_width, hidden_act, tp)
             self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
 
-    def forward(self, x: torch.Tensor, meta: object = None) -> torch.Tensor:
-        """x [T, H] -> [T, H]; meta is the step's AttentionMetadata, which a dense MLP reads and this
-        block does not (the decoder layer calls both alike)."""
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
+        """x [T, H] -> [T, H]. meta, the step's metadata, is taken as a dense MLP takes it (the decoder
+        layer calls both alike) and not read: the whole step's rows go through at once."""
         weights, experts = select_experts(self.gate.forward(x), self.top_k, self.renormalize)
         out = self.experts.forward(x, weights, experts)
         if self.shared_expert is not None:
