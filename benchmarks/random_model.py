@@ -5,8 +5,19 @@ merges), so text prompts work; the model's vocabulary stays its real size. Rando
 random text: benchmark them with --ignore-eos / --no-stop-on-eos.
 
 Usage: python benchmarks/random_model.py SHAPE OUT_DIR [--dtype bfloat16] [--num-layers N]
-SHAPE: gpt2-small (the roseinfer blog's benchmark model), qwen3-0.6b (nano-vllm's) or tiny-llama (a step
-so short that the server's own costs show: benchmarks/server_overhead.py).
+SHAPE: gpt2-small (the roseinfer blog's benchmark model), qwen3-0.6b (nano-vllm's), tiny-llama (a step
+so short that the server's own costs show: benchmarks/server_overhead.py) or qwen3-30b-a3b (Qwen3-30B-A3B's
+layer shape: 128 experts, top-8, expert width 768; pick the layers that fit with --num-layers).
+
+The mixture-of-experts comparison against llama.cpp (issue 39's table), on a quiet machine:
+    python benchmarks/random_model.py qwen3-30b-a3b /tmp/moe --num-layers 8 --dtype float32
+    python $LLAMA_CPP/convert_hf_to_gguf.py /tmp/moe --outtype f32 --outfile /tmp/moe/f32.gguf
+    $LLAMA_CPP/build/bin/llama-quantize /tmp/moe/f32.gguf /tmp/moe/q4_k_m.gguf Q4_K_M
+    $LLAMA_CPP/build/bin/llama-batched-bench -m /tmp/moe/q4_k_m.gguf -npp 32 -ntg 64 -npl 1,16,64 -t THREADS
+    roseinfer bench offline --mode offline --model /tmp/moe/q4_k_m.gguf --batch-sizes 1,16,64 \
+        --prompt-len 32 --max-new-tokens 64 --no-stop-on-eos --backend roseinfer  (the same threads)
+(prefill: llama-batched-bench -npp 512 -ntg 1 -npl 4; bench offline --batch-sizes 4 --prompt-len 512
+--max-new-tokens 1). Its expert tensors are dequantized to fp32 at load (docs/models.md).
 """
 from __future__ import annotations
 
@@ -25,11 +36,18 @@ SHAPES: dict[str, dict[str, Any]] = {
                    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
                    "max_position_embeddings": 40960, "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6,
                    "vocab_size": 151936, "tie_word_embeddings": True},
+    "qwen3-30b-a3b": {"model_type": "qwen3_moe", "num_hidden_layers": 48, "hidden_size": 2048,
+                      "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
+                      "num_experts_per_tok": 8, "norm_topk_prob": True, "num_attention_heads": 32,
+                      "num_key_value_heads": 4, "head_dim": 128, "max_position_embeddings": 40960,
+                      "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6, "vocab_size": 151936,
+                      "tie_word_embeddings": False},
     "tiny-llama": {"model_type": "llama", "num_hidden_layers": 3, "hidden_size": 128, "intermediate_size": 384,
                    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048,
                    "vocab_size": 384},
 }
-LAYER_KEYS = {"gpt2": "n_layer", "qwen3": "num_hidden_layers", "llama": "num_hidden_layers"}
+LAYER_KEYS = {"gpt2": "n_layer", "qwen3": "num_hidden_layers", "llama": "num_hidden_layers",
+              "qwen3_moe": "num_hidden_layers"}
 
 
 def write_tokenizer(out: Path, max_length: int) -> None:

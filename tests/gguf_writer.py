@@ -38,6 +38,10 @@ _LLAMA_BLOCK = {
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
     "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # phi3's fused projections
+    # mixtures of experts: the router, the shared expert and its gate (the stacked experts: _expert_tensors)
+    "mlp.gate": "ffn_gate_inp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }  # fmt: skip
 _GEMMA_BLOCK = _LLAMA_BLOCK | {
     "pre_feedforward_layernorm": "ffn_norm", "post_attention_layernorm": "post_attention_norm",
@@ -58,7 +62,8 @@ _GPT2_BLOCK = {
 _GPT2_GLOBAL = {"transformer.wte": "token_embd", "transformer.wpe": "position_embd", "transformer.ln_f": "output_norm"}
 # llama.cpp writes mistral as llama.
 _ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2", "phi3": "phi3",
-         "smollm3": "smollm3", "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma4_text": "gemma4"}
+         "smollm3": "smollm3", "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma4_text": "gemma4",
+         "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama", "olmoe": "olmoe"}
 _PERMUTED = ("llama", "smollm3")  # convert_hf_to_gguf's LlamaModel and its subclasses
 # Byte offsets of the fp16 scale fields (d, dmin) inside one K-quant block (ggml-common.h).
 _K_FP16_FIELDS = {QT.Q2_K: (-4, -2), QT.Q3_K: (-2,), QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (-2,)}
@@ -103,13 +108,15 @@ def gguf_tensor_names(hf_model: torch.nn.Module) -> dict[str, str]:
                                                     else _LLAMA_BLOCK)
         block_prefix, glob = "model.layers.", _GEMMA4_GLOBAL if model_type == "gemma4_text" else _LLAMA_GLOBAL
     names: dict[str, str] = {}
-    for hf_name in hf_model.state_dict():
+    for hf_name in _expert_tensors(hf_model.state_dict()):
         stem, _, suffix = hf_name.rpartition(".")
         if suffix == "layer_scalar":  # Gemma 4's per-layer output scale, a buffer; llama.cpp adds .weight
             names[hf_name] = f"blk.{stem.rpartition('.')[2]}.layer_output_scale.weight"
         elif stem.startswith(block_prefix):
             layer, _, rest = stem[len(block_prefix) :].partition(".")
-            if rest in block:
+            if rest == "mlp.experts":  # stacked [E, out, in], as convert_hf_to_gguf merges them
+                names[hf_name] = f"blk.{layer}.ffn_{suffix.removesuffix('_proj')}_exps.weight"
+            elif rest in block:
                 names[hf_name] = f"blk.{layer}.{block[rest]}.{suffix}"
         elif stem in glob:
             names[hf_name] = f"{glob[stem]}.{suffix}"
@@ -118,6 +125,31 @@ def gguf_tensor_names(hf_model: torch.nn.Module) -> dict[str, str]:
     elif hf_model.config.tie_word_embeddings:
         names.pop("lm_head.weight", None)  # tied: no output.weight, like llama.cpp
     return names
+
+
+def _expert_tensors(state: dict[str, Any]) -> dict[str, Any]:
+    """The state dict with transformers 5's stacked experts' gate_up_proj [E, 2 w, H] split into
+    gate_proj and up_proj [E, w, H], the tensors llama.cpp's converter writes."""
+    out = {}
+    for name, tensor in state.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            gate, up = tensor.chunk(2, dim=-2)
+            out[name.replace("gate_up_proj", "gate_proj")], out[name.replace("gate_up_proj", "up_proj")] = gate, up
+        else:
+            out[name] = tensor
+    return out
+
+
+def _add_moe_metadata(w: gguf.GGUFWriter, cfg: Any) -> None:
+    """convert_hf_to_gguf's expert counts and widths, and OLMoE's clamp."""
+    w.add_expert_count(getattr(cfg, "num_local_experts", None) or cfg.num_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    if getattr(cfg, "moe_intermediate_size", None):
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if getattr(cfg, "shared_expert_intermediate_size", None):
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if getattr(cfg, "clip_qkv", None) is not None:
+        w.add_clamp_kqv(cfg.clip_qkv)
 
 
 def encode_weights(data: np.ndarray, qtype: QT, rng: np.random.Generator) -> tuple[np.ndarray, QT]:
@@ -225,6 +257,8 @@ def write_tiny_gguf(
         w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
         w.add_key_length(head_dim)  # convert_hf_to_gguf writes these when config has head_dim
         w.add_value_length(head_dim)
+        if hasattr(cfg, "num_experts_per_tok"):
+            _add_moe_metadata(w, cfg)
         if arch.startswith("gemma"):
             _add_gemma_metadata(w, cfg)
         else:
@@ -234,7 +268,7 @@ def write_tiny_gguf(
         _add_tokenizer(w, tokenizer)
 
     rng = np.random.default_rng(0)
-    state = {k: v.detach().float().numpy() for k, v in hf_model.state_dict().items()}
+    state = {k: v.detach().float().numpy() for k, v in _expert_tensors(hf_model.state_dict()).items()}
     for hf_name, gguf_name in gguf_tensor_names(hf_model).items():
         data = state.get(hf_name, state.get("transformer.wte.weight") if hf_name == "lm_head.weight" else None)
         if gguf_name.endswith("layer_output_scale.weight"):

@@ -11,7 +11,7 @@ from transformers import AutoConfig
 
 from roseinfer.layers.rope_parameters import rope_parameters, rotary_dim
 from roseinfer.loader.model_loader import load_model_config
-from roseinfer.models.config import MULTIMODAL_WRAPPERS, SUPPORTED_MODEL_TYPES, ModelConfig
+from roseinfer.models.config import MOE_FAMILY, MULTIMODAL_WRAPPERS, SUPPORTED_MODEL_TYPES, ModelConfig
 from tiny_models import ARCHS, EXTRA_ARCHS
 
 
@@ -108,6 +108,19 @@ def _assert_matches(cfg: ModelConfig, hf) -> None:
         _assert_deepseek(cfg, hf)
     if hf.model_type == "qwen3_5_text":
         _assert_hybrid(cfg, hf)
+    if hf.model_type in MOE_FAMILY:
+        _assert_moe(cfg, hf)
+
+
+def _assert_moe(cfg: ModelConfig, hf) -> None:
+    """Experts, top-k, widths and renormalisation as transformers' MoE modules read them (Mixtral
+    always renormalises; which layers are sparse: tests/test_moe.py, against the built model)."""
+    moe = cfg.moe
+    assert (moe.num_experts, moe.top_k) == (hf.num_experts, hf.num_experts_per_tok)
+    assert moe.expert_width == (getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size)
+    assert moe.norm_topk_prob == getattr(hf, "norm_topk_prob", True)
+    assert moe.shared_expert_width == getattr(hf, "shared_expert_intermediate_size", 0)
+    assert cfg.clip_qkv == getattr(hf, "clip_qkv", None)
 
 
 @pytest.mark.parametrize("arch", ARCHS + EXTRA_ARCHS)

@@ -37,12 +37,16 @@ ARCHS: list[str] = ["gpt2", "llama", "llama3_rope_untied", "mistral", "qwen2", "
 # qwen3_5 (linear-attention layers with a state pool) refuses prefix caching and speculation, which
 # arch-parametrized tests exercise; tests/test_hybrid.py runs it through every other mode.
 EXTRA_ARCHS: list[str] = ["mistral_sliding", "deepseek_v2_lite", "deepseek_v3", "qwen3_5"]
+# Mixtures of experts (models/moe.py): 8 experts, top-2 (OLMoE top-3, so three sums' order counts),
+# tests/test_moe.py runs them through every scheduling mode and backend.
+MOE_ARCHS: list[str] = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
+EXTRA_ARCHS += MOE_ARCHS
 
 # Weights that do not move when archs are added before these ones: the speculative tests need a
 # model that continues a repeated pattern, and the references must be far from ties
 # (test_reference_not_degenerate), which some draws of random weights do not give.
 PINNED_SEEDS: dict[str, int] = {"phi3_longrope": 7, "smollm3_yarn": 8, "gemma2": 8, "gemma3": 9, "gemma4": 10,
-                                "qwen3_5": 11}
+                                "qwen3_5": 11, "olmoe": 21}
 
 # Sliding windows far shorter than the test prompts, so that every mode attends across a window's edge.
 SLIDING_WINDOW = 8
@@ -188,6 +192,8 @@ def _config(arch: str) -> Any:
         return _gemma_config(arch, common)
     if arch.startswith("deepseek"):
         return _deepseek_config(arch, common)
+    if arch in MOE_ARCHS:
+        return _moe_config(arch, common)
     if arch == "mistral_sliding":  # every layer slides
         return MistralConfig(**common, sliding_window=SLIDING_WINDOW, tie_word_embeddings=False)
     if arch == "qwen2_sliding":  # layer 0 attends the whole context, layer 1 slides
@@ -218,6 +224,27 @@ def _config(arch: str) -> Any:
                              sliding_window=24,
                              rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
     raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS + EXTRA_ARCHS}")
+
+
+def _moe_config(arch: str, common: dict[str, Any]) -> Any:
+    """Qwen3-MoE: a dense first layer (mlp_only_layers), renormalised top-2; Qwen2-MoE: a shared
+    expert, a dense layer by decoder_sparse_step, unnormalised top-2; Mixtral; OLMoE: q/k norm
+    across heads, clip_qkv that bites, top-3."""
+    from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    if arch == "qwen3_moe":
+        return Qwen3MoeConfig(**{**common, "num_hidden_layers": 3}, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                              moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[0],
+                              rope_theta=1_000_000.0, tie_word_embeddings=False)
+    if arch == "qwen2_moe":
+        return Qwen2MoeConfig(**{**common, "num_hidden_layers": 3}, num_experts=8, num_experts_per_tok=2,
+                              moe_intermediate_size=32, shared_expert_intermediate_size=64, decoder_sparse_step=2,
+                              norm_topk_prob=False, tie_word_embeddings=False)
+    if arch == "mixtral":
+        return MixtralConfig(**{**common, "intermediate_size": 32}, num_local_experts=8, num_experts_per_tok=2,
+                             tie_word_embeddings=False)
+    return OlmoeConfig(**{**common, "intermediate_size": 32}, num_experts=8, num_experts_per_tok=3, clip_qkv=1.5,
+                       tie_word_embeddings=False)
 
 
 # Gemma: the sliding window above, a query scalar other than head_dim, soft-caps small enough to

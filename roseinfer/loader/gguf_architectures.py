@@ -17,7 +17,7 @@ from roseinfer.loader.gguf_gemma import (GEMMA_ARCHITECTURES, gemma_block_names,
 logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "phi3",
-                                           "smollm3") + GEMMA_ARCHITECTURES
+                                           "smollm3", "qwen2moe", "qwen3moe", "olmoe") + GEMMA_ARCHITECTURES
 
 # GGUF per-block tensor name -> HF name inside `model.layers.N.` (llama-like families).
 _LLAMA_BLOCK_NAMES: dict[str, str] = {
@@ -25,6 +25,14 @@ _LLAMA_BLOCK_NAMES: dict[str, str] = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}  # fmt: skip
+# Mixtures of experts: the router, each projection of every expert stacked [E, out, in] (loaded by
+# models/moe_llama.py), Qwen2-MoE's shared expert and its gate.
+_MOE_BLOCK_NAMES: dict[str, str] = {
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }  # fmt: skip
 # Phi-3 keeps its checkpoint's fused q/k/v and gate/up (ffn_up holds gate then up).
 _PHI3_BLOCK_NAMES: dict[str, str] = {**_LLAMA_BLOCK_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
@@ -52,8 +60,11 @@ _HF_CLASSES: dict[str, str] = dict(llama="LlamaForCausalLM", mistral="MistralFor
                                     qwen2="Qwen2ForCausalLM", qwen3="Qwen3ForCausalLM", gpt2="GPT2LMHeadModel",
                                     phi3="Phi3ForCausalLM", smollm3="SmolLM3ForCausalLM",
                                     gemma2="Gemma2ForCausalLM", gemma3="Gemma3ForCausalLM",
-                                    gemma4="Gemma4ForCausalLM")
-_HF_MODEL_TYPES: dict[str, str] = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}
+                                    gemma4="Gemma4ForCausalLM", qwen2moe="Qwen2MoeForCausalLM",
+                                    qwen3moe="Qwen3MoeForCausalLM", olmoe="OlmoeForCausalLM",
+                                    mixtral="MixtralForCausalLM")
+_HF_MODEL_TYPES: dict[str, str] = {"gemma3": "gemma3_text", "gemma4": "gemma4_text", "qwen2moe": "qwen2_moe",
+                                   "qwen3moe": "qwen3_moe"}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^([a-z0-9_]+)\.(weight|bias)$")
 
@@ -89,6 +100,7 @@ def build_config(arch: str, meta: dict[str, Any], shapes: dict[str, tuple[int, .
 
     if "token_embd.weight" not in shapes:
         raise ValueError("GGUF file has no token_embd.weight tensor")
+    hf_arch = "mixtral" if arch == "llama" and get("expert_count") else arch  # llama.cpp writes Mixtral as llama
     # The embedding matrix is the ground truth for the vocabulary size (the metadata
     # key is optional and the tokenizer list may be shorter than the padded matrix).
     vocab_size = shapes["token_embd.weight"][0]
@@ -97,7 +109,8 @@ def build_config(arch: str, meta: dict[str, Any], shapes: dict[str, tuple[int, .
     n_heads = int(get("attention.head_count", required=True))
     ctx = int(get("context_length", 2048))
     common: dict[str, Any] = {
-        "architectures": [_HF_CLASSES[arch]], "model_type": _HF_MODEL_TYPES.get(arch, arch), "vocab_size": vocab_size,
+        "architectures": [_HF_CLASSES[hf_arch]], "model_type": _HF_MODEL_TYPES.get(hf_arch, hf_arch),
+        "vocab_size": vocab_size,
         "tie_word_embeddings": "output.weight" not in shapes, "torch_dtype": "float32",
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
@@ -131,6 +144,8 @@ def build_config(arch: str, meta: dict[str, Any], shapes: dict[str, tuple[int, .
         config["attention_bias"] = "blk.0.attn_q.bias" in shapes
     elif arch == "phi3":
         config.update(_phi3_fields(get, config, rope_factors or {}))
+    if get("expert_count"):
+        config.update(_moe_fields(arch, get, shapes, n_layers))
     # qwen2 always has q/k/v biases in HF; nothing to set. smollm3's NoPE layers are every 4th, as
     # llama.cpp hardcodes them and as transformers derives them when config.json does not list them.
     if arch != "phi3" and (rope_scaling := _rope_scaling(get)) is not None:
@@ -162,6 +177,25 @@ def _phi3_fields(get: Callable[..., Any], config: dict[str, Any], rope_factors: 
     return fields
 
 
+def _moe_fields(arch: str, get: Callable[..., Any], shapes: dict[str, tuple[int, ...]],
+                n_layers: int) -> dict[str, Any]:
+    """What llama.cpp's graphs fix per architecture: Qwen3-MoE and Mixtral renormalise the top-k
+    weights, Qwen2-MoE and OLMoE do not; a layer without a router (ffn_gate_inp) is dense."""
+    fields: dict[str, Any] = {"num_experts": int(get("expert_count")),
+                              "num_experts_per_tok": int(get("expert_used_count", required=True)),
+                              "norm_topk_prob": arch in ("qwen3moe", "llama"),
+                              "attention_bias": "blk.0.attn_q.bias" in shapes}
+    if arch in ("qwen2moe", "qwen3moe"):
+        fields["moe_intermediate_size"] = int(get("expert_feed_forward_length", required=True))
+        fields["mlp_only_layers"] = [i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" not in shapes]
+    if arch == "qwen2moe":
+        fields["qkv_bias"] = fields.pop("attention_bias")
+        fields["shared_expert_intermediate_size"] = int(get("expert_shared_feed_forward_length", 0))
+    if arch == "olmoe" and (clip := get("attention.clamp_kqv")) is not None:
+        fields["clip_qkv"] = _f32(clip)
+    return fields
+
+
 def _f32(value: Any) -> float:
     # GGUF stores floats as float32: 1e-5 comes back as 9.99999974e-06. The shortest
     # float32 repr recovers the value that was written, which keeps config.json tidy.
@@ -179,6 +213,10 @@ def _rope_scaling(get: Callable[[str, Any], Any]) -> dict[str, Any] | None:
     if (orig := get("rope.scaling.original_context_length", None)) is not None:
         scaling["original_max_position_embeddings"] = int(orig)
     return scaling
+
+
+def _as_one_row(w: np.ndarray) -> np.ndarray:
+    return w.reshape(1, -1)
 
 
 def _unpermute_rotary(n_head: int) -> Callable[[np.ndarray], np.ndarray]:
@@ -206,7 +244,7 @@ def plan_tensors(arch: str, config: dict[str, Any], shapes: dict[str, tuple[int,
         block_names = gemma_block_names(arch, _LLAMA_BLOCK_NAMES)
         global_names = gemma_global_names(arch, _LLAMA_GLOBAL_NAMES)
     else:
-        block_names = _PHI3_BLOCK_NAMES if arch == "phi3" else _LLAMA_BLOCK_NAMES
+        block_names = _PHI3_BLOCK_NAMES if arch == "phi3" else _LLAMA_BLOCK_NAMES | _MOE_BLOCK_NAMES
         global_names = _LLAMA_GLOBAL_NAMES
     block_prefix = "transformer.h" if is_gpt2 else "model.layers"
     # Only the llama family is stored permuted (SmolLM3 converts as llama does): qwen2/qwen3 and
@@ -230,6 +268,8 @@ def plan_tensors(arch: str, config: dict[str, Any], shapes: dict[str, tuple[int,
                 transform = _unpermute_rotary(config["num_key_value_heads"])
             elif is_gpt2 and kind in _GPT2_CONV1D and suffix == "weight":
                 transform, shape, transposed = np.transpose, shape[::-1], True
+            elif kind == "ffn_gate_inp_shexp":  # HF's [1, hidden], which llama.cpp may store as [hidden]
+                shape, transform = (1, shape[-1]), _as_one_row
         elif (m := _GLOBAL_RE.match(name)) and m.group(1) in global_names:
             hf = f"{global_names[m.group(1)]}.{m.group(2)}"
         else:

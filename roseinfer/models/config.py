@@ -10,11 +10,13 @@ from roseinfer.models.deepseek_config import (DEEPSEEK_DEFAULTS, DEEPSEEK_FAMILY
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3")
 GEMMA_FAMILY = ("gemma2", "gemma3_text", "gemma4_text")
+# softmax-routed mixture-of-experts families on the Llama layer stack (models/moe.py)
+MOE_FAMILY = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe")
 # linear-attention layers (Gated DeltaNet) between full-attention ones
 HYBRID_FAMILY = ("qwen3_5_text",)
 # multimodal checkpoints whose text model is read from their `text_config`
 MULTIMODAL_WRAPPERS = {"gemma3": "gemma3_text", "gemma4": "gemma4_text", "qwen3_5": "qwen3_5_text"}
-SUPPORTED_MODEL_TYPES = ("gpt2",) + LLAMA_FAMILY + GEMMA_FAMILY + DEEPSEEK_FAMILY + HYBRID_FAMILY + tuple(MULTIMODAL_WRAPPERS)
+SUPPORTED_MODEL_TYPES = ("gpt2",) + LLAMA_FAMILY + MOE_FAMILY + GEMMA_FAMILY + DEEPSEEK_FAMILY + HYBRID_FAMILY + tuple(MULTIMODAL_WRAPPERS)
 
 
 @dataclass
@@ -68,6 +70,12 @@ class ModelConfig:
     mla: MlaLayout | None = None
     deepseek_moe: DeepseekMoeLayout | None = None
     linear_attention: LinearAttentionShape | None = None  # hybrid models: the layer_types "linear_attention"
+    moe: MoeLayout | None = None
+    # OLMoE: q and k normed over all heads at once (not per head), and q/k/v clamped to ±clip_qkv
+    qk_norm_across_heads: bool = False
+    clip_qkv: float | None = None
+    # the attention output projection has a bias (Llama's attention_bias; Qwen2's covers q/k/v only)
+    o_proj_bias: bool = False
 
     @property
     def kv_cache_planes(self) -> int:
@@ -123,14 +131,18 @@ class ModelConfig:
             return _hybrid_config(cls, raw, get)
         num_heads = get("num_attention_heads")
         head_dim = get("head_dim") or get("hidden_size") // num_heads
+        attention_bias = bool(get("qkv_bias") if model_type == "qwen2_moe" else get("attention_bias"))
         return cls(
             model_type=model_type, vocab_size=get("vocab_size"), hidden_size=get("hidden_size"),
             num_layers=get("num_hidden_layers"), num_heads=num_heads,
             num_kv_heads=get("num_key_value_heads") or num_heads, head_dim=head_dim,
             intermediate_size=get("intermediate_size"), max_position_embeddings=get("max_position_embeddings"), norm_eps=get("rms_norm_eps"),
             tie_word_embeddings=bool(get("tie_word_embeddings")),
-            attention_bias=bool(get("attention_bias")) or model_type == "qwen2",
-            qk_norm=model_type == "qwen3", hidden_act=get("hidden_act"), raw_config=raw,
+            attention_bias=attention_bias or model_type == "qwen2",
+            o_proj_bias=attention_bias and model_type in ("llama", "mistral", "smollm3", "olmoe", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "olmoe"), qk_norm_across_heads=model_type == "olmoe",
+            clip_qkv=get("clip_qkv") if model_type == "olmoe" else None, moe=_moe_layout(get),
+            hidden_act=get("hidden_act"), raw_config=raw,
             nope_layers=_nope_layers(get) if model_type == "smollm3" else (),
             long_rope_from=long_rope_original_positions(raw),
             sliding_windows=_sliding_windows(get, get("num_hidden_layers")),
@@ -142,7 +154,9 @@ def _sliding_windows(get: "_Fields", num_layers: int) -> tuple[int | None, ...]:
     layer; Qwen2/Qwen3's, under `use_sliding_window`, to the layers `layer_types` names sliding (by
     default those from `max_window_layers` on); SmolLM3's likewise, by default its NoPE layers."""
     model_type = get("model_type")
-    if model_type in ("mistral", "phi3"):
+    if model_type in ("qwen2_moe", "qwen3_moe") and get("use_sliding_window"):
+        raise ValueError(f"{model_type} with use_sliding_window is not supported")
+    if model_type in ("mistral", "phi3", "mixtral"):
         return (get("sliding_window"),) * num_layers if get("sliding_window") is not None else ()
     if model_type == "smollm3" and get("use_sliding_window") and get("sliding_window") is not None:
         nope = _nope_layers(get)
@@ -175,6 +189,54 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
                 "tie_word_embeddings": True, "use_sliding_window": False, "sliding_window": None,
                 "no_rope_layers": None, "no_rope_layer_interval": 4, "layer_types": None},
 }
+
+_MOE_DEFAULTS = {"decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": False,
+                 "use_sliding_window": False, "moe_intermediate_size": None, "shared_expert_intermediate_size": 0}
+_DEFAULTS.update({
+    "qwen2_moe": {**_LLAMA_DEFAULTS, **_MOE_DEFAULTS, "max_position_embeddings": 32768, "num_key_value_heads": 16,
+                  "qkv_bias": True, "num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
+                  "shared_expert_intermediate_size": 5632},
+    "qwen3_moe": {**_LLAMA_DEFAULTS, **_MOE_DEFAULTS, "max_position_embeddings": 32768, "num_key_value_heads": 4,
+                  "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768},
+    "mixtral": {**_LLAMA_DEFAULTS, **_MOE_DEFAULTS, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+                "num_key_value_heads": 8, "num_experts": 8, "num_experts_per_tok": 2, "sliding_window": None,
+                "norm_topk_prob": True},
+    "olmoe": {**_LLAMA_DEFAULTS, **_MOE_DEFAULTS, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096,
+              "num_experts": 64, "num_experts_per_tok": 8, "clip_qkv": None},
+})
+
+
+@dataclass(frozen=True)
+class MoeLayout:
+    """A softmax-routed mixture of experts (transformers' Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE)."""
+    num_experts: int
+    top_k: int
+    expert_width: int  # each expert's intermediate size
+    norm_topk_prob: bool  # the top-k probabilities renormalised to sum to 1
+    shared_expert_width: int  # Qwen2-MoE's shared expert, scaled by a sigmoid gate (0: none)
+    sparse_layers: tuple[int, ...]  # the layers whose MLP is the mixture; the others are dense
+
+
+def _moe_layout(get: _Fields) -> MoeLayout | None:
+    """Qwen's `mlp_only_layers` and `decoder_sparse_step` leave some layers dense; Mixtral's and
+    OLMoE's experts are `intermediate_size` wide and every layer is sparse."""
+    model_type = get("model_type")
+    if model_type not in MOE_FAMILY:
+        return None
+    layers = get("num_hidden_layers")
+    # transformers 5 writes Qwen3-MoE's and Mixtral's count as num_local_experts, the hub's files num_experts
+    num_experts = get("num_local_experts" if "num_local_experts" in get.raw else "num_experts")
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        width = get("moe_intermediate_size")
+        dense, step = set(get("mlp_only_layers")), get("decoder_sparse_step")
+        sparse = tuple(i for i in range(layers) if i not in dense and num_experts > 0 and (i + 1) % step == 0)
+    else:
+        width, sparse = get("intermediate_size"), tuple(range(layers))
+    return MoeLayout(num_experts=num_experts, top_k=get("num_experts_per_tok"), expert_width=width,
+                     norm_topk_prob=bool(get("norm_topk_prob")),
+                     shared_expert_width=get("shared_expert_intermediate_size") if model_type == "qwen2_moe" else 0,
+                     sparse_layers=sparse)
+
 
 _GEMMA_DEFAULTS = {"hidden_size": 2304, "intermediate_size": 9216, "num_attention_heads": 8,
                    "num_key_value_heads": 4, "head_dim": 256, "rms_norm_eps": 1e-6,

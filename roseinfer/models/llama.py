@@ -38,11 +38,12 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = q.rows // cfg.head_dim, kv.rows // cfg.head_dim, cfg.head_dim
         self.q_size, self.kv_size = q.rows, kv.rows
         self.qkv_proj = column_parallel(cfg.hidden_size, [q, kv, kv], bias=cfg.attention_bias)
-        # Qwen2 has bias on q/k/v only; Llama's attention_bias covers o_proj too.
-        o_bias = cfg.attention_bias and cfg.model_type in ("llama", "mistral", "smollm3")
-        self.o_proj = row_parallel(q.size, cfg.hidden_size, tp, bias=o_bias)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.o_proj = row_parallel(q.size, cfg.hidden_size, tp, bias=cfg.o_proj_bias)
+        # per head (Qwen3), or over all of q and all of k at once (OLMoE: whole at tensor-parallel size 1)
+        self.norm_across_heads, self.clip_qkv = cfg.qk_norm_across_heads, cfg.clip_qkv
+        q_norm_width, k_norm_width = (q.rows, kv.rows) if self.norm_across_heads else (cfg.head_dim, cfg.head_dim)
+        self.q_norm = RMSNorm(q_norm_width, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_norm_width, cfg.norm_eps) if cfg.qk_norm else None
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5,
                                    sliding_window=cfg.layer_sliding_window(layer))
 
@@ -54,10 +55,15 @@ class LlamaAttention(nn.Module):
         if self.q_norm is None:
             return self.attn.forward_qkv(qkv, rope, kv_cache, meta)
         tokens = qkv.shape[0]
-        q = self.q_norm.forward(qkv[:, :self.q_size].view(tokens, self.num_heads, self.head_dim))
-        k = self.k_norm.forward(qkv[:, self.q_size:self.q_size + self.kv_size].view(tokens, self.num_kv_heads,
-                                                                                    self.head_dim))
-        v = qkv[:, self.q_size + self.kv_size:].view(tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=1)
+        if self.norm_across_heads:
+            q, k = self.q_norm.forward(q), self.k_norm.forward(k)
+            if self.clip_qkv is not None:
+                q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+        q, k = q.view(tokens, self.num_heads, self.head_dim), k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        if not self.norm_across_heads:
+            q, k = self.q_norm.forward(q), self.k_norm.forward(k)
         out = self.attn(meta.rotate(q, rope), meta.rotate(k, rope), v, kv_cache, meta)
         return out.reshape(tokens, self.q_size)
 
@@ -84,9 +90,13 @@ class LlamaDecoderLayer(nn.Module):
         self.tp = tp
         self.rotates = layer not in cfg.nope_layers  # a NoPE layer's forward gets rotations that change nothing
         self.self_attn = LlamaAttention(cfg, tp, layer)
-        self.mlp = LlamaMLP(cfg, tp)
+        self.mlp = self.build_mlp(cfg, tp, layer)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+
+    def build_mlp(self, cfg: ModelConfig, tp: TensorParallel, layer: int) -> nn.Module:
+        """The layer's MLP, called as mlp.forward(h, meta) (a mixture of experts in models/moe_llama.py)."""
+        return LlamaMLP(cfg, tp)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,11 +109,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, layer_class: type[LlamaDecoderLayer]) -> None:
         super().__init__()
         self.embed_tokens = vocab_parallel_embedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.raw_config)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp, layer) for layer in range(cfg.num_layers))
+        self.layers = nn.ModuleList(layer_class(cfg, tp, layer) for layer in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
 
 
@@ -124,13 +134,17 @@ def lm_head(cfg: ModelConfig, tp: TensorParallel, embed_tokens: nn.Module) -> Li
     return head
 
 
-class LlamaForCausalLM(nn.Module):
+class DecoderForCausalLM(nn.Module):
+    """embed -> the decoder layers (`layer_class`) -> norm -> LM head, shared by the dense Llama family
+    (LlamaForCausalLM) and the mixtures of experts built on its layers (models/moe_llama.py)."""
+
     packed_modules = PACKED_MODULES
+    layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.cfg, self.tp = cfg, tp
-        self.model = LlamaModel(cfg, tp)
+        self.model = LlamaModel(cfg, tp, self.layer_class)
         self.lm_head = lm_head(cfg, tp, self.model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
@@ -151,18 +165,24 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         loader = WeightLoader(self, self.packed_modules)
-        rotated = (".q_proj.", ".k_proj.", ".q_norm.", ".k_norm.")
-        dims = rotary_dim(self.cfg.head_dim, self.cfg.raw_config)
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
                 continue
-            if any(part in name for part in rotated):
-                tensor = interleave_rotary_rows(tensor, self.cfg.head_dim, dims)  # see layers/rotary.py
-            elif ".qkv_proj." in name:  # Phi-3 ships q/k/v fused: reorder its q and k rows the same way
-                q, k, v = tensor.split([self.cfg.num_heads * self.cfg.head_dim,
-                                        self.cfg.num_kv_heads * self.cfg.head_dim,
-                                        self.cfg.num_kv_heads * self.cfg.head_dim])
-                tensor = torch.cat([interleave_rotary_rows(q, self.cfg.head_dim, dims),
-                                    interleave_rotary_rows(k, self.cfg.head_dim, dims), v])
-            loader.load(name, tensor)  # a fused qkv_proj / gate_up_proj fills its layer whole
+            self.load_weight(loader, name, tensor)
         loader.check_complete()
+
+    def load_weight(self, loader: WeightLoader, name: str, tensor: torch.Tensor) -> None:
+        """One checkpoint tensor, q and k rows reordered for the adjacent-pair rotary (layers/rotary.py)."""
+        dims = rotary_dim(self.cfg.head_dim, self.cfg.raw_config)
+        if any(part in name for part in (".q_proj.", ".k_proj.", ".q_norm.", ".k_norm.")):
+            tensor = interleave_rotary_rows(tensor, self.cfg.head_dim, dims)
+        elif ".qkv_proj." in name:  # Phi-3 ships q/k/v fused: reorder its q and k rows the same way
+            q, k, v = tensor.split([self.cfg.num_heads * self.cfg.head_dim, self.cfg.num_kv_heads * self.cfg.head_dim,
+                                    self.cfg.num_kv_heads * self.cfg.head_dim])
+            tensor = torch.cat([interleave_rotary_rows(q, self.cfg.head_dim, dims),
+                                interleave_rotary_rows(k, self.cfg.head_dim, dims), v])
+        loader.load(name, tensor)  # a fused qkv_proj / gate_up_proj fills its layer whole
+
+
+class LlamaForCausalLM(DecoderForCausalLM):
+    """The dense Llama family: the class whose decode steps the CPU backend runs in one C call."""

@@ -4,16 +4,18 @@ from __future__ import annotations
 from torch import nn
 
 from roseinfer.distributed.parallel import SINGLE, TensorParallel
-from roseinfer.models.config import GEMMA_FAMILY, HYBRID_FAMILY, LLAMA_FAMILY, ModelConfig
+from roseinfer.models.config import GEMMA_FAMILY, HYBRID_FAMILY, LLAMA_FAMILY, MOE_FAMILY, ModelConfig
 from roseinfer.models.deepseek import DeepseekForCausalLM
 from roseinfer.models.deepseek_config import DEEPSEEK_FAMILY
 from roseinfer.models.gemma import GemmaForCausalLM
 from roseinfer.models.gpt2 import GPT2LMHeadModel
 from roseinfer.models.llama import LlamaForCausalLM
+from roseinfer.models.moe_llama import MoeForCausalLM
 from roseinfer.models.qwen3_5 import Qwen3_5ForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {"gpt2": GPT2LMHeadModel}
 MODEL_CLASSES.update({name: LlamaForCausalLM for name in LLAMA_FAMILY})
+MODEL_CLASSES.update({name: MoeForCausalLM for name in MOE_FAMILY})
 MODEL_CLASSES.update({name: GemmaForCausalLM for name in GEMMA_FAMILY})
 MODEL_CLASSES.update({name: DeepseekForCausalLM for name in DEEPSEEK_FAMILY})
 MODEL_CLASSES.update({name: Qwen3_5ForCausalLM for name in HYBRID_FAMILY})

@@ -27,6 +27,12 @@ def _uneven(cfg: ModelConfig, size: int) -> list[str]:
         problems.append(f"its {cfg.num_kv_heads} KV heads neither divide nor are divisible by {size}")
     if cfg.intermediate_size % size:
         problems.append(f"its MLP width ({cfg.intermediate_size}) is not divisible by {size}")
+    if cfg.moe is not None:
+        for name, width in (("expert", cfg.moe.expert_width), ("shared expert", cfg.moe.shared_expert_width)):
+            if width % size:
+                problems.append(f"its {name} width ({width}) is not divisible by {size}")
+    if cfg.qk_norm_across_heads and size > 1:
+        problems.append("its q/k norms span every head (OLMoE), which no rank holds alone")
     return problems
 
 
