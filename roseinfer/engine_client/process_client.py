@@ -189,11 +189,8 @@ class EngineProcessClient:
             with self._lock:
                 self._inflight.difference_update(table.done)
                 table.done.clear()
-                pending, self._pending = self._pending, []
                 stopping = self._stopping
                 cut, self._deadline_passed = self._deadline_passed, False
-            for stream, prompt_ids, params in pending:
-                table.open(stream, prompt_ids, params)
             deltas: Deltas = []
             self._read_outputs(deltas)
             if self.process.sentinel in events and self._dead is None:
@@ -204,8 +201,10 @@ class EngineProcessClient:
                 with self._lock:
                     self._dead = reason
                 poller.unregister(self.process.sentinel)  # readable from now on
+                self._open_pending()
                 table.fail_all(reason, 500, deltas, lambda _: None)
             if stopping or cut:
+                self._open_pending()
                 failed: list[str] = []
                 table.fail_all(SHUTDOWN_MESSAGE, 503, deltas, lambda request_id: failed.append(request_id))
                 with self._lock:
@@ -223,6 +222,7 @@ class EngineProcessClient:
             except zmq.Again:
                 return
             message = outputs_decoder.decode(body)
+            self._open_pending()  # every request this message may carry was sent, so pending, before it
             self._stats = message.stats
             stopped = table.process(message.outputs, deltas)
             if message.failure is not None:
@@ -231,6 +231,13 @@ class EngineProcessClient:
             if stopped:
                 with self._lock:
                     self._send_aborts(stopped)
+
+    def _open_pending(self) -> None:
+        """The requests submitted since the last call, into the table."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for stream, prompt_ids, params in pending:
+            self._table.open(stream, prompt_ids, params)
 
     def _send_aborts(self, request_ids: list[str]) -> None:
         """Under the lock."""
