@@ -11,6 +11,11 @@ from pathlib import Path
 
 import pytest
 
+import json
+import threading
+
+import httpx
+
 from roseinfer.config import EngineConfig
 from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.engine_client.client import SHUTDOWN_MESSAGE, ShuttingDownError
@@ -19,7 +24,8 @@ from roseinfer.engine_client.process_client import EngineProcessClient
 from roseinfer.engine_client.request_stream import RequestStream
 from roseinfer.output_processor import StreamDelta
 from roseinfer.sampling_params import SamplingParams
-from server_helpers import wait_for
+from roseinfer.server.app import build_app
+from server_helpers import serve_app, wait_for
 from tiny_models import hf_greedy, sample_prompts
 
 PROMPT = "The cat sees a red apple"
@@ -156,3 +162,33 @@ def test_shutdown_ends_what_runs_and_leaves_no_process(model_dir: Path) -> None:
     assert child_pids() <= before
     assert c.process.exitcode == 0
     assert wait_for(lambda: not any(alive(pid) for pid in ranks))
+
+
+def test_the_server_fails_open_requests_and_says_why_when_the_core_is_killed(model_dir: Path) -> None:
+    app = build_app(EngineConfig(model=str(model_dir), num_kv_blocks=128, engine_process="on"), "tiny")
+    core = app.state.manager.process
+    body = {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True}
+    with serve_app(app) as url, httpx.Client(base_url=url, trust_env=False, timeout=60) as c:
+        lines: list[str] = []
+        answers: list[httpx.Response] = []
+
+        def stream() -> None:
+            with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                lines.extend(line for line in r.iter_lines() if line)
+
+        readers = [threading.Thread(target=stream),
+                   threading.Thread(target=lambda: answers.append(c.post("/v1/completions", json=body)))]
+        for reader in readers:
+            reader.start()
+        assert wait_for(lambda: len(lines) > 1 and app.state.manager.stats()["num_running"] == 2)
+        os.kill(core.pid, signal.SIGKILL)
+        for reader in readers:
+            reader.join(timeout=60)
+        assert lines[-1] == "data: [DONE]"
+        error = json.loads(lines[-2][6:])["error"]
+        assert error["code"] == 500 and "killed by SIGKILL" in error["message"]
+        assert answers[0].status_code == 500 and "killed by SIGKILL" in answers[0].json()["error"]["message"]
+        health = c.get("/health")
+        assert health.status_code == 503 and "the engine process died" in health.json()["error"]["message"]
+        refused = c.post("/v1/completions", json=body)
+        assert refused.status_code == 503 and "killed by SIGKILL" in refused.json()["error"]["message"]

@@ -25,14 +25,14 @@ from starlette.exceptions import HTTPException
 
 from roseinfer.config import EngineConfig
 from roseinfer.engine.llm_engine import LLMEngine
-from roseinfer.loader.default_model import DEFAULT_MODEL_NAME
-from roseinfer.server.args import ServerOptions, served_name, server_options
-from roseinfer.server.body_limit import BodyLimit
-from roseinfer.server.connections import GuardedH11Protocol
 from roseinfer.engine_client.client import EngineClient
 from roseinfer.engine_client.in_process import InProcessClient
 from roseinfer.engine_client.process_client import EngineProcessClient
 from roseinfer.engine_client.select import make_engine_client
+from roseinfer.loader.default_model import DEFAULT_MODEL_NAME
+from roseinfer.server.args import ServerOptions, served_name, server_options
+from roseinfer.server.body_limit import BodyLimit
+from roseinfer.server.connections import GuardedH11Protocol
 from roseinfer.server.messages import AnthropicServing
 from roseinfer.server.messages_protocol import MESSAGES_PATH, MessagesErrorResponse, MessagesRequest
 from roseinfer.server.messages_protocol import UNSUPPORTED_FIELDS as MESSAGES_UNSUPPORTED_FIELDS
