@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import threading
 from multiprocessing.connection import Connection
 
 import zmq
@@ -40,7 +41,11 @@ def run_engine_core(config: EngineConfig, inbox_address: str, outbox_address: st
     try:
         client.send(("ready", {"max_model_len": engine.max_model_len, "num_kv_blocks": engine.num_kv_blocks,
                                "stats": engine_stats(engine)}))
-        CoreLoop(engine, inbox, outbox, client).run()
+        # stepped on a thread of its own, as the in-process client steps it: the main thread's OpenMP
+        # team spins while other processes hold the cores (docs/profiling.md, section 5)
+        loop = threading.Thread(target=CoreLoop(engine, inbox, outbox, client).run, name="roseinfer-engine-core")
+        loop.start()
+        loop.join()
     finally:
         engine.shutdown()
         context.destroy(linger=0)
