@@ -4,8 +4,11 @@ non-streaming and streaming, from a light asyncio client. For each: output tok/s
 token (the offline process; the server's whole process tree; the client itself), and /health's p50 /
 p99 polled beside the server runs.
 
+With `--engine-process off,on` one server per mode (the engine core in a thread of the server, or in a
+process of its own; both up at once, on --port and the ports after it), their runs alternating.
+
 Usage: python benchmarks/server_overhead.py [--model DIR] [--num-requests 256] [--prompt-len 32]
-       [--output-len 128] [--port 18700] [--rounds 1] [--serve-args "..."]
+       [--output-len 128] [--port 18700] [--rounds 1] [--engine-process off,on] [--serve-args "..."]
 Without --model, a random tiny Llama (hidden 128, 3 layers, vocabulary 384 as the tests' tiny models) is
 written to a temp folder.
 Linux only (CPU time read from /proc).
@@ -72,7 +75,7 @@ class Run:
     health_ms: list[float] | None = None
 
     def line(self, offline: "Run | None") -> str:
-        text = (f"{self.name:>14}: {self.tokens / self.wall:9.0f} output tok/s, {self.cpu / self.tokens * 1e6:6.1f} µs "
+        text = (f"{self.name:>20}: {self.tokens / self.wall:9.0f} output tok/s, {self.cpu / self.tokens * 1e6:6.1f} µs "
                 f"CPU/token")
         if offline is not None:
             text += (f" ({self.tokens / self.wall / (offline.tokens / offline.wall):.2f}× offline tok/s, "
@@ -173,6 +176,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--port", type=int, default=18700)
     parser.add_argument("--rounds", type=int, default=1, help="server runs of each kind")
+    parser.add_argument("--engine-process", default="off,on",
+                        help="comma-separated --engine-process modes of the servers compared (auto, on, off)")
     parser.add_argument("--serve-args", default="", help="more `roseinfer serve` flags")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -187,17 +192,24 @@ def main() -> None:
               f"once; model {model}")
         offline = offline_run(model, prompts, args.output_len)
         print(offline.line(None), flush=True)
-        server = start_server(model, args.port, args.num_requests, shlex.split(args.serve_args), Path(tmp) / "serve.log")
-        base = f"http://127.0.0.1:{args.port}"
+        servers: dict[str, tuple[subprocess.Popen, str]] = {}
         try:
-            asyncio.run(all_at_once(base, prompts, args.output_len, stream=True))  # warm-up, as offline's
+            for i, mode in enumerate(args.engine_process.split(",")):
+                port = args.port + i
+                flags = ["--engine-process", mode, *shlex.split(args.serve_args)]
+                server = start_server(model, port, args.num_requests, flags, Path(tmp) / f"serve-{mode}.log")
+                servers[mode] = server, f"http://127.0.0.1:{port}"
+                asyncio.run(all_at_once(servers[mode][1], prompts, args.output_len, stream=True))  # warm-up
             for _ in range(args.rounds):
                 for name, stream in (("non-streaming", False), ("streaming", True)):
-                    print(server_run(name, base, server.pid, prompts, args.output_len, stream).line(offline),
-                          flush=True)
+                    for mode, (server, base) in servers.items():
+                        run = server_run(f"{name} [{mode}]", base, server.pid, prompts, args.output_len, stream)
+                        print(run.line(offline), flush=True)
         finally:
-            server.terminate()
-            server.wait(60)
+            for server, _ in servers.values():
+                server.terminate()
+            for server, _ in servers.values():
+                server.wait(60)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ ADMISSION_POLICIES = ("fifo", "pack")
 BACKEND_NAMES = ("auto", "torch", "cpu", "triton")  # backends/__init__.py
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 QUANTIZATION_METHODS = ("auto", "gguf", "none")  # loader/quantized.py
+ENGINE_PROCESS_MODES = ("auto", "on", "off")  # engine_client/select.py
 
 
 @dataclass
@@ -85,6 +86,9 @@ class EngineConfig:
     max_active_requests: int | None = None  # admitted (running) requests at once
     # a dict or JSON object of SpeculativeConfig's fields; None = no speculation
     speculative_config: dict[str, Any] | None = None
+    # serving: the engine core in a process of its own (on), in a thread of the server's (off), or as
+    # engine_client/select.py decides (auto); the offline LLM steps the core in the caller's thread
+    engine_process: str = "auto"
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "pack_lookahead", "pack_fifo_every",
@@ -109,6 +113,9 @@ class EngineConfig:
         if self.quantization == "gguf" and self.tensor_parallel_size > 1:
             raise ValueError("quantization gguf keeps GGUF blocks whole, and tensor parallelism splits weights "
                              "through them: use quantization auto (or none), which dequantizes at load")
+        if self.engine_process not in ENGINE_PROCESS_MODES:
+            raise ValueError(f"engine_process must be one of {', '.join(ENGINE_PROCESS_MODES)}, "
+                             f"got {self.engine_process!r}")
         if self.dtype not in ("float32", "float16", "bfloat16", "auto"):
             raise ValueError(f"dtype must be float32, float16, bfloat16 or auto, got {self.dtype!r}")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -5,7 +5,7 @@ import argparse
 import json
 from dataclasses import fields
 
-from roseinfer.config import ADMISSION_POLICIES, BACKEND_NAMES, QUANTIZATION_METHODS, EngineConfig
+from roseinfer.config import ADMISSION_POLICIES, BACKEND_NAMES, ENGINE_PROCESS_MODES, QUANTIZATION_METHODS, EngineConfig
 
 HELP = {
     "model": "HF folder, .gguf file or hub id (default: the embedded SmolLM2-135M-Instruct)",
@@ -52,6 +52,9 @@ HELP = {
                           "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 1, \"prompt_lookup_max\": 4, "
                           "\"disable_by_batch_size\": 1}', or '{\"model\": DRAFT, \"num_speculative_tokens\": 4}' "
                           "for a draft model with the target's vocabulary (default: none)",
+    "engine_process": "serve: run the engine core (scheduler, forward, sampler) in a process of its own, the "
+                      "server's process keeping HTTP, detokenization and stop strings (on), or in a thread of the "
+                      "server's process (off); auto (default): on",
 }
 
 
@@ -72,7 +75,7 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = (),
         kind = {"int": int, "int | None": int, "float": float, "float | None": float,
                 "dict[str, Any] | None": _json_object}.get(str(f.type), str)
         choices = {"prefill_admission_policy": ADMISSION_POLICIES, "attention_backend": BACKEND_NAMES,
-                   "quantization": QUANTIZATION_METHODS}.get(f.name)
+                   "quantization": QUANTIZATION_METHODS, "engine_process": ENGINE_PROCESS_MODES}.get(f.name)
         # a help text that explains its own default (None rarely says what happens) keeps it
         shown = "" if "(default" in HELP[f.name] else f" (default: {default})"
         group.add_argument(*flags, dest=f.name, type=kind, default=default, choices=choices,

@@ -1,6 +1,7 @@
 """Running the roseinfer app under a real uvicorn in a background thread, and reading /metrics."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -19,8 +20,19 @@ import uvicorn
 from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 
+from roseinfer.config import EngineConfig
 from roseinfer.server.app import server_config
 from roseinfer.server.args import ServerOptions
+
+
+# the server tests run with the engine core in a thread of the server (off, the default here) or in a
+# process of its own (on): run them both ways, e.g. ROSEINFER_TEST_ENGINE_PROCESS=on pytest tests/test_server.py
+ENGINE_PROCESS = os.environ.get("ROSEINFER_TEST_ENGINE_PROCESS", "off")
+
+
+def served(config: EngineConfig) -> EngineConfig:
+    """The configuration the server tests hand build_app, its engine where ENGINE_PROCESS says."""
+    return dataclasses.replace(config, engine_process=ENGINE_PROCESS)
 
 
 @contextmanager

@@ -1,5 +1,5 @@
 """``roseinfer bench streaming`` (the blog's benchmark_streaming) end to end on the tiny llama
-checkpoint, through the real SchedulerManager: the blog's lines (golden, numbers masked) and
+checkpoint, through the real InProcessClient: the blog's lines (golden, numbers masked) and
 flags, every submit schedule, both consumers, tokenize workers, rejections, --json, --detailed
 and warmup exclusion."""
 

@@ -3,9 +3,9 @@ no Request) and carry what the engine produced: HF's greedy tokens, logprobs, pr
 reasons and timestamps, with and without speculative drafts."""
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
+import msgspec
 import pytest
 
 from roseinfer.config import EngineConfig
@@ -25,8 +25,8 @@ def assert_plain(value: Any, where: str = "output") -> None:
     if type(value) in (list, tuple):
         for i, item in enumerate(value):
             assert_plain(item, f"{where}[{i}]")
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        for f in dataclasses.fields(value):
+    elif isinstance(value, msgspec.Struct):
+        for f in msgspec.structs.fields(value):
             assert_plain(getattr(value, f.name), f"{where}.{f.name}")
     else:
         raise AssertionError(f"{where} is a {type(value).__name__}, not plain data")
@@ -37,6 +37,7 @@ def _run(engine: LLMEngine) -> dict[str, list[EngineCoreOutput]]:
     while engine.has_unfinished():
         for out in engine.step():
             assert_plain(out)
+            assert msgspec.msgpack.decode(msgspec.msgpack.encode(out), type=EngineCoreOutput) == out
             outputs.setdefault(out.request_id, []).append(out)
     return outputs
 

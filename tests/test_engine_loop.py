@@ -1,4 +1,5 @@
-"""SchedulerManager and the stop-string matcher, driven directly (no HTTP)."""
+"""InProcessClient (the engine core stepped in a thread) and the stop-string matcher, driven directly
+(no HTTP)."""
 from __future__ import annotations
 
 import asyncio
@@ -9,8 +10,10 @@ import pytest
 from roseinfer.config import EngineConfig
 from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.sampling_params import SamplingParams
-from roseinfer.server.engine_loop import (SHUTDOWN_MESSAGE, OverloadedError, RequestStream, SchedulerManager,
-                                         ShuttingDownError, StreamDelta)
+from roseinfer.engine_client.client import SHUTDOWN_MESSAGE, OverloadedError, ShuttingDownError
+from roseinfer.engine_client.in_process import InProcessClient
+from roseinfer.engine_client.request_stream import RequestStream
+from roseinfer.output_processor import StreamDelta
 from roseinfer.stop_strings import StopStringMatcher
 from server_helpers import wait_for
 from step_gate import StepGate
@@ -25,10 +28,10 @@ def engine(tiny_model_factory) -> LLMEngine:
 
 @pytest.fixture
 def manager(engine: LLMEngine):
-    created: list[SchedulerManager] = []
+    created: list[InProcessClient] = []
 
-    def make(**kwargs) -> SchedulerManager:
-        m = SchedulerManager(engine, **kwargs)
+    def make(**kwargs) -> InProcessClient:
+        m = InProcessClient(engine, **kwargs)
         m.start()
         created.append(m)
         return m
@@ -85,7 +88,7 @@ def test_streamed_text_equals_the_full_decode(engine, manager) -> None:
         assert [timings[k] for k in order] == sorted(timings[k] for k in order)
 
 
-def _a_stop_string(engine: LLMEngine, m: SchedulerManager) -> tuple[list[int], str, str]:
+def _a_stop_string(engine: LLMEngine, m: InProcessClient) -> tuple[list[int], str, str]:
     """PROMPT's ids, its 60-token greedy text, and a stop string that starts a third of the way in and
     spans several tokens' worth of that text."""
     ids = engine.tokenizer.encode(PROMPT)
@@ -176,7 +179,7 @@ def test_overload_and_bad_input_fail_in_the_callers_thread(engine, manager, gate
 
 
 def test_async_consumer_and_shutdown_aborts_what_is_in_flight(engine, gate) -> None:
-    m = SchedulerManager(engine)
+    m = InProcessClient(engine)
     m.start()
     ids = engine.tokenizer.encode(PROMPT)
     gate.allow(3)  # the request gets 3 of its 200 tokens, then waits for the shutdown
@@ -210,7 +213,7 @@ def test_async_consumer_and_shutdown_aborts_what_is_in_flight(engine, gate) -> N
 
 def test_drain_refuses_new_requests_lets_short_ones_finish_and_ends_the_rest_at_the_deadline(
         engine, gate, monkeypatch: pytest.MonkeyPatch) -> None:
-    m = SchedulerManager(engine)
+    m = InProcessClient(engine)
     m.start()
     ids = engine.tokenizer.encode(PROMPT)
     # The deadline's timer passes only once the short request has ended, and the long one takes

@@ -20,7 +20,7 @@ from roseinfer.config import EngineConfig
 from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.server.app import build_app
 from roseinfer.server.args import ServerOptions
-from server_helpers import metric, model_copy, openai_client, serve_app, served_process, wait_for
+from server_helpers import metric, model_copy, openai_client, serve_app, served, served_process, wait_for
 from step_gate import StepGate
 
 MODEL = "tiny-llama"
@@ -42,7 +42,7 @@ def llm(model_dir: Path) -> LLM:
 
 @pytest.fixture(scope="module")
 def base_url(model_dir: Path) -> Iterator[str]:
-    with serve_app(build_app(LLMEngine(EngineConfig(model=str(model_dir))), MODEL)) as url:
+    with serve_app(build_app(served(EngineConfig(model=str(model_dir))), MODEL)) as url:
         yield url
 
 
@@ -213,7 +213,7 @@ def test_clients_that_disconnect_free_their_requests(model_dir: Path, tmp_path: 
     # requests of 60,000 tokens: none can finish before its client leaves, however fast the machine
     long_context = model_copy(model_dir, tmp_path / "long-context", max_position_embeddings=65536)
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 60_000, "ignore_eos": True, "stream": True}
-    with serve_app(build_app(LLMEngine(EngineConfig(model=str(long_context))), MODEL)) as base_url, \
+    with serve_app(build_app(served(EngineConfig(model=str(long_context))), MODEL)) as base_url, \
             httpx.Client(base_url=base_url, trust_env=False, timeout=60) as http:
         for _ in range(4):
             with httpx.Client(base_url=base_url, trust_env=False, timeout=60) as c, \

@@ -18,14 +18,13 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from roseinfer.config import EngineConfig
-from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.engine.request import TokenLogprobs
 from roseinfer.server.app import build_app
 from roseinfer.server.args import ServerOptions
 from roseinfer.server.logprobs import LogprobsFormatter
 from roseinfer.server.metrics import RouterMetrics, ServerMetrics
 from roseinfer.tokenizer import Tokenizer
-from server_helpers import metric, model_copy, openai_client, serve_app
+from server_helpers import metric, model_copy, openai_client, serve_app, served
 
 MODEL = "tiny-llama"
 KEY = "unused"  # the key openai_client sends: the server runs with --api-key, so /tokenizer_info is guarded
@@ -46,7 +45,7 @@ def model_dir(tiny_model_factory, tmp_path_factory: pytest.TempPathFactory) -> P
 @pytest.fixture(scope="module")
 def base_url(model_dir: Path) -> Iterator[str]:
     options = ServerOptions(api_key=KEY, max_inflight_requests=16)
-    with serve_app(build_app(LLMEngine(EngineConfig(model=str(model_dir), num_kv_blocks=128)), MODEL, options)) as url:
+    with serve_app(build_app(served(EngineConfig(model=str(model_dir), num_kv_blocks=128)), MODEL, options)) as url:
         yield url
 
 

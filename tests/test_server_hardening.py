@@ -16,7 +16,7 @@ from roseinfer.config import EngineConfig
 from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.server.app import build_app
 from roseinfer.server.args import ServerOptions
-from server_helpers import metric, serve_app
+from server_helpers import metric, serve_app, served
 
 MODEL = "tiny-llama"
 PROMPT = "The cat sees a red apple"
@@ -32,7 +32,7 @@ def model_dir(tiny_model_factory) -> Path:
 @pytest.fixture(scope="module")
 def base_url(model_dir: Path) -> Iterator[str]:
     options = ServerOptions(max_inflight_requests=16, max_request_body_mb=1, max_sequences_per_request=64)
-    with serve_app(build_app(LLMEngine(EngineConfig(model=str(model_dir), num_kv_blocks=128)), MODEL, options)) as url:
+    with serve_app(build_app(served(EngineConfig(model=str(model_dir), num_kv_blocks=128)), MODEL, options)) as url:
         yield url
 
 
@@ -132,7 +132,7 @@ def test_a_temperature_below_epsilon_samples_greedily(http: httpx.Client) -> Non
 # ---- 7. authentication, CORS, the model card --------------------------------------------------------
 def test_api_key_guards_the_api_but_not_health_or_metrics(model_dir: Path) -> None:
     options = ServerOptions(api_key=KEY, allowed_origins=["https://app.example"])
-    with serve_app(build_app(LLMEngine(EngineConfig(model=str(model_dir), num_kv_blocks=32)), MODEL, options)) as url, \
+    with serve_app(build_app(served(EngineConfig(model=str(model_dir), num_kv_blocks=32)), MODEL, options)) as url, \
             httpx.Client(base_url=url, trust_env=False, timeout=60) as c:
         for method, path, body in (("GET", "/v1/models", None), ("POST", "/v1/completions", {"prompt": "hi"}),
                                    ("POST", "/tokenize", {"prompt": "hi"}), ("POST", "/detokenize", {"tokens": [1]})):

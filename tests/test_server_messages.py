@@ -19,7 +19,7 @@ from roseinfer.config import EngineConfig
 from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.server.app import build_app
 from roseinfer.server.args import ServerOptions
-from server_helpers import llama_for_tools, metric, model_copy, openai_client, serve_app
+from server_helpers import llama_for_tools, metric, model_copy, openai_client, serve_app, served
 from step_gate import StepGate
 from thinking_model import OPEN_THINKING_TEMPLATE, build_thinking_model
 
@@ -45,7 +45,7 @@ def long_model(tiny_model_factory, tmp_path_factory: pytest.TempPathFactory) -> 
 
 @pytest.fixture(scope="module")
 def base_url(long_model: Path) -> Iterator[str]:
-    with serve_app(build_app(LLMEngine(EngineConfig(model=str(long_model))), MODEL)) as url:
+    with serve_app(build_app(served(EngineConfig(model=str(long_model))), MODEL)) as url:
         yield url
 
 
@@ -194,7 +194,7 @@ def test_the_client_raises_its_own_error_types(client: anthropic.Anthropic) -> N
 
 
 def test_an_api_key_is_taken_as_x_api_key_or_bearer_and_requests_are_counted(long_model: Path) -> None:
-    app = build_app(LLMEngine(EngineConfig(model=str(long_model))), MODEL, ServerOptions(api_key="sesame"))
+    app = build_app(served(EngineConfig(model=str(long_model))), MODEL, ServerOptions(api_key="sesame"))
     with serve_app(app) as url:
         message = anthropic_client(url, "sesame").messages.create(model=MODEL, max_tokens=4, messages=USER)
         assert message.usage.output_tokens == 4
@@ -218,7 +218,7 @@ def test_a_thinking_models_reasoning_is_a_thinking_block(tmp_path: Path) -> None
     turn's thinking block sent back is left out of the prompt."""
     model_dir = model_copy(build_thinking_model(tmp_path / "qwen3"), tmp_path / "open",
                            chat_template=OPEN_THINKING_TEMPLATE)
-    with serve_app(build_app(LLMEngine(EngineConfig(model=str(model_dir))), MODEL)) as url:
+    with serve_app(build_app(served(EngineConfig(model=str(model_dir))), MODEL)) as url:
         client = anthropic_client(url)
         message = client.messages.create(model=MODEL, max_tokens=MAX_TOKENS, messages=USER, extra_body=GREEDY)
         expected = chat_reply(openai_client(url), USER, max_tokens=MAX_TOKENS).choices[0].message

@@ -16,11 +16,10 @@ import torch
 
 from roseinfer.cli import build_parser
 from roseinfer.config import EngineConfig
-from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.server.app import build_app
 from roseinfer.server.args import ServerOptions, server_options
 from roseinfer.tokenizer import Tokenizer
-from server_helpers import model_copy, openai_client, serve_app
+from server_helpers import model_copy, openai_client, serve_app, served
 from thinking_model import OPEN_THINKING_TEMPLATE, build_thinking_model
 from tiny_models import hf_greedy, load_hf_model
 
@@ -44,7 +43,7 @@ def tokenizer(model_dir: Path) -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def base_url(model_dir: Path) -> Iterator[str]:
-    with serve_app(build_app(LLMEngine(EngineConfig(model=str(model_dir))), MODEL)) as url:
+    with serve_app(build_app(served(EngineConfig(model=str(model_dir))), MODEL)) as url:
         yield url
 
 
@@ -159,7 +158,7 @@ def test_chat_template_kwargs_may_not_set_what_the_server_sets(client: openai.Op
 
 def test_reasoning_parser_none_leaves_the_reasoning_in_content(model_dir: Path, tokenizer: Tokenizer,
                                                                biased_reply: tuple[list[int], int]) -> None:
-    app = build_app(LLMEngine(EngineConfig(model=str(model_dir))), MODEL, ServerOptions(reasoning_parser="none"))
+    app = build_app(served(EngineConfig(model=str(model_dir))), MODEL, ServerOptions(reasoning_parser="none"))
     with serve_app(app) as url:
         reply = openai_client(url).chat.completions.create(**biased(tokenizer))
     message = reply.choices[0].message

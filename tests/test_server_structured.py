@@ -17,12 +17,11 @@ import pytest
 from pydantic import BaseModel, Field
 
 from roseinfer.config import EngineConfig
-from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.sampling_params import StructuredOutputsParams
 from roseinfer.server.app import build_app
 from roseinfer.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from roseinfer.server.structured import requested_constraint
-from server_helpers import model_copy, openai_client, serve_app
+from server_helpers import model_copy, openai_client, serve_app, served
 
 MODEL = "tiny-llama"
 MESSAGES = [{"role": "user", "content": "The weather in Paris, as JSON."}]
@@ -91,7 +90,7 @@ def test_bad_constraints_are_a_400_naming_the_field(fields: dict, param: str, wo
 def base_url(tiny_model_factory, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     model = model_copy(tiny_model_factory("llama"), tmp_path_factory.mktemp("structured") / "llama",
                        max_position_embeddings=1024)
-    with serve_app(build_app(LLMEngine(EngineConfig(model=str(model))), MODEL)) as url:
+    with serve_app(build_app(served(EngineConfig(model=str(model))), MODEL)) as url:
         yield url
 
 

@@ -18,14 +18,13 @@ from pydantic import BaseModel, Field
 
 from roseinfer.cli import build_parser
 from roseinfer.config import EngineConfig
-from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.server.app import build_app
 from roseinfer.server.args import ServerOptions, server_options
 from roseinfer.server.protocol import APIError, ChatCompletionRequest
 from roseinfer.server.tool_calls import NO_PARAMETERS, chat_inputs, pick_parser, plan_tools
 from roseinfer.server.tool_parsers import HermesParser, JsonCallsParser, NamedCallParser
 from roseinfer.tokenizer import Tokenizer
-from server_helpers import llama_for_tools, model_copy, openai_client, serve_app
+from server_helpers import llama_for_tools, model_copy, openai_client, serve_app, served
 
 MODEL = "tiny-llama"
 MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
@@ -213,7 +212,7 @@ def long_model(tiny_model_factory, tmp_path_factory: pytest.TempPathFactory) -> 
 
 @pytest.fixture(scope="module")
 def base_url(long_model: Path) -> Iterator[str]:
-    with serve_app(build_app(LLMEngine(EngineConfig(model=str(long_model))), MODEL)) as url:
+    with serve_app(build_app(served(EngineConfig(model=str(long_model))), MODEL)) as url:
         yield url
 
 
@@ -336,7 +335,7 @@ def test_tool_choice_none_shows_no_tools_and_parses_nothing(client: openai.OpenA
 
 def test_a_template_that_reads_tools_is_given_them(long_model: Path, tmp_path: Path) -> None:
     model = model_copy(long_model, tmp_path / "hermes", chat_template=HERMES_TEMPLATE)
-    with serve_app(build_app(LLMEngine(EngineConfig(model=str(model))), MODEL)) as url, \
+    with serve_app(build_app(served(EngineConfig(model=str(model))), MODEL)) as url, \
             httpx.Client(base_url=url, trust_env=False, timeout=120) as http:
         ids = http.post("/tokenize", json={"messages": MESSAGES, "tools": TOOLS}).json()["tokens"]
         assert "# Tools\n<tools>" in http.post("/detokenize", json={"tokens": ids}).json()["prompt"]

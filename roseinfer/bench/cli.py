@@ -51,7 +51,7 @@ def _run_serve(args: argparse.Namespace) -> int:
 SUBCOMMANDS: dict[str, Subcommand] = {
     "streaming": Subcommand(
         help="in-process streaming latency (TTFT/TPOT/ITL) through the server's engine loop",
-        description="Submit requests on a schedule to the engine loop the server uses (SchedulerManager), "
+        description="Submit requests on a schedule to the engine loop the server uses (InProcessClient), "
                     "consume every stream as a client would, and report submit lag, tokenize, queue wait, "
                     "prefill, TTFT, TPOT, ITL and latency percentiles plus throughput. "
                     "Same as `python -m roseinfer.benchmark_streaming`.",

@@ -1,6 +1,6 @@
 """The client side of ``bench streaming``: what it records per request, and who reads streams.
 
-SchedulerManager binds a stream to the thread that submits it: one submitted from a plain
+InProcessClient binds a stream to the thread that submits it: one submitted from a plain
 thread is read with ``get()``, one submitted on an event loop with ``async for`` on that
 loop. So a consumer here owns the submit call as well as the reading:
 
@@ -35,7 +35,7 @@ class StreamRecord:
     prompt_tokens: int = 0
     tokenize_s: float | None = None
     tokenized: float | None = None  # None when pre-tokenized: the prompt was ready all along
-    submit_call_s: float | None = None  # the SchedulerManager.submit call itself
+    submit_call_s: float | None = None  # the InProcessClient.submit call itself
     submit_end: float | None = None  # when submit returned to the client
     enqueued: float | None = None  # the manager's own submit end: admission cannot precede it
     admitted: float | None = None

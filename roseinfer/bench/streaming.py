@@ -1,6 +1,6 @@
 """``bench streaming``: the blog's benchmark_streaming, in process.
 
-Requests go through ``SchedulerManager``, the engine loop the HTTP server runs, so the
+Requests go through ``InProcessClient``, the engine loop the HTTP server runs, so the
 numbers include everything but HTTP: submission, tokenization, queueing, the engine's
 steps and the delivery of each delta to a consumer. Consumers are client threads (one per
 stream, or one asyncio collector thread with ``--consumer collector``), and every token
@@ -9,7 +9,7 @@ time is stamped where the consumer receives its delta.
 Per request (seconds on one perf_counter clock, printed as ms percentiles):
 
 * Submit lag = actual submit start - scheduled time (absolute / poisson schedules, interval > 0)
-* add_request latency = how long ``SchedulerManager.submit`` took; reject latency = the same
+* add_request latency = how long ``InProcessClient.submit`` took; reject latency = the same
   for the submissions it refused (``--max-inflight-requests``)
 * Tokenize = time to encode the prompt (measured before the run with ``--pretok``)
 * Queue wait (post-tok) = admitted - max(submit end, tokenized); submit end is when the manager
@@ -112,7 +112,8 @@ class _Submitter:
 
 
 def run_once(args: argparse.Namespace, engine: Any, run_index: int) -> RunReport:
-    from roseinfer.server.engine_loop import OverloadedError, SchedulerManager
+    from roseinfer.engine_client.client import OverloadedError
+    from roseinfer.engine_client.in_process import InProcessClient
 
     prompts = build_prompts(args, run_index)
     pretok = None
@@ -123,7 +124,7 @@ def run_once(args: argparse.Namespace, engine: Any, run_index: int) -> RunReport
             pretok.append((engine.tokenizer.encode(text), time.perf_counter() - t))
     interval = args.submit_interval_ms / 1000.0
     offsets = submit_offsets(len(prompts), interval, args.submit_schedule, args.seed + run_index)
-    manager = SchedulerManager(engine, stream_interval=args.stream_interval,
+    manager = InProcessClient(engine, stream_interval=args.stream_interval,
                                max_inflight_requests=args.max_inflight_requests)
     consumer = make_consumer(args.consumer, timeout=args.request_timeout, abort=manager.abort)
     submit = _Submitter(manager, engine.tokenizer, sampling_params_from_flags(args), consumer, OverloadedError,
@@ -244,7 +245,7 @@ def add_streaming_args(parser: argparse.ArgumentParser) -> None:
                    help="tokenize and submit from a pool of N threads instead of the submitting loop")
     p.add_argument("--stream-interval", type=int, default=1, help="tokens per streamed delta (default: 1)")
     p.add_argument("--max-inflight-requests", type=int, default=None,
-                   help="SchedulerManager rejects submissions beyond this many in flight")
+                   help="InProcessClient rejects submissions beyond this many in flight")
     p.add_argument("--consumer", choices=CONSUMERS, default="threads",
                    help="threads: one client thread per stream (default); collector: one asyncio thread")
     p.add_argument("--request-timeout", type=float, default=600.0,

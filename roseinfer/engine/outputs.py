@@ -1,32 +1,31 @@
 """What crosses the engine core's boundary: plain data (ints, floats, strings, lists), no tensors and
-no Request, so that a core in another process could send it as it is."""
+no Request. msgspec structs, encoded as arrays without field names, so that an engine process sends a
+step's outputs as they are (engine_client/messages.py)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import msgspec
 
 from roseinfer.engine.request import Request, TokenLogprobs
 
 
-@dataclass
-class RequestTimes:
+class RequestTimes(msgspec.Struct, array_like=True, gc=False):
     """A request's timestamps (time.perf_counter()) as the core saw them."""
 
     arrival: float
     admitted: float | None  # first scheduled
     first_token: float | None
     finished: float | None = None
-    token_times: list[float] = field(default_factory=list)  # one per output token
+    token_times: list[float] = msgspec.field(default_factory=list)  # one per output token
     num_preemptions: int = 0
 
 
-@dataclass
-class EngineCoreOutput:
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """What one engine step produced for one request: a delta, never the whole history, and no text."""
 
     request_id: str
     new_token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort"; None while it runs
-    new_logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per new token, when asked for
+    new_logprobs: list[TokenLogprobs] = msgspec.field(default_factory=list)  # one per new token, when asked for
     # with prompt_logprobs, on the output that carries the first token: one entry per prompt token, the first None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     error: str | None = None  # why the core ended the request early (finish_reason "abort")

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import msgspec
 import torch
 
 from roseinfer.engine.penalties import PenaltyCounts
@@ -21,9 +22,9 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
-class TokenLogprobs:
-    """Log-probabilities (of the model's raw distribution) for one generated token."""
+class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
+    """Log-probabilities (of the model's raw distribution) for one generated token (a msgspec struct:
+    it crosses the engine core's boundary, engine/outputs.py)."""
 
     token_id: int
     logprob: float

@@ -25,11 +25,14 @@ from starlette.exceptions import HTTPException
 
 from roseinfer.config import EngineConfig
 from roseinfer.engine.llm_engine import LLMEngine
+from roseinfer.engine_client.client import EngineClient
+from roseinfer.engine_client.in_process import InProcessClient
+from roseinfer.engine_client.process_client import EngineProcessClient
+from roseinfer.engine_client.select import make_engine_client
 from roseinfer.loader.default_model import DEFAULT_MODEL_NAME
 from roseinfer.server.args import ServerOptions, served_name, server_options
 from roseinfer.server.body_limit import BodyLimit
 from roseinfer.server.connections import GuardedH11Protocol
-from roseinfer.server.engine_loop import SchedulerManager
 from roseinfer.server.messages import AnthropicServing
 from roseinfer.server.messages_protocol import MESSAGES_PATH, MessagesErrorResponse, MessagesRequest
 from roseinfer.server.messages_protocol import UNSUPPORTED_FIELDS as MESSAGES_UNSUPPORTED_FIELDS
@@ -77,12 +80,17 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
-def build_app(engine: LLMEngine, served_model_name: str, options: ServerOptions | None = None) -> FastAPI:
-    """The app owns a SchedulerManager over `engine`, started and shut down by its lifespan."""
+def build_app(engine: LLMEngine | EngineConfig, served_model_name: str, options: ServerOptions | None = None) -> FastAPI:
+    """The app owns an engine client, started and shut down by its lifespan: over `engine` in this
+    process, or the one a configuration's engine_process asks for (the engine built now)."""
     options = options or ServerOptions()
     metrics = ServerMetrics()
-    manager = SchedulerManager(engine, options.stream_interval, options.max_inflight_requests,
-                               on_finished=metrics.observe_finished)
+    if isinstance(engine, EngineConfig):
+        manager = make_engine_client(engine, options.stream_interval, options.max_inflight_requests,
+                                     on_finished=metrics.observe_finished)
+    else:
+        manager = InProcessClient(engine, options.stream_interval, options.max_inflight_requests,
+                                  on_finished=metrics.observe_finished)
 
     async def render_metrics() -> bytes:
         return metrics.render(manager.stats())
@@ -95,7 +103,7 @@ def build_replicated_app(replicas: ReplicaSet, served_model_name: str, options: 
     return _app(replicas, served_model_name, options, replicas.metrics, replicas.render_metrics)
 
 
-def _app(manager: SchedulerManager | ReplicaSet, served_model_name: str, options: ServerOptions,
+def _app(manager: EngineClient | ReplicaSet, served_model_name: str, options: ServerOptions,
          metrics: ServerMetrics | RouterMetrics, render_metrics: Callable[[], Awaitable[bytes]]) -> FastAPI:
     engine = manager.engine
     started = int(time.time())  # /v1/models reports when this server started serving the model
@@ -167,8 +175,9 @@ def _app(manager: SchedulerManager | ReplicaSet, served_model_name: str, options
     @app.get("/health", response_class=Response, responses={200: {"description": "the engine worker runs (no body)"},
                                                             **error_responses(503)})
     async def health() -> Response:
-        if not manager.is_alive:
-            raise APIError(503, "the engine worker is not running")
+        reason = manager.down_reason
+        if reason is not None:
+            raise APIError(503, reason)
         return Response(status_code=200)
 
     @app.get("/metrics", response_class=PlainTextResponse, responses={200: {"description": "Prometheus text format"}})
@@ -283,7 +292,7 @@ class DrainingServer(uvicorn.Server):
     cuts the drain short the same way, at once (uvicorn's own second Ctrl-C would cancel the
     handlers mid-response: torn streams, plain-text 500s, CancelledError tracebacks)."""
 
-    def __init__(self, config: uvicorn.Config, manager: SchedulerManager | ReplicaSet, timeout: float) -> None:
+    def __init__(self, config: uvicorn.Config, manager: EngineClient | ReplicaSet, timeout: float) -> None:
         super().__init__(config)
         self.manager, self.timeout = manager, timeout
         self.cut_by: int | None = None  # the signal that cut the drain short
@@ -331,10 +340,13 @@ def run_server(args: argparse.Namespace) -> int:
                     options.data_parallel_size, replicas.engine.model_folder, options.router, name, args.host,
                     args.port)
     else:
-        engine = LLMEngine(engine_config_from_args(args))
-        logger.info("loaded %s in %.1fs (%d KV blocks); serving it as %r on http://%s:%d", engine.model_folder,
-                    engine.load_seconds, engine.num_kv_blocks, name, args.host, args.port)
-        app = build_app(engine, name, options)
+        start = time.perf_counter()
+        app = build_app(engine_config_from_args(args), name, options)
+        engine = app.state.manager.engine
+        logger.info("loaded %s in %.1fs (%d KV blocks, the engine %s); serving it as %r on http://%s:%d",
+                    engine.model_folder, time.perf_counter() - start, engine.num_kv_blocks,
+                    "in a process of its own" if isinstance(app.state.manager, EngineProcessClient) else
+                    "in this process", name, args.host, args.port)
     server = DrainingServer(server_config(app, options, args.host, args.port, args.log_level), app.state.manager,
                             options.shutdown_timeout)
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal into whatever

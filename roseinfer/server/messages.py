@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from roseinfer.server.messages_protocol import MessagesRequest, chat_request, error_body
 from roseinfer.server.protocol import APIError, ChatCompletionRequest
 from roseinfer.server.reasoning import ReasoningParser
-from roseinfer.server.request_stream import RequestStream
+from roseinfer.engine_client.request_stream import RequestStream
 from roseinfer.server.request_params import check_request, sampling_params
 from roseinfer.server.responses import EventStream
 from roseinfer.server.serving import CLIENT_CLOSED, OpenAIServing, split_delta, split_reply

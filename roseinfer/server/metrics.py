@@ -3,9 +3,9 @@
 With --data-parallel-size, each replica keeps its own ServerMetrics and the ingress a RouterMetrics,
 which serves the router's counters and every replica's metrics, each sample labelled `replica`.
 
-Per-request numbers are recorded once, when a request finishes (the SchedulerManager's
+Per-request numbers are recorded once, when a request finishes (the engine client's
 on_finished hook, in the worker: a handful of counter/histogram updates, microseconds). Gauges and
-the prefix-cache counters are engine state, read from SchedulerManager.stats() at scrape time.
+the prefix-cache counters are engine state, read from the engine client's stats() at scrape time.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from roseinfer.output_processor import StreamDelta
-from roseinfer.server.request_stream import RequestStream
+from roseinfer.engine_client.request_stream import RequestStream
 
 # vLLM's bucket edges, so dashboards built for it read ours the same way
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -78,7 +78,7 @@ class ServerMetrics:
         self._seen = dict.fromkeys(self._counted, 0)  # at the last scrape
 
     def observe_finished(self, stream: RequestStream, final: StreamDelta) -> None:
-        """SchedulerManager's on_finished hook."""
+        """The engine client's on_finished hook."""
         self.requests.labels(final.finish_reason or "abort").inc()
         self.generation_tokens.inc(final.num_output_tokens)
         start = stream.timings["submit_start"]

@@ -19,8 +19,8 @@ ERROR_DESCRIPTIONS = {
     404: "the model named is not the one this server serves",
     413: "the request body is larger than --max-request-body-mb",
     429: "more requests in flight than --max-inflight-requests; retry after Retry-After seconds",
-    500: "the engine failed the request (a bug)",
-    503: "the server is shutting down, or its engine worker is not running",
+    500: "the engine failed the request (a bug), or the engine process died",
+    503: "the server is shutting down, or its engine is not running (the message says why)",
 }
 GENERATION_ERRORS = (400, 401, 404, 413, 429, 500, 503)
 TOKENIZER_ERRORS = (400, 401, 404, 413)

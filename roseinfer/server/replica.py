@@ -1,4 +1,5 @@
-"""One engine replica as a Ray Serve deployment: an LLMEngine and its SchedulerManager in a Ray actor.
+"""One engine replica as a Ray Serve deployment: an engine client in a Ray actor, its engine in the
+actor's process or in one of its own (--engine-process).
 
 Imported only by server/replicas.py, and so only with --data-parallel-size > 1: this module imports
 Ray. The ingress (today's FastAPI app, in the `roseinfer serve` process) tokenizes and validates, then
@@ -15,10 +16,9 @@ from typing import AsyncIterator
 from ray import serve
 
 from roseinfer.config import EngineConfig
-from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.sampling_params import SamplingParams
 from roseinfer.output_processor import StreamDelta
-from roseinfer.server.engine_loop import SchedulerManager
+from roseinfer.engine_client.select import make_engine_client
 from roseinfer.server.metrics import ServerMetrics
 from roseinfer.server.structured import compile_pool
 
@@ -26,9 +26,9 @@ from roseinfer.server.structured import compile_pool
 @serve.deployment
 class EngineReplica:
     def __init__(self, config: EngineConfig, stream_interval: int) -> None:
-        self.engine = LLMEngine(config)
         self.metrics = ServerMetrics()
-        self.manager = SchedulerManager(self.engine, stream_interval, on_finished=self.metrics.observe_finished)
+        self.manager = make_engine_client(config, stream_interval, on_finished=self.metrics.observe_finished)
+        self.engine = self.manager.engine
         self.manager.start()
         self.compile_pool = compile_pool()
 
@@ -58,8 +58,9 @@ class EngineReplica:
         return self.metrics.render(self.manager.stats())
 
     def check_health(self) -> None:
-        if not self.manager.is_alive:
-            raise RuntimeError("the engine worker is not running")
+        reason = self.manager.down_reason
+        if reason is not None:
+            raise RuntimeError(reason)
 
     def __del__(self) -> None:
         self.manager.shutdown()

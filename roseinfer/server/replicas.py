@@ -1,9 +1,9 @@
 """Data-parallel serving: N engine replicas on Ray Serve behind the one FastAPI ingress.
 
-`ReplicaSet` stands where the single-engine server has its SchedulerManager: serving.py calls
+`ReplicaSet` stands where the single-engine server has its engine client: serving.py calls
 `submit` / `abort` on it and reads each request's deltas as a `ReplicaStream`, so every endpoint,
 streaming, error and limit works as on one engine. The ingress tokenizes and validates (against
-`EngineView`, the engine's configuration without its weights), the router (server/router.py) picks
+`EngineView`, engine_client/engine_view.py), the router (server/router.py) picks
 a replica, and the replica (server/replica.py) streams StreamDeltas back through a Serve handle.
 
 Each replica is its own Serve application of one deployment, so the router can address replica i,
@@ -18,63 +18,28 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 import ray
 from ray import serve
 
 from roseinfer.config import EngineConfig
-from roseinfer.engine.llm_engine import validate_request
-from roseinfer.engine.structured_output import CompiledGrammar, GrammarCompiler
-from roseinfer.loader.generation_config import sampling_defaults
-from roseinfer.loader.model_loader import load_model_config, resolve_model_folder
-from roseinfer.models.config import ModelConfig
-from roseinfer.sampling_params import SamplingParams, StructuredOutputsParams
+from roseinfer.engine.structured_output import CompiledGrammar
+from roseinfer.engine_client.client import SHUTDOWN_MESSAGE, OverloadedError, ShuttingDownError
+from roseinfer.engine_client.engine_view import EngineView
+from roseinfer.sampling_params import SamplingParams
 from roseinfer.output_processor import StreamDelta
-from roseinfer.server.engine_loop import SHUTDOWN_MESSAGE, OverloadedError, ShuttingDownError
 from roseinfer.server.metrics import RouterMetrics
 from roseinfer.server.replica import EngineReplica
 from roseinfer.server.router import ReplicaRouter
-from roseinfer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 APP_PREFIX = "roseinfer-replica-"
 MAX_ONGOING_REQUESTS = 4096  # Serve's default (5) would queue what the engine's scheduler should batch
 HEALTH_CHECK_PERIOD_S = 2.0
 METRICS_TIMEOUT_S = 5.0  # a replica being replaced is left out of a scrape rather than stalling it
-
-
-@dataclass
-class EngineView:
-    """What the HTTP layer reads of an engine, for engines that run elsewhere: the same fields and
-    the same `validate` as LLMEngine, from the configuration alone."""
-
-    config: EngineConfig
-    model_folder: Path
-    model_config: ModelConfig
-    tokenizer: Tokenizer
-    sampling_defaults: dict[str, Any]
-    max_model_len: int
-    num_kv_blocks: int
-    _grammar_compiler: GrammarCompiler | None = field(default=None, init=False, repr=False)
-    _grammar_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
-
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        validate_request(prompt_ids, params, self.model_config.vocab_size, self.max_model_len, self.num_kv_blocks,
-                         self.config.block_size)
-
-    def compile_grammar(self, params: StructuredOutputsParams, max_bytes: int | None = None) -> CompiledGrammar:
-        """As LLMEngine's, to refuse a constraint with a 400 here; a compiled grammar cannot travel to a
-        replica's process, which compiles its own copy."""
-        with self._grammar_lock:
-            if self._grammar_compiler is None:
-                self._grammar_compiler = GrammarCompiler(self.tokenizer.backend_json(), self.model_config.vocab_size,
-                                                         self.tokenizer.eos_token_ids)
-        return self._grammar_compiler.compile(params, max_bytes)
 
 
 @dataclass
@@ -104,7 +69,7 @@ class ReplicaStream:
 
 
 class ReplicaSet:
-    """N engine replicas behind a router; the ingress's SchedulerManager."""
+    """N engine replicas behind a router; the ingress's engine client."""
 
     def __init__(self, config: EngineConfig, num_replicas: int, router_policy: str = "prefix-affinity",
                  stream_interval: int = 1, max_inflight_requests: int | None = None,
@@ -124,21 +89,23 @@ class ReplicaSet:
                                    logging_config={"enable_access_log": False}) for i in range(num_replicas)]
         self.handles = serve.run_many(targets)
         infos = [handle.info.remote().result() for handle in self.handles]
-        folder = resolve_model_folder(config.model, config.quantization)  # the replicas' folder: converted once
-        self.engine = EngineView(config, folder, load_model_config(folder), Tokenizer(folder),
-                                 sampling_defaults(folder, config.generation_config, config.override_generation_config),
-                                 min(i["max_model_len"] for i in infos), min(i["num_kv_blocks"] for i in infos))
+        self.engine = EngineView.of(config, min(i["max_model_len"] for i in infos),
+                                    min(i["num_kv_blocks"] for i in infos))
         self._streams: dict[str, ReplicaStream] = {}
         self._draining = self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    # ---- the SchedulerManager interface ------------------------------------------------------
+    # ---- the EngineClient interface ---------------------------------------------------------
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()  # drain() schedules onto it from the signal handler
 
     @property
     def is_alive(self) -> bool:
         return not (self._draining or self._stopping)
+
+    @property
+    def down_reason(self) -> str | None:
+        return None if self.is_alive else SHUTDOWN_MESSAGE
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str, submit_start: float | None = None,
                grammar: CompiledGrammar | None = None) -> ReplicaStream:

@@ -1,4 +1,4 @@
-"""The OpenAI completions and chat APIs over a SchedulerManager: requests in, JSON or SSE out.
+"""The OpenAI completions and chat APIs over an engine client: requests in, JSON or SSE out.
 
 Everything here runs on the HTTP event loop and never waits on a forward pass: it submits, and
 awaits the deltas the engine worker pushes. Parsing and validating bodies, tokenizing, chat
@@ -25,8 +25,8 @@ from roseinfer.chat_template import template_variables
 from roseinfer.engine.structured_output import CompiledGrammar
 from roseinfer.sampling_params import SamplingParams
 from roseinfer.output_processor import StreamDelta
-from roseinfer.server.engine_loop import OverloadedError, SchedulerManager, ShuttingDownError
-from roseinfer.server.request_stream import RequestStream
+from roseinfer.engine_client.client import EngineClient, OverloadedError, ShuttingDownError
+from roseinfer.engine_client.request_stream import RequestStream
 from roseinfer.server.logprobs import LogprobsFormatter
 from roseinfer.server.protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest, error_body
 from roseinfer.server.reasoning import ReasoningParser, pick_reasoning_parser
@@ -52,7 +52,7 @@ M = TypeVar("M", bound=BaseModel)
 
 
 class OpenAIServing:
-    def __init__(self, manager: SchedulerManager | ReplicaSet, model_name: str, max_sequences_per_request: int,
+    def __init__(self, manager: EngineClient | ReplicaSet, model_name: str, max_sequences_per_request: int,
                  tool_call_parser: str, constraint_limits: ConstraintLimits, reasoning_parser: str) -> None:
         engine = manager.engine
         self.manager = manager

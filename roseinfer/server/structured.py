@@ -18,7 +18,7 @@ from roseinfer.server.protocol import APIError, JsonObjectFormat, JsonSchemaForm
 
 if TYPE_CHECKING:
     from roseinfer.engine.llm_engine import LLMEngine
-    from roseinfer.server.replicas import EngineView
+    from roseinfer.engine_client.engine_view import EngineView
 
 COMPILE_THREADS = 2
 # llguidance recurses once per nested rule as it compiles, so a deep grammar overflows a thread's default

@@ -1,16 +1,18 @@
-"""SchedulerManager: the engine steps in one background worker; callers submit and read streams.
+"""InProcessClient: the engine core steps in one background thread of this process; callers submit
+and read streams.
 
 A thread, not a process: the forward pass is torch kernels that release the GIL, so the HTTP event
-loop keeps answering while a step runs (the measurements are in docs/profiling.md).
+loop keeps answering while a step runs (the measurements are in docs/profiling.md). The core in a
+process of its own is EngineProcessClient (engine_client/process_client.py).
 
 Threading rules:
 - Only the worker thread touches the engine core. Callers build their request with
   `engine.new_request` (validation and the grammar; it reads immutable configuration only), so
   bad input fails in the caller's thread, then hand work over through the inbox (new requests,
-  aborts) under the manager's lock.
+  aborts) under the client's lock.
 - The worker takes that lock once per step: it retires the ids that finished in the previous
-  step and drains the inbox in the same acquisition. Its request-id -> stream map and its
-  OutputProcessor (text, stop strings, flushes) are its own, so feeding the streams needs no lock.
+  step and drains the inbox in the same acquisition. Its StreamTable (streams, OutputProcessor)
+  is its own, so feeding the streams needs no lock.
 - When there is no work the worker sleeps on the condition; submit/abort/shutdown notify it.
 """
 from __future__ import annotations
@@ -20,28 +22,17 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
 
 from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.engine.outputs import EngineCoreOutput
 from roseinfer.engine.request import Request
 from roseinfer.engine.structured_output import CompiledGrammar
-from roseinfer.output_processor import OutputProcessor, StreamDelta
+from roseinfer.engine_client.client import SHUTDOWN_MESSAGE, FinishedHook, ShuttingDownError, admit
+from roseinfer.engine_client.request_stream import RequestStream, deliver
+from roseinfer.engine_client.stream_table import Deltas, StreamTable
 from roseinfer.sampling_params import SamplingParams
-from roseinfer.server.request_stream import RequestStream, deliver
 
 logger = logging.getLogger(__name__)
-
-
-SHUTDOWN_MESSAGE = "the server is shutting down"
-
-
-class OverloadedError(Exception):
-    """More requests in flight than `max_inflight_requests` allows (HTTP 429)."""
-
-
-class ShuttingDownError(RuntimeError):
-    """The manager takes no new requests: it is draining or shut down (HTTP 503)."""
 
 
 @dataclass
@@ -52,17 +43,13 @@ class _Submission:
     params: SamplingParams
 
 
-FinishedHook = Callable[[RequestStream, StreamDelta], None]  # the final delta carries the core's timestamps
-
-
-class SchedulerManager:
+class InProcessClient:
     def __init__(self, engine: LLMEngine, stream_interval: int = 1, max_inflight_requests: int | None = None,
                  on_finished: FinishedHook | None = None) -> None:
         if max_inflight_requests is not None and max_inflight_requests < 1:
             raise ValueError(f"max_inflight_requests must be >= 1 or None, got {max_inflight_requests}")
         self.engine = engine
         self.max_inflight_requests = max_inflight_requests
-        self.on_finished = on_finished  # called in the worker with each final delta (metrics)
         self._cond = threading.Condition()
         # guarded by _cond
         self._new: list[_Submission] = []
@@ -72,17 +59,15 @@ class SchedulerManager:
         self._draining = False  # no new requests; the running ones finish until the deadline
         self._deadline_passed = False  # drain's time is up: fail what is still running
         # worker-only
-        self._streams: dict[str, RequestStream] = {}
-        self._processor = OutputProcessor(engine.tokenizer, stream_interval)
-        self._done: list[str] = []  # finalized since the last drain of the inbox
+        self._table = StreamTable(engine.tokenizer, stream_interval, on_finished)
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
-        self._stats = self._engine_stats()
+        self._stats = engine_stats(engine)
 
     # ---- caller side -------------------------------------------------------------------------
     def start(self) -> None:
         if self._thread is not None:
-            raise RuntimeError("the scheduler manager was already started")
+            raise RuntimeError("the engine client was already started")
         self._thread = threading.Thread(target=self._run, name="roseinfer-engine", daemon=True)
         self._thread.start()
 
@@ -112,8 +97,16 @@ class SchedulerManager:
 
     @property
     def is_alive(self) -> bool:
+        return self.down_reason is None
+
+    @property
+    def down_reason(self) -> str | None:
         # draining counts as down: /health then tells load balancers to send traffic elsewhere
-        return self._thread is not None and self._thread.is_alive() and not (self._stopping or self._draining)
+        if self._stopping or self._draining:
+            return SHUTDOWN_MESSAGE
+        if self._thread is None or not self._thread.is_alive():
+            return "the engine worker is not running"
+        return None
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                submit_start: float | None = None, grammar: CompiledGrammar | None = None) -> RequestStream:
@@ -132,13 +125,7 @@ class SchedulerManager:
         with self._cond:
             if self._stopping or self._draining:
                 raise ShuttingDownError(SHUTDOWN_MESSAGE)
-            if request_id in self._inflight:
-                raise ValueError(f"request id {request_id!r} is already in flight")
-            limit = self.max_inflight_requests
-            if limit is not None and len(self._inflight) >= limit:
-                raise OverloadedError(f"{len(self._inflight)} requests are in flight (the limit is {limit}); "
-                                      "retry shortly")
-            self._inflight.add(request_id)
+            admit(self._inflight, request_id, self.max_inflight_requests)
             timings["submit_end"] = time.perf_counter()
             self._new.append(_Submission(stream, request, prompt_ids, params))
             self._cond.notify()
@@ -162,10 +149,11 @@ class SchedulerManager:
     # ---- worker ------------------------------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
+        done = self._table.done
         while True:
             with self._cond:
-                self._inflight.difference_update(self._done)
-                self._done.clear()
+                self._inflight.difference_update(done)
+                done.clear()
                 while not (self._new or self._aborts or self._stopping or self._deadline_passed
                            or engine.has_unfinished()):
                     self._cond.wait()
@@ -173,94 +161,53 @@ class SchedulerManager:
                 aborts, self._aborts = self._aborts, []
                 stopping = self._stopping
                 cut, self._deadline_passed = self._deadline_passed, False
-            deltas: list[tuple[RequestStream, StreamDelta]] = []
+            deltas: Deltas = []
             try:
                 self._iterate(new, aborts, stopping or cut, deltas)
             except Exception as exc:  # noqa: BLE001 -- the worker must outlive any one bad step
                 logger.exception("engine step failed; failing the requests in flight")
                 self._fail_all(f"internal engine error: {type(exc).__name__}: {exc}", deltas)
-            self._stats = self._engine_stats()
+            self._stats = engine_stats(engine)
             deliver(deltas)
             if stopping:
                 with self._cond:
-                    self._inflight.difference_update(self._done)
+                    self._inflight.difference_update(done)
                 return
 
-    def _iterate(self, new: list[_Submission], aborts: list[str], stopping: bool,
-                 deltas: list[tuple[RequestStream, StreamDelta]]) -> None:
+    def _iterate(self, new: list[_Submission], aborts: list[str], stopping: bool, deltas: Deltas) -> None:
         engine = self.engine
         for sub in new:
-            self._add(sub, deltas)
+            try:
+                engine.core.add(sub.request)
+            except Exception as exc:  # noqa: BLE001 -- validated in submit(); whatever slips through fails one request
+                logger.exception("could not add request %s", sub.stream.request_id)
+                self._table.refuse(sub.stream, exc, deltas)
+                continue
+            self._table.open(sub.stream, sub.prompt_ids, sub.params)
         if stopping:
             self._fail_all(SHUTDOWN_MESSAGE, deltas, status=503)
             return
         outputs: list[EngineCoreOutput] = [out for out in map(engine.abort_request, aborts) if out is not None]
         if engine.has_unfinished():
             outputs += engine.step()
-        processed = self._processor.process(outputs, time.perf_counter())
-        for request_id in processed.stopped_ids:
-            engine.abort_request(request_id)  # frees its blocks now
-        for request_id, delta in processed.deltas:
-            self._route(request_id, delta, deltas)
+        for request_id in self._table.process(outputs, deltas):
+            engine.abort_request(request_id)  # a stop string ended it: free its blocks now
         engine.pop_finished_ids()
 
-    def _add(self, sub: _Submission, deltas: list[tuple[RequestStream, StreamDelta]]) -> None:
-        stream = sub.stream
-        try:
-            self.engine.core.add(sub.request)
-        except Exception as exc:  # noqa: BLE001 -- validated in submit(); whatever slips through fails one request
-            logger.exception("could not add request %s", stream.request_id)
-            # a ValueError is the request's fault (e.g. an id in use): a 400
-            status = 400 if isinstance(exc, ValueError) else 500
-            final = StreamDelta("", [], [], True, "abort", stream.num_prompt_tokens, 0, time.perf_counter(), str(exc),
-                                status)
-            deltas.append((stream, final))
-            self._done.append(stream.request_id)
-            return
-        self._streams[stream.request_id] = stream
-        self._processor.add_request(stream.request_id, sub.prompt_ids, sub.params)
-
-    def _route(self, request_id: str, delta: StreamDelta, deltas: list[tuple[RequestStream, StreamDelta]]) -> None:
-        """A delta to its stream; the first records the core's admission and first-token times, the
-        final one its end."""
-        stream = self._streams[request_id]
-        if delta.times is not None:
-            for key, value in (("admitted", delta.times.admitted), ("first_token", delta.times.first_token)):
-                if value is not None:
-                    stream.timings.setdefault(key, value)
-        deltas.append((stream, delta))
-        if not delta.finished:
-            return
-        del self._streams[request_id]
-        stream.timings["finished"] = delta.timestamp
-        self._done.append(request_id)
-        if self.on_finished is not None:
-            try:
-                self.on_finished(stream, delta)
-            except Exception:  # noqa: BLE001 -- a metrics bug must not take the engine down
-                logger.exception("on_finished hook failed")
-
-    def _fail_all(self, message: str, deltas: list[tuple[RequestStream, StreamDelta]], status: int = 500) -> None:
-        now = time.perf_counter()
-        for request_id in self._processor.request_ids():
-            aborted = None
-            try:
-                aborted = self.engine.abort_request(request_id)
-            except Exception:  # noqa: BLE001 -- the engine is already in trouble; free what we can
-                logger.exception("abort of %s failed", request_id)
-            self._route(request_id, self._processor.fail(request_id, message, status, now, aborted), deltas)
+    def _fail_all(self, message: str, deltas: Deltas, status: int = 500) -> None:
+        self._table.fail_all(message, status, deltas, self.engine.abort_request)
         try:
             self.engine.pop_finished_ids()
         except Exception:  # noqa: BLE001
             logger.exception("pop_finished_ids failed")
 
-    def _engine_stats(self) -> dict:
-        engine = self.engine
-        kv = engine.kv_cache_stats()
-        return {"num_running": engine.num_running(), "num_waiting": engine.num_waiting(),
-                "kv_cache_usage_ratio": kv["used_blocks"] / kv["total_blocks"],
-                "kv_used_blocks": kv["used_blocks"], "kv_free_blocks": kv["free_blocks"],
-                "kv_total_blocks": kv["total_blocks"], "num_preemptions": kv["num_preemptions"],
-                "prefix_cache_queries": kv["prefix_cache_queries"], "prefix_cache_hits": kv["prefix_cache_hits"],
-                **engine.speculative_stats()}
 
+def engine_stats(engine: LLMEngine) -> dict:
+    """The engine's counters as the server's /metrics reads them."""
+    kv = engine.kv_cache_stats()
+    return {"num_running": engine.num_running(), "num_waiting": engine.num_waiting(),
+            "kv_cache_usage_ratio": kv["used_blocks"] / kv["total_blocks"],
+            "kv_used_blocks": kv["used_blocks"], "kv_free_blocks": kv["free_blocks"],
+            "kv_total_blocks": kv["total_blocks"], "num_preemptions": kv["num_preemptions"],
+            "prefix_cache_queries": kv["prefix_cache_queries"], "prefix_cache_hits": kv["prefix_cache_hits"],
+            **engine.speculative_stats()}
