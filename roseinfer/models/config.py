@@ -7,6 +7,7 @@ from typing import Any
 from roseinfer.layers.rope_parameters import long_rope_original_positions
 from roseinfer.models.deepseek_config import (DEEPSEEK_DEFAULTS, DEEPSEEK_FAMILY, DeepseekMoeLayout, MlaLayout,
                                               deepseek_layouts)
+from roseinfer.models.gemma_config import GEMMA_DEFAULTS, Gemma4Layout, gemma4_head_shapes, gemma_layer_types, gemma_rope
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3")
 GEMMA_FAMILY = ("gemma2", "gemma3_text", "gemma4_text")
@@ -238,64 +239,14 @@ def _moe_layout(get: _Fields) -> MoeLayout | None:
                      sparse_layers=sparse)
 
 
-_GEMMA_DEFAULTS = {"hidden_size": 2304, "intermediate_size": 9216, "num_attention_heads": 8,
-                   "num_key_value_heads": 4, "head_dim": 256, "rms_norm_eps": 1e-6,
-                   "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True, "attention_bias": False,
-                   "sliding_window": 4096, "query_pre_attn_scalar": 256, "final_logit_softcapping": None,
-                   "layer_types": None, "rope_parameters": None, "rope_scaling": None}
 _DEFAULTS["qwen3_5_text"] = {
     **_LLAMA_DEFAULTS, "vocab_size": 248320, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 32,
     "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 32768,
     "rope_parameters": None, "rope_theta": 10000.0, "layer_types": None, "full_attention_interval": 4,
     "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
     "linear_num_key_heads": 16, "linear_num_value_heads": 32}
-_DEFAULTS.update({
-    "gemma2": {**_GEMMA_DEFAULTS, "vocab_size": 256000, "num_hidden_layers": 26, "max_position_embeddings": 8192,
-               "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0, "rope_theta": 10000.0},
-    "gemma3_text": {**_GEMMA_DEFAULTS, "vocab_size": 262208, "num_hidden_layers": 26,
-                    "max_position_embeddings": 131072, "sliding_window_pattern": 6, "rope_theta": 1_000_000.0,
-                    "rope_local_base_freq": 10000.0},
-    "gemma4_text": {**_GEMMA_DEFAULTS, "vocab_size": 262144, "num_hidden_layers": 30,
-                    "max_position_embeddings": 131072, "sliding_window": 512, "global_head_dim": 512,
-                    "num_global_key_value_heads": None, "attention_k_eq_v": False, "num_kv_shared_layers": 0,
-                    "hidden_size_per_layer_input": 256, "vocab_size_per_layer_input": 262144,
-                    "use_double_wide_mlp": False, "enable_moe_block": False},
-})
+_DEFAULTS.update(GEMMA_DEFAULTS)
 _DEFAULTS.update(DEEPSEEK_DEFAULTS)
-# Gemma 4's rope when config.json gives none: proportional rope on a quarter of the global layers' dims
-_GEMMA4_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
-                                   "rope_theta": 1_000_000.0}}
-
-
-@dataclass
-class Gemma4Layout:
-    """What Gemma 4 adds to a Gemma 3 layer stack (transformers' Gemma4TextConfig)."""
-    head_shapes: tuple[tuple[int, int], ...]  # per layer (kv heads, head dim): global layers' differ
-    k_eq_v: bool  # global layers have no v_proj: values are the keys' projection
-    kv_shared_layers: int  # the last this many layers attend to an earlier layer's K/V of their type
-    per_layer_input_size: int  # per-layer embeddings (0: none)
-    per_layer_vocab_size: int
-    double_wide_mlp: bool  # KV-shared layers' MLPs are twice as wide
-
-
-def _gemma4_head_shapes(raw: dict[str, Any], get: _Fields,
-                        layer_types: tuple[str, ...]) -> tuple[tuple[int, int], ...]:
-    """transformers 5 writes each global layer's shape into `per_layer_config`; older files give
-    global_head_dim and (where k_eq_v) num_global_key_value_heads."""
-    shapes = []
-    for i, kind in enumerate(layer_types):
-        heads, dim = get("num_key_value_heads"), get("head_dim")
-        if "per_layer_config" in raw:
-            override = raw["per_layer_config"].get(str(i), {})
-            heads, dim = override.get("num_key_value_heads", heads), override.get("head_dim", dim)
-        elif kind == "full_attention":
-            global_heads = get("num_global_key_value_heads") if get("attention_k_eq_v") else None
-            heads, dim = global_heads or heads, get("global_head_dim")
-        shapes.append((heads, dim))
-    return tuple(shapes)
-
-
 def _text_config(raw: dict[str, Any], text_type: str, ties_by_default: bool) -> dict[str, Any]:
     """A multimodal checkpoint's text model config, with the wrapper's tying (HF ties at the top;
     Gemma's wrappers by default, Qwen3.5's not)."""
@@ -305,40 +256,10 @@ def _text_config(raw: dict[str, Any], text_type: str, ties_by_default: bool) -> 
     return text
 
 
-def _gemma_layer_types(model_type: str, raw: dict[str, Any], get: _Fields) -> tuple[str, ...]:
-    layers = get("num_hidden_layers")
-    types = get("layer_types")
-    if types is None:  # Gemma 2 alternates; Gemma 3 and 4 have one global layer in every `pattern`
-        pattern = 2 if model_type == "gemma2" else raw.get("sliding_window_pattern", 6)
-        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
-    if model_type == "gemma4_text":
-        types = [*types[:-1], "full_attention"]  # transformers forces the last layer global
-    return tuple(types)
-
-
-def _gemma_rope(model_type: str, raw: dict[str, Any], get: _Fields) -> dict[str, dict[str, Any]]:
-    """Rope parameters per layer type, from transformers 5's `rope_parameters` or the older
-    rope_theta / rope_local_base_freq / rope_scaling fields."""
-    params = get("rope_parameters")
-    if model_type == "gemma2":
-        theta = (params or {}).get("rope_theta", get("rope_theta"))
-        return {kind: {"rope_type": "default", "rope_theta": theta}
-                for kind in ("sliding_attention", "full_attention")}
-    if model_type == "gemma4_text":
-        return params or _GEMMA4_ROPE
-    if params and "full_attention" in params:
-        return params
-    full = {**(get("rope_scaling") or {}), "rope_theta": get("rope_theta")}
-    full["rope_type"] = full.pop("rope_type", None) or full.pop("type", "default")
-    full.pop("type", None)
-    return {"full_attention": full,
-            "sliding_attention": {"rope_type": "default", "rope_theta": get("rope_local_base_freq")}}
-
-
 def _gemma_config(cls: type[ModelConfig], raw: dict[str, Any], get: _Fields) -> ModelConfig:
     model_type = raw["model_type"]
-    layer_types = _gemma_layer_types(model_type, raw, get)
-    text = {**raw, "layer_types": list(layer_types), "rope_parameters": _gemma_rope(model_type, raw, get)}
+    layer_types = gemma_layer_types(model_type, raw, get)
+    text = {**raw, "layer_types": list(layer_types), "rope_parameters": gemma_rope(model_type, raw, get)}
     head_dim, kv_heads = get("head_dim"), get("num_key_value_heads")
     gemma4 = None
     scale = get("query_pre_attn_scalar") ** -0.5
@@ -348,7 +269,7 @@ def _gemma_config(cls: type[ModelConfig], raw: dict[str, Any], get: _Fields) -> 
     if model_type == "gemma4_text":
         if get("enable_moe_block"):
             raise ValueError("Gemma 4 mixture-of-experts checkpoints (enable_moe_block) are not supported yet")
-        shapes = _gemma4_head_shapes(raw, get, layer_types)
+        shapes = gemma4_head_shapes(raw, get, layer_types)
         gemma4 = Gemma4Layout(
             head_shapes=shapes, k_eq_v=bool(get("attention_k_eq_v")), kv_shared_layers=get("num_kv_shared_layers"),
             per_layer_input_size=get("hidden_size_per_layer_input") or 0,
