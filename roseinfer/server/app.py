@@ -31,14 +31,18 @@ from roseinfer.server.body_limit import BodyLimit
 from roseinfer.server.connections import GuardedH11Protocol
 from roseinfer.server.engine_loop import SchedulerManager
 from roseinfer.server.messages import AnthropicServing
-from roseinfer.server.messages_protocol import MESSAGES_PATH, MessagesErrorResponse, MessagesRequest
+from roseinfer.server.messages_protocol import (COUNT_TOKENS_PATH, MESSAGES_PATH, CountTokensRequest,
+                                                MessagesErrorResponse, MessagesRequest)
 from roseinfer.server.messages_protocol import UNSUPPORTED_FIELDS as MESSAGES_UNSUPPORTED_FIELDS
 from roseinfer.server.messages_protocol import error_body as messages_error_body
 from roseinfer.server.metrics import CountResponses, RouterMetrics, ServerMetrics
-from roseinfer.server.openapi import (GENERATION_ERRORS, GENERATION_OK, MESSAGES_OK, TOKENIZER_ERRORS,
-                                      error_responses, install_openapi, request_body)
+from roseinfer.server.openapi import (GENERATION_ERRORS, GENERATION_OK, MESSAGES_OK, RESPONSES_OK,
+                                      TOKENIZER_ERRORS, error_responses, install_openapi, request_body)
 from roseinfer.server.protocol import (UNSUPPORTED_FIELDS, APIError, ChatCompletionRequest, CompletionRequest,
                                        DetokenizeRequest, TokenizeRequest, error_body)
+from roseinfer.server.responses_protocol import RESPONSES_PATH, ResponsesRequest
+from roseinfer.server.responses_protocol import UNSUPPORTED_FIELDS as RESPONSES_UNSUPPORTED_FIELDS
+from roseinfer.server.responses_serving import ResponsesServing
 from roseinfer.server.serving import OpenAIServing
 from roseinfer.server.structured import ConstraintLimits
 from roseinfer.server.tool_calls import shown_tools
@@ -71,6 +75,10 @@ class TokenizeResponse(BaseModel):
     tokens: list[int]
     count: int
     max_model_len: int
+
+
+class MessageTokensCount(BaseModel):
+    input_tokens: int
 
 
 class DetokenizeResponse(BaseModel):
@@ -127,8 +135,8 @@ def _app(manager: SchedulerManager | ReplicaSet, served_model_name: str, options
         app.add_middleware(CORSMiddleware, allow_origins=options.allowed_origins, allow_methods=["*"],
                            allow_headers=["*"])
     app.add_middleware(CountResponses, counter=metrics.responses)  # added last: outermost, sees every response
-    install_openapi(app, [CompletionRequest, ChatCompletionRequest, MessagesRequest, TokenizeRequest,
-                          DetokenizeRequest])
+    install_openapi(app, [CompletionRequest, ChatCompletionRequest, ResponsesRequest, MessagesRequest,
+                          CountTokensRequest, TokenizeRequest, DetokenizeRequest])
     guarded = _api_key_check(options.api_key)
     unauthorized = (401,) if options.api_key else ()
 
@@ -149,6 +157,14 @@ def _app(manager: SchedulerManager | ReplicaSet, served_model_name: str, options
     async def chat_completions(raw: Request) -> Response:
         return await serving.chat(await serving.parse(ChatCompletionRequest, raw), raw)
 
+    responses = ResponsesServing(serving)
+
+    @app.post(RESPONSES_PATH, dependencies=guarded, responses={**RESPONSES_OK, **error_responses(*GENERATION_ERRORS)},
+              openapi_extra=request_body(ResponsesRequest))
+    async def create_response(raw: Request) -> Response:
+        """OpenAI's Responses API."""
+        return await responses.responses(await serving.parse(ResponsesRequest, raw), raw)
+
     anthropic = AnthropicServing(serving)
 
     @app.post(MESSAGES_PATH, dependencies=guarded,
@@ -157,6 +173,13 @@ def _app(manager: SchedulerManager | ReplicaSet, served_model_name: str, options
     async def messages(raw: Request) -> Response:
         """Anthropic's Messages API; errors in Anthropic's shape."""
         return await anthropic.messages(await serving.parse(MessagesRequest, raw), raw)
+
+    @app.post(COUNT_TOKENS_PATH, dependencies=guarded,
+              responses=error_responses(400, 401, 404, 413, model=MessagesErrorResponse),
+              openapi_extra=request_body(CountTokensRequest))
+    async def count_tokens(raw: Request) -> MessageTokensCount:
+        """Anthropic's: the prompt's length in tokens, as /v1/messages would template it."""
+        return MessageTokensCount(**await anthropic.count_tokens(await serving.parse(CountTokensRequest, raw)))
 
     @app.get("/v1/models", dependencies=guarded, responses=error_responses(*unauthorized))
     async def models() -> ModelList:
@@ -227,6 +250,10 @@ def _api_key_check(api_key: str | None) -> list[Any]:
     return [Depends(check)]
 
 
+# the refused fields' reasons of the routes whose API is not chat's or completions'
+UNSUPPORTED_BY_PATH = {MESSAGES_PATH: MESSAGES_UNSUPPORTED_FIELDS, COUNT_TOKENS_PATH: MESSAGES_UNSUPPORTED_FIELDS,
+                       RESPONSES_PATH: RESPONSES_UNSUPPORTED_FIELDS}
+ANTHROPIC_PATHS = (MESSAGES_PATH, COUNT_TOKENS_PATH)
 # why a request was refused, for roseinfer_requests_rejected_total
 REJECTION_REASONS = {400: "invalid", 401: "unauthorized", 404: "model_not_found", 413: "too_large",
                      429: "overloaded", 503: "unavailable"}
@@ -240,7 +267,7 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics | RouterMetrics) ->
               rejected: bool = True) -> JSONResponse:
         if rejected and status in REJECTION_REASONS:
             metrics.rejected.labels(REJECTION_REASONS[status]).inc()
-        if request.url.path == MESSAGES_PATH:  # Anthropic's clients read Anthropic's error shape
+        if request.url.path in ANTHROPIC_PATHS:  # Anthropic's clients read Anthropic's error shape
             body = messages_error_body(status, body["error"]["message"])
         return JSONResponse(body, status_code=status, headers=headers)
 
@@ -258,7 +285,7 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics | RouterMetrics) ->
         param = fields[0][0] if fields[0] else None
         if errors[0].get("type") == "extra_forbidden":
             where = ".".join(fields[0])
-            unsupported = MESSAGES_UNSUPPORTED_FIELDS if request.url.path == MESSAGES_PATH else UNSUPPORTED_FIELDS
+            unsupported = UNSUPPORTED_BY_PATH.get(request.url.path, UNSUPPORTED_FIELDS)
             reason = unsupported.get(where, "roseinfer does not implement it")
             return reply(request, 400, error_body(400, f"unsupported field {where!r}: {reason}", param))
         # a union field (prompt) fails once per accepted shape: say so once, naming the field

@@ -14,7 +14,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from roseinfer.server.messages_protocol import MessagesRequest, chat_request, error_body
+from roseinfer.server.messages_protocol import CountTokensRequest, MessagesRequest, chat_request, error_body
 from roseinfer.server.protocol import APIError, ChatCompletionRequest
 from roseinfer.server.reasoning import ReasoningParser
 from roseinfer.server.request_stream import RequestStream
@@ -75,6 +75,14 @@ class AnthropicServing:
                              "model": self.serving.model_name, "stop_reason": stop_reason,
                              "stop_sequence": stop_sequence,
                              "usage": {"input_tokens": run.input_tokens, "output_tokens": choice.num_output_tokens}})
+
+    async def count_tokens(self, body: CountTokensRequest) -> dict[str, int]:
+        """The prompt's length as /v1/messages would template it (tools shown as they would be)."""
+        serving = self.serving
+        serving.check_model(body.model)
+        chat = await serving.run_blocking(_chat_request, body)
+        tools = await serving.run_blocking(plan_tools, chat, serving.tool_parser, False)
+        return {"input_tokens": len(await serving.chat_prompt(chat.messages, tools.shown))}
 
     async def _start(self, body: MessagesRequest) -> MessageRun:
         """The chat path's steps for the translated request, up to its submitted engine request."""
@@ -178,7 +186,7 @@ def _json_object(text: str) -> Any:
         return None
 
 
-def _chat_request(body: MessagesRequest) -> ChatCompletionRequest:
+def _chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
     try:
         return chat_request(body)
     except ValidationError as exc:  # a rule of the chat path's messages (a tool result's id, ...)

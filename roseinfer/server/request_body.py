@@ -98,6 +98,7 @@ def check_counts(data: dict[str, Any], limits: BodyLimits) -> None:
     structured = data.get("structured_outputs")
     caps: list[tuple[str, Any, int, str]] = [
         ("messages", data.get("messages"), MAX_MESSAGES, ""),
+        ("input", data.get("input"), MAX_MESSAGES, ""),  # /v1/responses' items
         ("tools", data.get("tools"), MAX_TOOLS, ""),
         ("stop", data.get("stop"), MAX_STOP, ""),
         ("stop_sequences", data.get("stop_sequences"), MAX_STOP, ""),  # /v1/messages' stop
