@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from roseinfer.backends.base import LOGITS_CHUNK_ROWS, Backend, BatchLayout
+from roseinfer.engine.pooling import pooled_part
 from roseinfer.engine.request import TokenLogprobs
 from roseinfer.engine.scheduler import ScheduledRequest, SchedulerOutput
 from roseinfer.engine.speculative import accept_draft
@@ -21,7 +22,8 @@ if TYPE_CHECKING:
     from roseinfer.engine.sampler import Sampler
 
 PromptLogprobs = list[list[TokenLogprobs]]  # per scheduled request, the prompt logprobs this step took
-StepResult = tuple[list[list[int]], list[TokenLogprobs | None], PromptLogprobs]
+Pooled = list[torch.Tensor | None]  # per scheduled request, an embedding request's pooled part (engine/pooling.py)
+StepResult = tuple[list[list[int]], list[TokenLogprobs | None], PromptLogprobs, Pooled]
 
 
 @dataclass
@@ -69,7 +71,8 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Run one forward over the scheduled tokens; returns the new tokens per scheduled request
         (none for a prompt chunk, one for a decode, 1 to K + 1 for a verified draft), the logprobs of a
-        single token, and the prompt logprobs of the prompt positions this step computed."""
+        single token, the prompt logprobs of the prompt positions this step computed, and embedding
+        requests' pooled parts."""
         return self.run(self.prepare(out))
 
     def prepare(self, out: SchedulerOutput) -> PreparedStep:
@@ -105,7 +108,7 @@ class ModelRunner:
                    for i, item in enumerate(items)]
         for i, state in states.items():
             self.sampler.rewind(items[i].request.generator, state, len(sampled[i]), self.vocab_size)
-        return sampled, logprobs, self._prompt_logprobs(items, hidden, step.prompt_pieces)
+        return sampled, logprobs, self._prompt_logprobs(items, hidden, step.prompt_pieces), self._pooled(step, hidden)
 
     @torch.inference_mode()
     def follow(self, layout: BatchLayout, logit_rows: list[list[int] | slice]) -> None:
@@ -118,6 +121,11 @@ class ModelRunner:
 
     def _rows(self, hidden: torch.Tensor, rows: list[int] | slice) -> torch.Tensor:
         return hidden[rows] if isinstance(rows, slice) else hidden[self.backend.tensor(rows)]
+
+    def _pooled(self, step: PreparedStep, hidden: torch.Tensor) -> Pooled:
+        return [pooled_part(hidden, item.request, start, item.num_tokens, item.reaches_end)
+                if item.request.pooling_params is not None else None
+                for item, start in zip(step.items, step.layout.q_starts)]
 
     def _prompt_pieces(self, items: list[ScheduledRequest]) -> list[tuple[int, slice, list[int]]]:
         """For requests with prompt_logprobs, the logits at every prompt position this step computes
