@@ -12,6 +12,7 @@ from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.engine.request import Request, TokenLogprobs
 from roseinfer.output_processor import OutputProcessor, StreamDelta
 from roseinfer.pooling_params import PoolingParams
+from roseinfer.reasoning import pick_reasoning_parser
 from roseinfer.sampling_params import SamplingParams
 
 Conversation = list[dict[str, Any]]
@@ -30,6 +31,7 @@ class CompletionOutput:
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None: EOS)
+    reasoning: str | None = None  # chat() with a reasoning parser: the reasoning, apart from text
 
 
 @dataclass
@@ -45,9 +47,13 @@ class EmbeddingRequestOutput:
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **engine_options: Any) -> None:
+    def __init__(self, model: str | None = None, reasoning_parser: str = "none", **engine_options: Any) -> None:
+        """reasoning_parser: how chat() splits a thinking model's reasoning from its answer, as
+        `roseinfer serve --reasoning-parser` does: "none" (the default: the reply as written),
+        "auto", "qwen3" or "deepseek_r1"."""
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_options))
         self.tokenizer = self.engine.tokenizer
+        self.think_tags = pick_reasoning_parser(self.tokenizer.chat_template, reasoning_parser, self.tokenizer)
 
     def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -106,11 +112,17 @@ class LLM:
              add_generation_prompt: bool = True) -> list[CompletionOutput]:
         """Generate a reply to one conversation (a list of {"role", "content"} messages) or to each
         of a list of them, templated with the model's chat template; one output per conversation.
-        chat_template_kwargs are extra template variables (e.g. enable_thinking)."""
+        chat_template_kwargs are extra template variables (e.g. enable_thinking). With a reasoning
+        parser, each output's reasoning is in .reasoning and its text is the answer alone."""
         conversations = [messages] if not messages or isinstance(messages[0], dict) else list(messages)
         template_kwargs = {"add_generation_prompt": add_generation_prompt, **(chat_template_kwargs or {})}
         prompts = [self.tokenizer.apply_chat_template(list(c), **template_kwargs) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        outputs = self.generate(prompts, sampling_params, use_tqdm)
+        if self.think_tags is not None:  # the reasoning apart, text the answer alone
+            for prompt, out in zip(prompts, outputs):
+                out.reasoning, answer = self.think_tags.parser(prompt, self.tokenizer).parse(out.text, out.token_ids)
+                out.text = answer or ""
+        return outputs
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What a call without SamplingParams uses: the model's generation-config defaults (vLLM's name)."""

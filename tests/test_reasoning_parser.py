@@ -1,4 +1,4 @@
-"""server/reasoning.py on text and token sequences: where a reply starts (from the prompt's tail
+"""reasoning.py on text and token sequences: where a reply starts (from the prompt's tail
 and the parser's kind), the split of reasoning from the answer whole and streamed in every way the
 tags can be cut, reasoning tokens, which templates and tokenizers get a parser, and tool calls read
 from the answer only."""
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from roseinfer.server.reasoning import ReasoningDelta, ReasoningParser, ThinkTags, pick_reasoning_parser
+from roseinfer.reasoning import ReasoningDelta, ReasoningParser, ThinkTags, pick_reasoning_parser
 from roseinfer.server.tool_parsers import HermesParser
 from roseinfer.tokenizer import Tokenizer
 from server_helpers import model_copy

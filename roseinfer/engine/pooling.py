@@ -8,14 +8,6 @@ import torch
 from roseinfer.engine.request import Request
 
 
-def pooled_part(hidden: torch.Tensor, req: Request, first_row: int, num_rows: int, last_chunk: bool
-                ) -> torch.Tensor | None:
-    """This step's contribution of one request's rows of the flat batch, in fp32."""
-    if req.pooling_params.pooling == "mean":
-        return hidden[first_row:first_row + num_rows].float().sum(dim=0)
-    return hidden[first_row + num_rows - 1].float() if last_chunk else None
-
-
 def add_part(req: Request, part: torch.Tensor | None) -> None:
     if part is not None:
         req.pooled = part if req.pooled is None else req.pooled + part

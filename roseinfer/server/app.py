@@ -29,6 +29,7 @@ from roseinfer.loader.default_model import DEFAULT_MODEL_NAME
 from roseinfer.server.args import ServerOptions, served_name, server_options
 from roseinfer.server.body_limit import BodyLimit
 from roseinfer.server.connections import GuardedH11Protocol
+from roseinfer.server.embeddings import EMBEDDINGS_PATH, EmbeddingsRequest, EmbeddingsServing
 from roseinfer.server.engine_loop import SchedulerManager
 from roseinfer.server.messages import AnthropicServing
 from roseinfer.server.messages_protocol import (COUNT_TOKENS_PATH, MESSAGES_PATH, CountTokensRequest,
@@ -135,8 +136,8 @@ def _app(manager: SchedulerManager | ReplicaSet, served_model_name: str, options
         app.add_middleware(CORSMiddleware, allow_origins=options.allowed_origins, allow_methods=["*"],
                            allow_headers=["*"])
     app.add_middleware(CountResponses, counter=metrics.responses)  # added last: outermost, sees every response
-    install_openapi(app, [CompletionRequest, ChatCompletionRequest, ResponsesRequest, MessagesRequest,
-                          CountTokensRequest, TokenizeRequest, DetokenizeRequest])
+    install_openapi(app, [CompletionRequest, ChatCompletionRequest, ResponsesRequest, EmbeddingsRequest,
+                          MessagesRequest, CountTokensRequest, TokenizeRequest, DetokenizeRequest])
     guarded = _api_key_check(options.api_key)
     unauthorized = (401,) if options.api_key else ()
 
@@ -164,6 +165,14 @@ def _app(manager: SchedulerManager | ReplicaSet, served_model_name: str, options
     async def create_response(raw: Request) -> Response:
         """OpenAI's Responses API."""
         return await responses.responses(await serving.parse(ResponsesRequest, raw), raw)
+
+    embeddings = EmbeddingsServing(serving)
+
+    @app.post(EMBEDDINGS_PATH, dependencies=guarded, responses=error_responses(*GENERATION_ERRORS),
+              openapi_extra=request_body(EmbeddingsRequest))
+    async def create_embeddings(raw: Request) -> Response:
+        """OpenAI's embeddings: each input's final hidden state, pooled (last token) and normalized."""
+        return await embeddings.embeddings(await serving.parse(EmbeddingsRequest, raw), raw)
 
     anthropic = AnthropicServing(serving)
 

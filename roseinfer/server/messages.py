@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from roseinfer.server.messages_protocol import CountTokensRequest, MessagesRequest, chat_request, error_body
 from roseinfer.server.protocol import APIError, ChatCompletionRequest
-from roseinfer.server.reasoning import ReasoningParser
+from roseinfer.reasoning import ReasoningParser
 from roseinfer.server.request_stream import RequestStream
 from roseinfer.server.request_params import check_request, sampling_params
 from roseinfer.server.responses import EventStream

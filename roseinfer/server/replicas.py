@@ -33,6 +33,7 @@ from roseinfer.engine.structured_output import CompiledGrammar, GrammarCompiler
 from roseinfer.loader.generation_config import sampling_defaults
 from roseinfer.loader.model_loader import load_model_config, resolve_model_folder
 from roseinfer.models.config import ModelConfig
+from roseinfer.pooling_params import PoolingParams
 from roseinfer.sampling_params import SamplingParams, StructuredOutputsParams
 from roseinfer.output_processor import StreamDelta
 from roseinfer.server.engine_loop import SHUTDOWN_MESSAGE, OverloadedError, ShuttingDownError
@@ -141,8 +142,11 @@ class ReplicaSet:
         return not (self._draining or self._stopping)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str, submit_start: float | None = None,
-               grammar: CompiledGrammar | None = None) -> ReplicaStream:
-        """`grammar` is not sent: the replica compiles the constraint again (EngineView.compile_grammar)."""
+               grammar: CompiledGrammar | None = None, pooling_params: PoolingParams | None = None) -> ReplicaStream:
+        """`grammar` is not sent: the replica compiles the constraint again (EngineView.compile_grammar).
+        Embedding requests (`pooling_params`) are not served by replicas (a ValueError: a 400)."""
+        if pooling_params is not None:
+            raise ValueError("embeddings are not served with --data-parallel-size yet")
         prompt_ids = list(prompt_ids)
         self.engine.validate(prompt_ids, params)
         if not self.is_alive:

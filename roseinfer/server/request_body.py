@@ -98,7 +98,6 @@ def check_counts(data: dict[str, Any], limits: BodyLimits) -> None:
     structured = data.get("structured_outputs")
     caps: list[tuple[str, Any, int, str]] = [
         ("messages", data.get("messages"), MAX_MESSAGES, ""),
-        ("input", data.get("input"), MAX_MESSAGES, ""),  # /v1/responses' items
         ("tools", data.get("tools"), MAX_TOOLS, ""),
         ("stop", data.get("stop"), MAX_STOP, ""),
         ("stop_sequences", data.get("stop_sequences"), MAX_STOP, ""),  # /v1/messages' stop
@@ -120,6 +119,9 @@ def check_counts(data: dict[str, Any], limits: BodyLimits) -> None:
                    and isinstance(call["function"].get("arguments"), str)):
             raise APIError(400, "messages: a tool call's arguments may hold more than "
                                 f"{MAX_JSON_CONTAINERS} JSON arrays and objects or {MAX_JSON_VALUES} values", "messages")
+    items = data.get("input")  # /v1/responses' items, /v1/embeddings' inputs (not one prompt's token ids)
+    if isinstance(items, list) and items and not isinstance(items[0], int):
+        caps.append(("input", items, MAX_MESSAGES, ""))
     prompt = data.get("prompt")
     if isinstance(prompt, list):
         if prompt and isinstance(prompt[0], int):

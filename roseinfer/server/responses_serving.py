@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from roseinfer.server.protocol import APIError, ChatCompletionRequest
-from roseinfer.server.reasoning import ReasoningParser
+from roseinfer.reasoning import ReasoningParser
 from roseinfer.server.request_params import check_chat_fields, check_request, sampling_params
 from roseinfer.server.request_stream import RequestStream
 from roseinfer.server.responses import EventStream

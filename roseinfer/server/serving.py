@@ -23,13 +23,14 @@ from pydantic import BaseModel
 
 from roseinfer.chat_template import template_variables
 from roseinfer.engine.structured_output import CompiledGrammar
+from roseinfer.pooling_params import PoolingParams
 from roseinfer.sampling_params import SamplingParams
 from roseinfer.output_processor import StreamDelta
 from roseinfer.server.engine_loop import OverloadedError, SchedulerManager, ShuttingDownError
 from roseinfer.server.request_stream import RequestStream
 from roseinfer.server.logprobs import LogprobsFormatter
 from roseinfer.server.protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest, error_body
-from roseinfer.server.reasoning import ReasoningParser, pick_reasoning_parser
+from roseinfer.reasoning import ReasoningParser, pick_reasoning_parser
 from roseinfer.server.request_body import BodyLimits, parse_body
 from roseinfer.server.request_params import (bad_value, check_chat_fields, check_completion_fields, check_request,
                                              sampling_params)
@@ -218,8 +219,10 @@ class OpenAIServing:
 
     # ---- request -> engine -------------------------------------------------------------------
     def submit(self, prompts: list[list[int]], body: SamplingRequest, params: SamplingParams,
-                start: float, grammar: CompiledGrammar | None) -> list[RequestStream]:
-        """n engine requests per prompt; with a seed, choice i draws from seed + i."""
+               start: float, grammar: CompiledGrammar | None,
+               pooling_params: PoolingParams | None = None) -> list[RequestStream]:
+        """n engine requests per prompt; with a seed, choice i draws from seed + i; with
+        `pooling_params`, embedding requests."""
         base_id = uuid.uuid4().hex
         streams: list[RequestStream] = []
         try:
@@ -227,7 +230,8 @@ class OpenAIServing:
                 for i in range(body.n):
                     choice_params = params if params.seed is None or i == 0 else \
                         dataclasses.replace(params, seed=params.seed + i)
-                    streams.append(self.manager.submit(ids, choice_params, f"{base_id}-{len(streams)}", start, grammar))
+                    streams.append(self.manager.submit(ids, choice_params, f"{base_id}-{len(streams)}", start, grammar,
+                                                       pooling_params))
         except BaseException as exc:
             for stream in streams:  # all or nothing: no half-submitted choice sets
                 self.manager.abort(stream.request_id)

@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from roseinfer.backends.base import LOGITS_CHUNK_ROWS, Backend, BatchLayout
-from roseinfer.engine.pooling import pooled_part
 from roseinfer.engine.request import TokenLogprobs
 from roseinfer.engine.scheduler import ScheduledRequest, SchedulerOutput
 from roseinfer.engine.speculative import accept_draft
@@ -122,10 +121,20 @@ class ModelRunner:
     def _rows(self, hidden: torch.Tensor, rows: list[int] | slice) -> torch.Tensor:
         return hidden[rows] if isinstance(rows, slice) else hidden[self.backend.tensor(rows)]
 
-    def _pooled(self, step: PreparedStep, hidden: torch.Tensor) -> Pooled:
-        return [pooled_part(hidden, item.request, start, item.num_tokens, item.reaches_end)
-                if item.request.pooling_params is not None else None
-                for item, start in zip(step.items, step.layout.q_starts)]
+    @staticmethod
+    def _pooled(step: PreparedStep, hidden: torch.Tensor) -> Pooled:
+        """Each embedding request's part of this step, in fp32: its chunk's row sum for mean pooling,
+        its last row once its prompt is done for last-token pooling (engine/pooling.py adds them up)."""
+        parts: Pooled = []
+        for item, start in zip(step.items, step.layout.q_starts):
+            params = item.request.pooling_params
+            if params is None or (params.pooling == "last" and not item.reaches_end):
+                parts.append(None)
+            elif params.pooling == "mean":
+                parts.append(hidden[start:start + item.num_tokens].float().sum(dim=0))
+            else:
+                parts.append(hidden[start + item.num_tokens - 1].float())
+        return parts
 
     def _prompt_pieces(self, items: list[ScheduledRequest]) -> list[tuple[int, slice, list[int]]]:
         """For requests with prompt_logprobs, the logits at every prompt position this step computes
