@@ -16,7 +16,7 @@ import pytest
 from roseinfer.config import EngineConfig
 from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.server.app import build_app
-from server_helpers import llama_for_tools, model_copy, openai_client, serve_app
+from server_helpers import llama_for_tools, metric, model_copy, openai_client, serve_app
 from thinking_model import OPEN_THINKING_TEMPLATE, build_thinking_model
 
 MODEL = "tiny-llama"
@@ -172,3 +172,20 @@ def test_a_thinking_models_reasoning_is_a_reasoning_item(tmp_path: Path) -> None
     streamed = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
     assert streamed == message.reasoning_content
     assert again.usage.input_tokens == without.usage.prompt_tokens
+
+
+def test_each_endpoint_is_counted_apart(base_url: str, client: openai.OpenAI) -> None:
+    with httpx.Client(base_url=base_url, trust_env=False, timeout=60) as http:
+        def count(endpoint: str, status: str) -> float:
+            return metric(http, "roseinfer_endpoint_responses_total", endpoint=endpoint, status=status)
+
+        before = {(e, s): count(e, s) for e in ("/v1/responses", "/v1/chat/completions") for s in ("2xx", "4xx")}
+        client.responses.create(model=MODEL, input="Hi", max_output_tokens=1)
+        assert http.post("/v1/responses", json={"input": "Hi", "store": True}).status_code == 400
+        assert http.get("/health").status_code == 200 and http.get("/no/such/path").status_code == 404
+        after = {key: count(*key) for key in before}
+        assert after[("/v1/responses", "2xx")] == before[("/v1/responses", "2xx")] + 1
+        assert after[("/v1/responses", "4xx")] == before[("/v1/responses", "4xx")] + 1
+        assert after[("/v1/chat/completions", "2xx")] == before[("/v1/chat/completions", "2xx")]
+        samples = http.get("/metrics").text
+        assert 'endpoint="/health"' not in samples and 'endpoint="/no/such/path"' not in samples

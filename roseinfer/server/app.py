@@ -135,7 +135,9 @@ def _app(manager: SchedulerManager | ReplicaSet, served_model_name: str, options
     if options.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=options.allowed_origins, allow_methods=["*"],
                            allow_headers=["*"])
-    app.add_middleware(CountResponses, counter=metrics.responses)  # added last: outermost, sees every response
+    # added last: outermost, sees every response
+    app.add_middleware(CountResponses, counter=metrics.responses, endpoint_counter=metrics.endpoint_responses,
+                       endpoints=API_ENDPOINTS)
     install_openapi(app, [CompletionRequest, ChatCompletionRequest, ResponsesRequest, EmbeddingsRequest,
                           MessagesRequest, CountTokensRequest, TokenizeRequest, DetokenizeRequest])
     guarded = _api_key_check(options.api_key)
@@ -259,6 +261,9 @@ def _api_key_check(api_key: str | None) -> list[Any]:
     return [Depends(check)]
 
 
+# the routes roseinfer_endpoint_responses_total counts apart
+API_ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", RESPONSES_PATH, EMBEDDINGS_PATH, MESSAGES_PATH,
+                           COUNT_TOKENS_PATH, "/v1/models", "/tokenize", "/detokenize", "/tokenizer_info"})
 # the refused fields' reasons of the routes whose API is not chat's or completions'
 UNSUPPORTED_BY_PATH = {MESSAGES_PATH: MESSAGES_UNSUPPORTED_FIELDS, COUNT_TOKENS_PATH: MESSAGES_UNSUPPORTED_FIELDS,
                        RESPONSES_PATH: RESPONSES_UNSUPPORTED_FIELDS}
