@@ -74,9 +74,9 @@ class LLM:
 
     def embed(self, prompts: str | list[int] | Sequence[str | list[int]], pooling_params: PoolingParams | None = None,
               use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
-        """Each prompt's final hidden state pooled into one vector (PoolingParams: last token by
-        default, or mean; L2-normalized unless told not to), in order; vLLM's shape."""
-        params = pooling_params or PoolingParams()
+        """Each prompt's final hidden state pooled into one vector, in order; vLLM's shape. Without
+        PoolingParams, the checkpoint's sentence-transformers pooling, else the last token's, normalized."""
+        params = pooling_params or self.engine.pooling_defaults
         requests = [self.engine.new_request(prompt, pooling_params=params) for prompt in _prompt_list(prompts)]
         finals = self._run(requests, use_tqdm)
         return [EmbeddingRequestOutput(req.request_id, req.prompt_token_ids,

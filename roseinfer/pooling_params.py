@@ -4,15 +4,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-Pooling = Literal["last", "mean"]
-POOLINGS: tuple[str, ...] = ("last", "mean")
+Pooling = Literal["last", "mean", "cls"]
+POOLINGS: tuple[str, ...] = ("last", "mean", "cls")
 
 
 @dataclass(frozen=True)
 class PoolingParams:
     """The prompt's final hidden states (after the model's last norm) pooled into one vector:
     "last" takes the last token's (vLLM's default for a decoder LM run as an embedding model, and
-    Qwen3-Embedding's), "mean" averages every token's; `normalize` scales it to unit L2 norm."""
+    Qwen3-Embedding's), "mean" averages every token's, "cls" takes the first token's; `normalize`
+    scales it to unit L2 norm."""
 
     pooling: Pooling = "last"
     normalize: bool = True

@@ -6,6 +6,8 @@ order of fp32 sums (its kernels' matmul and attention blocking, a mean's sum ove
 few layers; a wrong row, position or norm is off by orders of magnitude more."""
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -77,5 +79,40 @@ def test_embedding_and_generation_share_steps_without_changing_either(llm: LLM, 
 
 
 def test_pooling_is_checked() -> None:
-    with pytest.raises(ValueError, match="pooling must be one of last, mean"):
-        PoolingParams(pooling="cls")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="pooling must be one of last, mean, cls"):
+        PoolingParams(pooling="max")  # type: ignore[arg-type]
+
+
+def sentence_transformers_copy(model_dir: Path, out: Path, pooling: dict[str, bool], normalize: bool) -> Path:
+    """The checkpoint with sentence-transformers' modules.json and 1_Pooling/config.json."""
+    shutil.copytree(model_dir, out)
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    (out / "modules.json").write_text(json.dumps(modules))
+    (out / "1_Pooling").mkdir()
+    (out / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64, **pooling}))
+    return out
+
+
+@pytest.mark.parametrize("mode, normalize", [("mean", True), ("cls", False)])
+def test_the_checkpoints_sentence_transformers_pooling_is_the_default(model_dir: Path, tmp_path: Path, mode: str,
+                                                                      normalize: bool) -> None:
+    flag = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token"}[mode]
+    folder = sentence_transformers_copy(model_dir, tmp_path / "st", {flag: True, "pooling_mode_lasttoken": False},
+                                        normalize)
+    llm = LLM(str(folder), num_kv_blocks=64, max_num_batched_tokens=16)
+    assert llm.engine.pooling_defaults == PoolingParams(mode, normalize)
+    [out] = llm.embed(PROMPTS[2], use_tqdm=False)
+    hidden = hf_hidden(model_dir, out.prompt_token_ids)
+    expected = hidden.mean(dim=0) if mode == "mean" else hidden[0]
+    if normalize:
+        expected = torch.nn.functional.normalize(expected, dim=-1)
+    torch.testing.assert_close(torch.tensor(out.outputs.embedding), expected, atol=ATOL, rtol=1e-4)
+
+
+def test_a_sentence_transformers_pooling_roseinfer_lacks_is_refused(model_dir: Path, tmp_path: Path) -> None:
+    folder = sentence_transformers_copy(model_dir, tmp_path / "st", {"pooling_mode_max_tokens": True}, True)
+    with pytest.raises(ValueError, match="pooling_mode_max_tokens"):
+        LLM(str(folder), num_kv_blocks=8)

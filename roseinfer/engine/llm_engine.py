@@ -23,6 +23,7 @@ from roseinfer.engine.structured_output import CompiledGrammar, GrammarCompiler
 from roseinfer.executor.executor import Executor, make_executor
 from roseinfer.loader.generation_config import sampling_defaults
 from roseinfer.loader.model_loader import load_model_config, resolve_model_folder
+from roseinfer.loader.pooling_config import pooling_defaults
 from roseinfer.pooling_params import PoolingParams
 from roseinfer.sampling_params import SamplingParams, StructuredOutputsParams
 from roseinfer.tokenizer import Tokenizer
@@ -62,6 +63,7 @@ class LLMEngine:
             self.default_sampling_params()
         except ValueError as exc:
             raise ValueError(f"the generation config's sampling defaults: {exc}") from None
+        self.pooling_defaults = pooling_defaults(self.model_folder)  # what embedding requests use
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         self.executor: Executor | None = None

@@ -1,6 +1,6 @@
 """An embedding request's pooled hidden state, built up over its prompt's chunks: the runner hands
-each step's part (a chunk's row sum for mean pooling, the last row for last-token pooling) and the
-request keeps the running value until its prompt is done."""
+each step's part (a chunk's row sum for mean pooling, the last row for last-token pooling, the
+first row for cls pooling) and the request keeps the running value until its prompt is done."""
 from __future__ import annotations
 
 import torch

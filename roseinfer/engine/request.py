@@ -117,10 +117,10 @@ class Request:
     @property
     def max_prefix_hit(self) -> int:
         """Tokens the prefix cache may serve: never the last (its logits pick the next token), nor
-        a position whose logits still owe a prompt logprob or are mean-pooled (cached positions
-        are never computed)."""
-        if self.pooling_params is not None and self.pooling_params.pooling == "mean":
-            return 0  # every position's hidden state is pooled
+        a position whose logits still owe a prompt logprob or whose hidden state is pooled (cached
+        positions are never computed)."""
+        if self.pooling_params is not None and self.pooling_params.pooling != "last":
+            return 0  # the positions pooled (all of them, or the first) must be computed
         if len(self.prompt_logprobs) < self.num_prompt_tokens and self.sampling_params.prompt_logprobs is not None:
             return len(self.prompt_logprobs) - 1
         return self.num_tokens - 1

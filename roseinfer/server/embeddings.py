@@ -1,7 +1,7 @@
 """OpenAI's /v1/embeddings: its request body, and each input run as an embedding request through
 the same engine manager as generation (serving.py's submit and collect): its prompt is prefilled,
-its final hidden state pooled (last token, L2-normalized: PoolingParams' defaults) and its KV
-blocks freed; nothing is generated."""
+its final hidden state pooled (as the checkpoint's sentence-transformers files say, else the last
+token's, L2-normalized: loader/pooling_config.py) and its KV blocks freed; nothing is generated."""
 from __future__ import annotations
 
 import base64
@@ -15,7 +15,6 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import Field, StrictInt
 
 from roseinfer.engine.llm_engine import EMBEDDING_SAMPLING
-from roseinfer.pooling_params import PoolingParams
 from roseinfer.server.protocol import APIError, PromptText, StrictModel, Text, TokenIds
 from roseinfer.server.request_params import check_sequences
 from roseinfer.server.serving import CLIENT_CLOSED, OpenAIServing
@@ -55,7 +54,8 @@ class EmbeddingsServing:
                                 f"{max_inflight} in flight (--max-inflight-requests)", "input")
         prompts = [await serving.run_blocking(serving.tokenizer.encode, p) if isinstance(p, str) else list(p)
                    for p in inputs]
-        streams = serving.submit(prompts, body, EMBEDDING_SAMPLING, start, None, PoolingParams())
+        pooling = serving.manager.engine.pooling_defaults
+        streams = serving.submit(prompts, body, EMBEDDING_SAMPLING, start, None, pooling)
         results = await serving.collect(streams, raw)
         if results is None:
             return Response(status_code=CLIENT_CLOSED)

@@ -61,6 +61,7 @@ class EngineView:
     sampling_defaults: dict[str, Any]
     max_model_len: int
     num_kv_blocks: int
+    pooling_defaults: PoolingParams = field(default_factory=PoolingParams)  # unused: replicas embed nothing
     _grammar_compiler: GrammarCompiler | None = field(default=None, init=False, repr=False)
     _grammar_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 

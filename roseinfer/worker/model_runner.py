@@ -124,16 +124,20 @@ class ModelRunner:
     @staticmethod
     def _pooled(step: PreparedStep, hidden: torch.Tensor) -> Pooled:
         """Each embedding request's part of this step, in fp32: its chunk's row sum for mean pooling,
-        its last row once its prompt is done for last-token pooling (engine/pooling.py adds them up)."""
+        its last row once its prompt is done for last-token pooling, its first chunk's first row
+        for cls pooling (engine/pooling.py adds them up)."""
         parts: Pooled = []
         for item, start in zip(step.items, step.layout.q_starts):
             params = item.request.pooling_params
-            if params is None or (params.pooling == "last" and not item.reaches_end):
-                parts.append(None)
-            elif params.pooling == "mean":
+            pooling = params.pooling if params is not None else None
+            if pooling == "mean":
                 parts.append(hidden[start:start + item.num_tokens].float().sum(dim=0))
-            else:
+            elif pooling == "last" and item.reaches_end:
                 parts.append(hidden[start + item.num_tokens - 1].float())
+            elif pooling == "cls" and item.request.num_computed_tokens == 0:
+                parts.append(hidden[start].float())
+            else:
+                parts.append(None)
         return parts
 
     def _prompt_pieces(self, items: list[ScheduledRequest]) -> list[tuple[int, slice, list[int]]]:
