@@ -93,10 +93,11 @@ class AnthropicServing:
         check_request(chat, 1, serving.max_sequences, serving.manager.max_inflight_requests)
         tools = await serving.run_blocking(plan_tools, chat, serving.tool_parser, False)
         ids = await serving.chat_prompt(chat.messages, tools.shown)
-        reasoner = serving.reasoning_parser(ids, tools.constraint)
-        grammar = await serving.compile_constraint(tools.constraint)
+        reasoner = serving.reasoning_parser(ids)
+        constraint = serving.answer_constraint(ids, tools.constraint)
+        grammar = await serving.compile_constraint(constraint)
         params = sampling_params(chat, serving.defaults, body.max_tokens, None, None,
-                                 tools.constraint.params if tools.constraint else None)
+                                 constraint.params if constraint else None)
         [stream] = serving.submit([ids], chat, params, start, grammar)
         return MessageRun(f"msg_{uuid.uuid4().hex}", stream, len(ids),
                           tools.parser() if tools.parser else None, reasoner)

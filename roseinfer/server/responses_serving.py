@@ -88,7 +88,8 @@ class ResponsesServing:
         tools = await serving.run_blocking(plan_tools, chat, serving.tool_parser, constraint is not None)
         constraint = constraint or tools.constraint
         ids = await serving.chat_prompt(chat.messages, tools.shown)
-        reasoner = serving.reasoning_parser(ids, constraint)
+        reasoner = serving.reasoning_parser(ids)
+        constraint = serving.answer_constraint(ids, constraint)
         grammar = await serving.compile_constraint(constraint)
         max_tokens = chat.max_tokens if chat.max_tokens is not None else \
             min(max(1, serving.context_limit - len(ids)), serving.defaults.get("max_tokens", serving.context_limit))
