@@ -201,8 +201,8 @@ class Events:
         self.output.append(item)
         self.open = item["type"]
         index = len(self.output) - 1
-        added = {**item, "content": []} if "content" in item else item
-        out.append(self.emit("response.output_item.added", output_index=index, item=json.loads(json.dumps(added))))
+        added = {**item, "content": []} if "content" in item else item  # its text comes in deltas
+        out.append(self.emit("response.output_item.added", output_index=index, item=added))
         if item["type"] == "message":
             out.append(self.emit("response.content_part.added", item_id=item["id"], output_index=index,
                                  content_index=0, part={**item["content"][0], "text": ""}))
