@@ -13,7 +13,8 @@ come; otherwise the reply may open with `<think>` (Qwen3), and without it it is 
 
 The tags must be single tokens that the detokenizer keeps (added tokens that are not special, as
 in Qwen3's and DeepSeek-R1's tokenizers): the text is split on them, and reasoning tokens (usage)
-are counted on their ids.
+are counted on their ids. An output constraint is put after the reasoning by a grammar over those
+ids (after_reasoning), so it constrains the answer only.
 """
 from __future__ import annotations
 
