@@ -12,11 +12,13 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from roseinfer.config import EngineConfig
     from roseinfer.llm import LLM, CompletionOutput
+    from roseinfer.pooling_params import PoolingParams
     from roseinfer.sampling_params import SamplingParams, StructuredOutputsParams
 
 _EXPORTS = {"LLM": "roseinfer.llm", "CompletionOutput": "roseinfer.llm", "EngineConfig": "roseinfer.config",
-            "SamplingParams": "roseinfer.sampling_params", "StructuredOutputsParams": "roseinfer.sampling_params"}
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "EngineConfig", "CompletionOutput"]
+            "SamplingParams": "roseinfer.sampling_params", "StructuredOutputsParams": "roseinfer.sampling_params",
+            "PoolingParams": "roseinfer.pooling_params"}
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "PoolingParams", "EngineConfig", "CompletionOutput"]
 __version__ = "0.1.0"
 
 

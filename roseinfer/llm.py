@@ -9,8 +9,10 @@ from tqdm import tqdm
 
 from roseinfer.config import EngineConfig
 from roseinfer.engine.llm_engine import LLMEngine
-from roseinfer.engine.request import TokenLogprobs
+from roseinfer.engine.request import Request, TokenLogprobs
 from roseinfer.output_processor import OutputProcessor, StreamDelta
+from roseinfer.pooling_params import PoolingParams
+from roseinfer.reasoning import pick_reasoning_parser
 from roseinfer.sampling_params import SamplingParams
 
 Conversation = list[dict[str, Any]]
@@ -29,30 +31,62 @@ class CompletionOutput:
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None: EOS)
+    reasoning: str | None = None  # chat() with a reasoning parser: the reasoning, apart from text
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **engine_options: Any) -> None:
+    def __init__(self, model: str | None = None, reasoning_parser: str = "none", **engine_options: Any) -> None:
+        """reasoning_parser: how chat() splits a thinking model's reasoning from its answer, as
+        `roseinfer serve --reasoning-parser` does: "none" (the default: the reply as written),
+        "auto", "qwen3" or "deepseek_r1"."""
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_options))
         self.tokenizer = self.engine.tokenizer
+        self.think_tags = pick_reasoning_parser(self.tokenizer.chat_template, reasoning_parser, self.tokenizer)
 
     def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[CompletionOutput]:
         """Run prompts (strings or token-id lists, mixed is fine) to completion, in order; with
         use_tqdm, a progress bar on stderr counts finished requests (vLLM's)."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         if isinstance(sampling_params, Sequence):
             if len(sampling_params) != len(prompts):
                 raise ValueError("give one SamplingParams, or one per prompt")
             params_list = list(sampling_params)
         else:
             params_list = [sampling_params or self.get_default_sampling_params()] * len(prompts)
+        requests = [self.engine.new_request(prompt, params) for prompt, params in zip(prompts, params_list)]
+        finals = self._run(requests, use_tqdm)
+        return [_completion(req.request_id, req.prompt_token_ids, req.sampling_params, finals[req.request_id])
+                for req in requests]
+
+    def embed(self, prompts: str | list[int] | Sequence[str | list[int]], pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """Each prompt's final hidden state pooled into one vector, in order; vLLM's shape. Without
+        PoolingParams, the checkpoint's sentence-transformers pooling, else the last token's, normalized."""
+        params = pooling_params or self.engine.pooling_defaults
+        requests = [self.engine.new_request(prompt, pooling_params=params) for prompt in _prompt_list(prompts)]
+        finals = self._run(requests, use_tqdm)
+        return [EmbeddingRequestOutput(req.request_id, req.prompt_token_ids,
+                                       EmbeddingOutput(finals[req.request_id].embedding or []))
+                for req in requests]
+
+    def _run(self, requests: list[Request], use_tqdm: bool) -> dict[str, StreamDelta]:
+        """Step the engine until every request is done; their final deltas by request id."""
         engine = self.engine
         processor = OutputProcessor(self.tokenizer)
-        requests = [engine.new_request(prompt, params) for prompt, params in zip(prompts, params_list)]
         finals: dict[str, StreamDelta] = {}
         try:
             for req in requests:
@@ -70,8 +104,7 @@ class LLM:
             for req in requests:
                 engine.abort_request(req.request_id)  # no-op for finished ones; frees blocks if interrupted
             engine.pop_finished_ids()
-        return [_completion(req.request_id, req.prompt_token_ids, req.sampling_params, finals[req.request_id])
-                for req in requests]
+        return finals
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
@@ -79,11 +112,17 @@ class LLM:
              add_generation_prompt: bool = True) -> list[CompletionOutput]:
         """Generate a reply to one conversation (a list of {"role", "content"} messages) or to each
         of a list of them, templated with the model's chat template; one output per conversation.
-        chat_template_kwargs are extra template variables (e.g. enable_thinking)."""
+        chat_template_kwargs are extra template variables (e.g. enable_thinking). With a reasoning
+        parser, each output's reasoning is in .reasoning and its text is the answer alone."""
         conversations = [messages] if not messages or isinstance(messages[0], dict) else list(messages)
         template_kwargs = {"add_generation_prompt": add_generation_prompt, **(chat_template_kwargs or {})}
         prompts = [self.tokenizer.apply_chat_template(list(c), **template_kwargs) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        outputs = self.generate(prompts, sampling_params, use_tqdm)
+        if self.think_tags is not None:  # the reasoning apart, text the answer alone
+            for prompt, out in zip(prompts, outputs):
+                out.reasoning, answer = self.think_tags.parser(prompt, self.tokenizer).parse(out.text, out.token_ids)
+                out.text = answer or ""
+        return outputs
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What a call without SamplingParams uses: the model's generation-config defaults (vLLM's name)."""
@@ -103,6 +142,13 @@ class LLM:
     def apply_chat_template(self, messages: Conversation, add_generation_prompt: bool = True,
                             **template_kwargs: Any) -> list[int]:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt, **template_kwargs)
+
+
+def _prompt_list(prompts: str | list[int] | Sequence[str | list[int]]) -> list[str | list[int]]:
+    """One prompt (a string or a list of token ids) or a sequence of them, as a list."""
+    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
 
 
 def _completion(request_id: str, prompt_ids: list[int], params: SamplingParams, final: StreamDelta) -> CompletionOutput:

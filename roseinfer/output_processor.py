@@ -35,6 +35,7 @@ class StreamDelta:
     stop_reason: str | int | None = None
     num_cached_tokens: int = 0
     times: RequestTimes | None = None  # the core's timestamps, in the first delta and the final one
+    embedding: list[float] | None = None  # an embedding request's vector, in its final delta
 
 
 @dataclass
@@ -54,6 +55,7 @@ class _RequestState:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     flushed: bool = False  # the first token has gone out
+    embedding: list[float] | None = None
 
 
 @dataclass
@@ -121,6 +123,7 @@ class OutputProcessor:
             state.prompt_logprobs = out.prompt_logprobs
         if out.times is not None:
             state.times = out.times
+        state.embedding = out.embedding
         if state.detok is None:
             return False
         text = state.detok.add(out.new_token_ids)
@@ -149,7 +152,8 @@ class OutputProcessor:
         first = not state.flushed
         delta = StreamDelta(state.text, state.token_ids, state.logprobs, finished, reason, state.num_prompt_tokens,
                             state.num_output_tokens, now, error, status, state.prompt_logprobs if first else None,
-                            num_cached_tokens=state.num_cached_tokens, times=state.times if first or finished else None)
+                            num_cached_tokens=state.num_cached_tokens, times=state.times if first or finished else None,
+                            embedding=state.embedding if finished else None)
         state.text, state.token_ids, state.logprobs = "", [], []
         state.flushed = True
         return delta

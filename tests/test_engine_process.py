@@ -17,11 +17,12 @@ import threading
 import httpx
 
 from roseinfer.config import EngineConfig
-from roseinfer.engine.llm_engine import LLMEngine
+from roseinfer.engine.llm_engine import EMBEDDING_SAMPLING, LLMEngine
 from roseinfer.engine_client.client import SHUTDOWN_MESSAGE, ShuttingDownError
 from roseinfer.engine_client.in_process import InProcessClient
 from roseinfer.engine_client.process_client import EngineProcessClient
 from roseinfer.engine_client.request_stream import RequestStream
+from roseinfer.llm import LLM
 from roseinfer.output_processor import StreamDelta
 from roseinfer.sampling_params import SamplingParams
 from roseinfer.server.app import build_app
@@ -88,6 +89,20 @@ def test_tokens_and_text_equal_hf_and_the_in_process_client(client: EngineProces
     finally:
         local.shutdown()
     assert wait_for(lambda: client.stats()["kv_used_blocks"] == 0 and client.stats()["num_inflight"] == 0)
+
+
+def test_an_embedding_crosses_the_boundary_as_the_in_process_vector(client: EngineProcessClient,
+                                                                    model_dir: Path) -> None:
+    ids = client.engine.tokenizer.encode(PROMPT)
+    pooling = client.engine.pooling_defaults
+    final = drain(client.submit(ids, EMBEDDING_SAMPLING, pooling_params=pooling))[-1]
+    local = LLM(model=str(model_dir), num_kv_blocks=128)
+    try:
+        reference = local.embed([ids], pooling, use_tqdm=False)[0].outputs.embedding
+    finally:
+        local.shutdown()
+    assert final.embedding == reference and final.token_ids == []
+    assert wait_for(lambda: client.stats()["kv_used_blocks"] == 0)
 
 
 def test_a_stop_string_ends_the_request_in_the_core(client: EngineProcessClient) -> None:

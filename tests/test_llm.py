@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 
 from roseinfer import LLM, SamplingParams
+from server_helpers import model_copy
+from thinking_model import OPEN_THINKING_TEMPLATE, build_thinking_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 CONVERSATIONS = [
@@ -86,3 +88,21 @@ def test_progress_bar_shows_only_with_use_tqdm(llm: LLM, capsys: pytest.CaptureF
     llm.generate(prompts, GREEDY, use_tqdm=False)
     llm.chat(CONVERSATIONS, GREEDY, use_tqdm=False)
     assert capsys.readouterr().err == ""
+
+
+def test_chat_with_a_reasoning_parser_splits_the_reasoning_from_the_answer(model_dir: Path, tmp_path: Path) -> None:
+    """The split of the reply generate() writes for the templated prompt (the server's split: see
+    test_server_reasoning.py); a bias on </think> makes the tiny model close its reasoning partway."""
+    model_dir = model_copy(build_thinking_model(tmp_path / "qwen3"), tmp_path / "open",
+                           chat_template=OPEN_THINKING_TEMPLATE)
+    llm = LLM(str(model_dir), num_kv_blocks=64, reasoning_parser="auto")
+    end_id = llm.tokenizer.encode("</think>", add_special_tokens=False)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logit_bias={end_id: 3.0})
+    [out] = llm.chat(CONVERSATIONS[0], params, use_tqdm=False)
+    [raw] = llm.generate(llm.apply_chat_template(CONVERSATIONS[0]), params, use_tqdm=False)
+    assert "</think>" in raw.text, "the tiny thinker never closed its reasoning"
+    reasoning, answer = raw.text.split("</think>", 1)
+    assert (out.reasoning, out.text) == (reasoning.strip(), answer.lstrip())
+    assert out.token_ids == raw.token_ids and raw.reasoning is None
+    with pytest.raises(ValueError, match="--reasoning-parser must be auto, none or one of"):
+        LLM(str(model_dir), num_kv_blocks=8, reasoning_parser="harmony")

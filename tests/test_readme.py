@@ -42,7 +42,7 @@ def run_blocks(blocks: list[str], namespace: dict) -> None:
 def test_the_readme_has_the_blocks_this_test_runs() -> None:
     blocks = python_blocks()
     server = [b for b in blocks if talks_to_a_server(b)]
-    assert len(blocks) == 5 and len(server) == 3
+    assert len(blocks) == 6 and len(server) == 4
     assert README_ADDRESS in server[0], "the substituted address must be the one the README gives"
 
 
@@ -56,6 +56,7 @@ def test_the_readme_server_blocks_run_as_written(capsys: pytest.CaptureFixture[s
             run_blocks([b.replace(README_ADDRESS, url) for b in blocks], namespace)
             assert isinstance(namespace["city"], namespace["City"]) and namespace["answer"] in ("yes", "no")
             assert [call.function.name for call in namespace["message"].tool_calls] == ["get_weather"]
+            assert namespace["response"].status in ("completed", "incomplete") and namespace["response"].output_text
             assert namespace["reply"].stop_reason in ("end_turn", "max_tokens")
             assert namespace["streamed"].usage.output_tokens >= 1
     assert capsys.readouterr().out.count("\n") >= runs  # the tools example prints the final reply

@@ -1,4 +1,4 @@
-"""server/reasoning.py on text and token sequences: where a reply starts (from the prompt's tail
+"""reasoning.py on text and token sequences: where a reply starts (from the prompt's tail
 and the parser's kind), the split of reasoning from the answer whole and streamed in every way the
 tags can be cut, reasoning tokens, which templates and tokenizers get a parser, and tool calls read
 from the answer only."""
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from roseinfer.server.reasoning import ReasoningDelta, ReasoningParser, ThinkTags, pick_reasoning_parser
+from roseinfer.reasoning import ReasoningDelta, ReasoningParser, ThinkTags, pick_reasoning_parser
 from roseinfer.server.tool_parsers import HermesParser
 from roseinfer.tokenizer import Tokenizer
 from server_helpers import model_copy
@@ -140,3 +140,31 @@ def test_auto_picks_qwen3_for_a_thinking_template_whose_tokenizer_has_the_tags(t
     assert pick_reasoning_parser(plain.chat_template, "auto", plain) is None
     with pytest.raises(ValueError, match="--reasoning-parser qwen3 needs <think> and </think>"):
         pick_reasoning_parser(plain.chat_template, "qwen3", plain)
+
+
+@pytest.mark.parametrize("kind, mode, reply, accepted", [
+    ("qwen3", "reasoning", "a b</think>{\"a\": 1}", True),
+    ("qwen3", "reasoning", "{\"a\": 1}", False),  # the answer comes only after </think>
+    ("qwen3", "start", "{\"a\": 1}", True),  # a qwen3 reply that does not open <think> is all answer
+    ("qwen3", "start", "<think>a</think>{\"a\": 1}", True),
+    ("qwen3", "start", "a</think>{\"a\": 1}", False),
+    ("deepseek_r1", "start", "a</think>{\"a\": 1}", True),  # R1's reasoning, opened or not
+    ("deepseek_r1", "start", "<think>a</think>{\"a\": 1}", True),
+])
+def test_a_constraint_after_the_reasoning_lets_the_reasoning_through(tmp_path: Path, kind: str, mode: str,
+                                                                     reply: str, accepted: bool) -> None:
+    from roseinfer.engine.structured_output import JSON_WHITESPACE, GrammarCompiler
+    from roseinfer.sampling_params import StructuredOutputsParams
+    from roseinfer.reasoning import after_reasoning
+
+    tokenizer = Tokenizer(str(build_thinking_model(tmp_path / "qwen3")))
+    tags = pick_reasoning_parser(QWEN3_THINKING_TEMPLATE, kind, tokenizer)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    params = after_reasoning(StructuredOutputsParams(json=schema), tags, mode, JSON_WHITESPACE)
+    compiler = GrammarCompiler(tokenizer.backend_json(), tokenizer.vocab_size, tokenizer.eos_token_ids)
+    matcher = compiler.compile(params).matcher()
+    ids = tokenizer.encode(reply, add_special_tokens=False)
+    taken = all(matcher.accept(token) for token in ids)
+    assert (taken and matcher.is_complete) == accepted
+    with pytest.raises(ValueError, match="regex constraint cannot be put after the reasoning"):
+        after_reasoning(StructuredOutputsParams(regex="a+"), tags, mode, JSON_WHITESPACE)

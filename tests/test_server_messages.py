@@ -263,3 +263,18 @@ def test_a_tool_call_cut_by_max_tokens_is_left_out(client: anthropic.Anthropic) 
                                      messages=[{"role": "user", "content": "Weather?"}],
                                      tool_choice={"type": "tool", "name": "get_weather"})
     assert message.content == [] and message.stop_reason == "max_tokens" and message.usage.output_tokens == 3
+
+
+def test_count_tokens_is_the_prompt_a_message_would_have(client: anthropic.Anthropic, base_url: str) -> None:
+    system = "Be brief."
+    message = client.messages.create(model=MODEL, max_tokens=1, system=system, messages=USER, extra_body=GREEDY)
+    counted = client.messages.count_tokens(model=MODEL, system=system, messages=USER)
+    assert counted.input_tokens == message.usage.input_tokens
+    with_tools = client.messages.count_tokens(model=MODEL, messages=USER, tools=TOOLS)
+    called = client.messages.create(model=MODEL, max_tokens=1, messages=USER, tools=TOOLS, extra_body=GREEDY)
+    assert with_tools.input_tokens == called.usage.input_tokens > client.messages.count_tokens(
+        model=MODEL, messages=USER).input_tokens
+    refused = httpx.post(f"{base_url}/v1/messages/count_tokens", trust_env=False, timeout=60,
+                         json={"model": MODEL, "messages": USER, "thinking": {"type": "enabled"}})
+    assert refused.status_code == 400 and refused.json()["type"] == "error"
+    assert "unsupported field 'thinking'" in refused.json()["error"]["message"]

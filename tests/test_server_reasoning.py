@@ -2,14 +2,17 @@
 a tiny model whose template opens `<think>` (the reply starts inside the reasoning). A logit_bias
 on `</think>` makes the random model close its reasoning partway, and the split is checked exactly
 against HF transformers' greedy output under the same bias, streamed and not; enable_thinking false
-(chat_template_kwargs) gives the answer alone; an output constraint with reasoning to come is a 400;
+(chat_template_kwargs) gives the answer alone; an output constraint with reasoning to come
+constrains the answer after it (a regex one is a 400);
 `--reasoning-parser none` leaves the reasoning in content."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
+import jsonschema
 import openai
 import pytest
 import torch
@@ -134,20 +137,39 @@ def test_enable_thinking_false_reaches_the_template_and_leaves_the_answer_alone(
     assert reply.usage.completion_tokens_details.reasoning_tokens == 0
 
 
-def test_an_output_constraint_is_refused_while_reasoning_is_to_come(client: openai.OpenAI) -> None:
-    kwargs: dict[str, Any] = {"model": MODEL, "messages": MESSAGES, "max_tokens": 5,
-                              "response_format": {"type": "json_object"}}
+SMALL = {"type": "object", "properties": {"a": {"type": "integer", "maximum": 9}}, "required": ["a"],
+         "additionalProperties": False}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_output_constraint_constrains_the_answer_after_the_reasoning(
+        client: openai.OpenAI, tokenizer: Tokenizer, biased_reply: tuple[list[int], int], stream: bool) -> None:
+    """The reasoning is free (the same as HF's unconstrained reply up to </think>), the answer valid."""
+    tokens, _ = biased_reply
+    kwargs = {**biased(tokenizer), "max_tokens": 100,
+              "response_format": {"type": "json_schema", "json_schema": {"name": "small", "schema": SMALL}}}
+    if stream:
+        reasoning, content = "", ""
+        for chunk in client.chat.completions.create(stream=True, **kwargs):
+            delta = chunk.choices[0].delta if chunk.choices else None
+            reasoning += (getattr(delta, "reasoning_content", None) or "") if delta else ""
+            content += (delta.content or "") if delta else ""
+    else:
+        message = client.chat.completions.create(**kwargs).choices[0].message
+        reasoning, content = message.reasoning_content, message.content
+    assert reasoning == expected_split(tokenizer, tokens)[0]
+    jsonschema.validate(json.loads(content), SMALL)
+
+
+def test_a_regex_constraint_is_refused_while_reasoning_is_to_come(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as refused:
-        client.chat.completions.create(**kwargs)
-    assert refused.value.body["param"] == "response_format"
-    assert "reasoning" in refused.value.body["message"]
-    tool = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
-    with pytest.raises(openai.BadRequestError) as refused:
-        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, tools=[tool],
-                                       tool_choice="required")
-    assert refused.value.body["param"] == "tools"
-    reply = client.chat.completions.create(**kwargs, extra_body=NO_THINKING)  # no reasoning: the answer is constrained
-    assert reply.choices[0].message.content.startswith("{")
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5,
+                                       extra_body={"structured_outputs": {"regex": "[a-z]+"}})
+    assert refused.value.body["param"] == "structured_outputs"
+    assert "after the reasoning" in refused.value.body["message"]
+    reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5,
+                                           extra_body={"structured_outputs": {"regex": "[a-z]+"}, **NO_THINKING})
+    assert reply.choices[0].message.content.isalpha()  # no reasoning: the regex constrains the answer
 
 
 def test_chat_template_kwargs_may_not_set_what_the_server_sets(client: openai.OpenAI) -> None:

@@ -66,7 +66,7 @@ class DraftModelProposer(Proposer):
                 if n > 0:
                     step.scheduled.append(ScheduledRequest(shadow, n))
                     budget -= n
-            sampled, _, _ = self.worker.execute(step)
+            sampled, *_ = self.worker.execute(step)
             for item, tokens in zip(step.scheduled, sampled):
                 item.request.num_computed_tokens += item.num_tokens
                 item.request.token_ids += tokens  # empty for a prompt chunk that is not the last

@@ -24,6 +24,8 @@ from roseinfer.engine.structured_output import CompiledGrammar, GrammarCompiler
 from roseinfer.executor.executor import Executor, make_executor
 from roseinfer.loader.generation_config import sampling_defaults
 from roseinfer.loader.model_loader import load_model_config, resolve_model_folder
+from roseinfer.loader.pooling_config import pooling_defaults
+from roseinfer.pooling_params import PoolingParams
 from roseinfer.models.config import ModelConfig
 from roseinfer.sampling_params import SamplingParams, StructuredOutputsParams
 from roseinfer.tokenizer import Tokenizer
@@ -31,6 +33,8 @@ from roseinfer.worker.sharding import check_tensor_parallel
 from roseinfer.worker.worker import WorkerSpec
 
 logger = logging.getLogger(__name__)
+# an embedding request samples nothing; max_tokens 1 keeps the context check (a position for the output)
+EMBEDDING_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -62,6 +66,7 @@ class LLMEngine:
             self.default_sampling_params()
         except ValueError as exc:
             raise ValueError(f"the generation config's sampling defaults: {exc}") from None
+        self.pooling_defaults = pooling_defaults(self.model_folder)  # what embedding requests use
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         self.executor: Executor | None = None
@@ -120,10 +125,14 @@ class LLMEngine:
 
     # ---- lifecycle -----------------------------------------------------------------------
     def new_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
-                    request_id: str | None = None, grammar: CompiledGrammar | None = None) -> Request:
+                    request_id: str | None = None, grammar: CompiledGrammar | None = None,
+                    pooling_params: PoolingParams | None = None) -> Request:
         """A request validated and ready for the core (add_request, or a server's worker: EngineCore.add);
         safe from any thread. `grammar`: its structured_outputs already compiled (compile_grammar),
-        else compiled here."""
+        else compiled here. With `pooling_params` it is an embedding request: its prompt's pooled
+        hidden state comes back on its final output, and no token is generated."""
+        if pooling_params is not None:
+            sampling_params = EMBEDDING_SAMPLING
         params = sampling_params or self.default_sampling_params()
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate(prompt_ids, params)
@@ -135,7 +144,7 @@ class LLMEngine:
             grammar = self.compile_grammar(params.structured_outputs)
         return Request(request_id, prompt_ids, params, generator=generator,
                        grammar=grammar.matcher() if grammar is not None else None,
-                       long_rope_from=self.model_config.long_rope_from)
+                       long_rope_from=self.model_config.long_rope_from, pooling_params=pooling_params)
 
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
                     request_id: str | None = None, grammar: CompiledGrammar | None = None) -> str:

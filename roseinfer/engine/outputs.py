@@ -34,6 +34,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     # on the output that carries the first token and on the final one
     times: RequestTimes | None = None
     stop_reason: int | None = None  # the stop_token_ids entry that ended it (not an EOS)
+    embedding: list[float] | None = None  # an embedding request's pooled vector, on its final output
 
     @property
     def finished(self) -> bool:

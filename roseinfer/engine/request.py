@@ -10,6 +10,7 @@ import msgspec
 import torch
 
 from roseinfer.engine.penalties import PenaltyCounts
+from roseinfer.pooling_params import PoolingParams
 from roseinfer.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -68,6 +69,9 @@ class Request:
     spec_misses: int = 0
     spec_pause: int = 0
     draft: list[int] = field(default_factory=list)  # proposed after its last step, verified in its next
+    # an embedding request: its prompt's hidden states pooled (engine/pooling.py), no token generated
+    pooling_params: PoolingParams | None = None
+    pooled: torch.Tensor | None = None  # the pooled value so far, over the chunks computed
     admitted_time: float | None = None
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
@@ -115,7 +119,10 @@ class Request:
     @property
     def max_prefix_hit(self) -> int:
         """Tokens the prefix cache may serve: never the last (its logits pick the next token), nor
-        a position whose logits still owe a prompt logprob (cached positions are never computed)."""
+        a position whose logits still owe a prompt logprob or whose hidden state is pooled (cached
+        positions are never computed)."""
+        if self.pooling_params is not None and self.pooling_params.pooling != "last":
+            return 0  # the positions pooled (all of them, or the first) must be computed
         if len(self.prompt_logprobs) < self.num_prompt_tokens and self.sampling_params.prompt_logprobs is not None:
             return len(self.prompt_logprobs) - 1
         return self.num_tokens - 1

@@ -11,9 +11,12 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
 from roseinfer.config import EngineConfig
 from roseinfer.engine.block_manager import BlockManager
 from roseinfer.engine.outputs import EngineCoreOutput, request_times
+from roseinfer.engine.pooling import add_part, embedding
 from roseinfer.engine.request import Request, RequestStatus, TokenLogprobs
 from roseinfer.engine.speculative import NgramProposer, Proposer
 
@@ -27,9 +30,14 @@ class ScheduledRequest:
     draft: list[int] = field(default_factory=list)  # proposed tokens fed after the last known one
 
     @property
-    def samples(self) -> bool:
-        """The chunk reaches the end of the known tokens, so its last logits pick the next token."""
+    def reaches_end(self) -> bool:
+        """The chunk reaches the end of the known tokens."""
         return self.request.num_computed_tokens + self.num_tokens - len(self.draft) == self.request.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Its last logits pick the next token: it reaches the end, and is no embedding request."""
+        return self.reaches_end and self.request.pooling_params is None
 
 
 @dataclass
@@ -118,7 +126,7 @@ class Scheduler:
                 continue
             remaining = req.num_tokens - req.num_computed_tokens
             # the draft proposed after its last step, cut to what the budget and the request leave
-            draft = [] if prefill else req.draft[:budget[0] - 1]
+            draft = [] if prefill or req.pooling_params is not None else req.draft[:budget[0] - 1]
             draft = draft[:req.draft_room(len(draft))]
             if draft and not self.block_manager.can_append(req, 1 + len(draft)):
                 draft = []  # a draft never preempts anyone
@@ -193,18 +201,23 @@ class Scheduler:
         self.running.remove(req)
         req.num_computed_tokens = 0
         req.draft = []
+        req.pooled = None
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
 
     # ---- results ---------------------------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: list[list[int]], logprobs: list[TokenLogprobs | None],
-               prompt_logprobs: list[list[TokenLogprobs]] | None = None) -> list[EngineCoreOutput]:
+               prompt_logprobs: list[list[TokenLogprobs]] | None = None,
+               pooled: list[torch.Tensor | None] | None = None) -> list[EngineCoreOutput]:
         """Apply one step's tokens (none for rows that only computed a prompt chunk; a verified draft
-        may give several) and the prompt logprobs it took."""
+        may give several), the prompt logprobs it took and embedding requests' pooled parts."""
         outputs: list[EngineCoreOutput] = []
         now = time.perf_counter()
         for i, (item, tokens, logprob) in enumerate(zip(out.scheduled, sampled, logprobs)):
             req = item.request
+            if req.pooling_params is not None:
+                self._pool(item, pooled[i] if pooled else None, now, outputs)
+                continue
             if prompt_logprobs:
                 req.prompt_logprobs += prompt_logprobs[i]
             req.step_count += 1
@@ -250,6 +263,25 @@ class Scheduler:
                 req.num_prompt_tokens, req.num_cached_tokens, request_times(req) if first or reason else None,
                 stop_token))
         return outputs
+
+    def _pool(self, item: ScheduledRequest, part: torch.Tensor | None, now: float,
+              outputs: list[EngineCoreOutput]) -> None:
+        """An embedding request's step: its pooled value grows; once its prompt is done, it finishes
+        with its vector (its blocks freed: no KV is kept for it)."""
+        req = item.request
+        done = item.reaches_end  # read before the computed tokens move on
+        req.step_count += 1
+        add_part(req, part)
+        req.num_computed_tokens += item.num_tokens
+        self.block_manager.cache_full_blocks(req)
+        if not done:
+            return
+        req.first_token_time = now
+        self.running.remove(req)
+        self._finish(req, "stop")
+        outputs.append(EngineCoreOutput(req.request_id, [], "stop", num_prompt_tokens=req.num_prompt_tokens,
+                                        num_cached_tokens=req.num_cached_tokens, times=request_times(req),
+                                        embedding=embedding(req)))
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
         params = req.sampling_params

@@ -96,7 +96,7 @@ class CoreLoop:
         once with its reason."""
         add = add_decoder.decode(body)
         try:
-            req = self.engine.new_request(add.prompt_ids, add.params, add.request_id)
+            req = self.engine.new_request(add.prompt_ids, add.params, add.request_id, pooling_params=add.pooling_params)
             req.arrival_time = add.arrival
             self.engine.core.add(req)
         except Exception as exc:  # noqa: BLE001 -- one request's failure, reported on its stream

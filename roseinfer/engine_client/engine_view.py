@@ -13,7 +13,9 @@ from roseinfer.engine.llm_engine import validate_request
 from roseinfer.engine.structured_output import CompiledGrammar, GrammarCompiler
 from roseinfer.loader.generation_config import sampling_defaults
 from roseinfer.loader.model_loader import load_model_config, resolve_model_folder
+from roseinfer.loader.pooling_config import pooling_defaults
 from roseinfer.models.config import ModelConfig
+from roseinfer.pooling_params import PoolingParams
 from roseinfer.sampling_params import SamplingParams, StructuredOutputsParams
 from roseinfer.tokenizer import Tokenizer
 
@@ -27,6 +29,7 @@ class EngineView:
     sampling_defaults: dict[str, Any]
     max_model_len: int
     num_kv_blocks: int
+    pooling_defaults: PoolingParams  # what embedding requests use
     _grammar_compiler: GrammarCompiler | None = field(default=None, init=False, repr=False)
     _grammar_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
@@ -37,7 +40,7 @@ class EngineView:
         folder = resolve_model_folder(config.model, config.quantization)
         return cls(config, folder, load_model_config(folder), Tokenizer(folder),
                    sampling_defaults(folder, config.generation_config, config.override_generation_config),
-                   max_model_len, num_kv_blocks)
+                   max_model_len, num_kv_blocks, pooling_defaults(folder))
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         validate_request(prompt_ids, params, self.model_config.vocab_size, self.max_model_len, self.num_kv_blocks,

@@ -30,6 +30,7 @@ from roseinfer.engine.structured_output import CompiledGrammar
 from roseinfer.engine_client.client import SHUTDOWN_MESSAGE, FinishedHook, ShuttingDownError, admit
 from roseinfer.engine_client.request_stream import RequestStream, deliver
 from roseinfer.engine_client.stream_table import Deltas, StreamTable
+from roseinfer.pooling_params import PoolingParams
 from roseinfer.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -109,17 +110,20 @@ class InProcessClient:
         return None
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-               submit_start: float | None = None, grammar: CompiledGrammar | None = None) -> RequestStream:
+               submit_start: float | None = None, grammar: CompiledGrammar | None = None,
+               pooling_params: PoolingParams | None = None) -> RequestStream:
         """Queue a request; raises ValueError on bad input and OverloadedError past the limit.
         `grammar`: params.structured_outputs compiled by the caller (engine.compile_grammar), so that
-        the worker never stalls a step on it.
+        the worker never stalls a step on it. `pooling_params`: an embedding request (its final
+        delta carries the vector).
 
         Submitting before start() is fine: the worker picks the request up once it runs.
         """
         tokenized = time.perf_counter()
         prompt_ids = list(prompt_ids)
         request_id = request_id if request_id is not None else f"srv-{next(self._ids)}"
-        request = self.engine.new_request(prompt_ids, params, request_id, grammar)
+        request = self.engine.new_request(prompt_ids, params, request_id, grammar, pooling_params)
+        params = request.sampling_params
         timings = {"submit_start": tokenized if submit_start is None else submit_start, "tokenized": tokenized}
         stream = RequestStream(request_id, len(prompt_ids), timings)
         with self._cond:

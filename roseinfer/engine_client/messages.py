@@ -6,6 +6,7 @@ from __future__ import annotations
 import msgspec
 
 from roseinfer.engine.outputs import EngineCoreOutput
+from roseinfer.pooling_params import PoolingParams
 from roseinfer.sampling_params import SamplingParams
 
 ADD = b"a"  # body: AddRequest
@@ -17,6 +18,7 @@ class AddRequest(msgspec.Struct, array_like=True, gc=False):
     prompt_ids: list[int]
     params: SamplingParams  # validated by the client; its grammar compiled again in the engine process
     arrival: float  # time.perf_counter() at submit: CLOCK_MONOTONIC, the same clock in both processes
+    pooling_params: PoolingParams | None = None  # an embedding request
 
 
 class CoreOutputs(msgspec.Struct, array_like=True, gc=False):

@@ -34,6 +34,7 @@ from roseinfer.engine_client.engine_view import EngineView
 from roseinfer.engine_client.messages import ABORT, ADD, AddRequest, encoder, outputs_decoder
 from roseinfer.engine_client.request_stream import RequestStream, deliver
 from roseinfer.engine_client.stream_table import Deltas, StreamTable
+from roseinfer.pooling_params import PoolingParams
 from roseinfer.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -100,9 +101,11 @@ class EngineProcessClient:
         self._thread.start()
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-               submit_start: float | None = None, grammar: CompiledGrammar | None = None) -> RequestStream:
+               submit_start: float | None = None, grammar: CompiledGrammar | None = None,
+               pooling_params: PoolingParams | None = None) -> RequestStream:
         """Queue a request; ValueError on bad input, before anything is sent. `grammar`: the caller's
-        compiled constraint, which proves it compiles; the engine process compiles its own."""
+        compiled constraint, which proves it compiles; the engine process compiles its own.
+        `pooling_params`: an embedding request (its final delta carries the vector)."""
         tokenized = time.perf_counter()
         prompt_ids = list(prompt_ids)
         self.engine.validate(prompt_ids, params)
@@ -118,7 +121,7 @@ class EngineProcessClient:
             admit(self._inflight, request_id, self.max_inflight_requests)
             stream = RequestStream(request_id, len(prompt_ids), timings)
             self._pending.append((stream, prompt_ids, params))
-            self._to_core.send_multipart((ADD, encoder.encode(AddRequest(request_id, prompt_ids, params, tokenized))))
+            self._to_core.send_multipart((ADD, encoder.encode(AddRequest(request_id, prompt_ids, params, tokenized, pooling_params))))
             timings["submit_end"] = time.perf_counter()
         return stream
 

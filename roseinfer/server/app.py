@@ -15,13 +15,11 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 
 import uvicorn
 from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
-from starlette.exceptions import HTTPException
 
 from roseinfer.config import EngineConfig
 from roseinfer.engine.llm_engine import LLMEngine
@@ -33,15 +31,18 @@ from roseinfer.loader.default_model import DEFAULT_MODEL_NAME
 from roseinfer.server.args import ServerOptions, served_name, server_options
 from roseinfer.server.body_limit import BodyLimit
 from roseinfer.server.connections import GuardedH11Protocol
+from roseinfer.server.embeddings import EMBEDDINGS_PATH, EmbeddingsRequest, EmbeddingsServing
+from roseinfer.server.errors import add_error_handlers
 from roseinfer.server.messages import AnthropicServing
-from roseinfer.server.messages_protocol import MESSAGES_PATH, MessagesErrorResponse, MessagesRequest
-from roseinfer.server.messages_protocol import UNSUPPORTED_FIELDS as MESSAGES_UNSUPPORTED_FIELDS
-from roseinfer.server.messages_protocol import error_body as messages_error_body
+from roseinfer.server.messages_protocol import (COUNT_TOKENS_PATH, MESSAGES_PATH, CountTokensRequest,
+                                                MessagesErrorResponse, MessagesRequest)
 from roseinfer.server.metrics import CountResponses, RouterMetrics, ServerMetrics
-from roseinfer.server.openapi import (GENERATION_ERRORS, GENERATION_OK, MESSAGES_OK, TOKENIZER_ERRORS,
-                                      error_responses, install_openapi, request_body)
-from roseinfer.server.protocol import (UNSUPPORTED_FIELDS, APIError, ChatCompletionRequest, CompletionRequest,
-                                       DetokenizeRequest, TokenizeRequest, error_body)
+from roseinfer.server.openapi import (GENERATION_ERRORS, GENERATION_OK, MESSAGES_OK, RESPONSES_OK,
+                                      TOKENIZER_ERRORS, error_responses, install_openapi, request_body)
+from roseinfer.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
+                                       DetokenizeRequest, TokenizeRequest)
+from roseinfer.server.responses_protocol import RESPONSES_PATH, ResponsesRequest
+from roseinfer.server.responses_serving import ResponsesServing
 from roseinfer.server.serving import OpenAIServing
 from roseinfer.server.structured import ConstraintLimits
 from roseinfer.server.tool_calls import shown_tools
@@ -74,6 +75,10 @@ class TokenizeResponse(BaseModel):
     tokens: list[int]
     count: int
     max_model_len: int
+
+
+class MessageTokensCount(BaseModel):
+    input_tokens: int
 
 
 class DetokenizeResponse(BaseModel):
@@ -128,15 +133,17 @@ def _app(manager: EngineClient | ReplicaSet, served_model_name: str, options: Se
                   redoc_url="/redoc" if keyless else None)
     app.state.manager = manager
     app.state.metrics = metrics
-    _add_error_handlers(app, metrics)
+    add_error_handlers(app, metrics)
     app.add_middleware(BodyLimit, max_bytes=options.max_request_body_bytes,
                        on_reject=lambda: metrics.rejected.labels("too_large").inc())
     if options.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=options.allowed_origins, allow_methods=["*"],
                            allow_headers=["*"])
-    app.add_middleware(CountResponses, counter=metrics.responses)  # added last: outermost, sees every response
-    install_openapi(app, [CompletionRequest, ChatCompletionRequest, MessagesRequest, TokenizeRequest,
-                          DetokenizeRequest])
+    # added last: outermost, sees every response
+    app.add_middleware(CountResponses, counter=metrics.responses, endpoint_counter=metrics.endpoint_responses,
+                       endpoints=API_ENDPOINTS)
+    install_openapi(app, [CompletionRequest, ChatCompletionRequest, ResponsesRequest, EmbeddingsRequest,
+                          MessagesRequest, CountTokensRequest, TokenizeRequest, DetokenizeRequest])
     guarded = _api_key_check(options.api_key)
     unauthorized = (401,) if options.api_key else ()
 
@@ -157,6 +164,22 @@ def _app(manager: EngineClient | ReplicaSet, served_model_name: str, options: Se
     async def chat_completions(raw: Request) -> Response:
         return await serving.chat(await serving.parse(ChatCompletionRequest, raw), raw)
 
+    responses = ResponsesServing(serving)
+
+    @app.post(RESPONSES_PATH, dependencies=guarded, responses={**RESPONSES_OK, **error_responses(*GENERATION_ERRORS)},
+              openapi_extra=request_body(ResponsesRequest))
+    async def create_response(raw: Request) -> Response:
+        """OpenAI's Responses API."""
+        return await responses.responses(await serving.parse(ResponsesRequest, raw), raw)
+
+    embeddings = EmbeddingsServing(serving)
+
+    @app.post(EMBEDDINGS_PATH, dependencies=guarded, responses=error_responses(*GENERATION_ERRORS),
+              openapi_extra=request_body(EmbeddingsRequest))
+    async def create_embeddings(raw: Request) -> Response:
+        """OpenAI's embeddings: each input's final hidden state, pooled (last token) and normalized."""
+        return await embeddings.embeddings(await serving.parse(EmbeddingsRequest, raw), raw)
+
     anthropic = AnthropicServing(serving)
 
     @app.post(MESSAGES_PATH, dependencies=guarded,
@@ -165,6 +188,13 @@ def _app(manager: EngineClient | ReplicaSet, served_model_name: str, options: Se
     async def messages(raw: Request) -> Response:
         """Anthropic's Messages API; errors in Anthropic's shape."""
         return await anthropic.messages(await serving.parse(MessagesRequest, raw), raw)
+
+    @app.post(COUNT_TOKENS_PATH, dependencies=guarded,
+              responses=error_responses(400, 401, 404, 413, model=MessagesErrorResponse),
+              openapi_extra=request_body(CountTokensRequest))
+    async def count_tokens(raw: Request) -> MessageTokensCount:
+        """Anthropic's: the prompt's length in tokens, as /v1/messages would template it."""
+        return MessageTokensCount(**await anthropic.count_tokens(await serving.parse(CountTokensRequest, raw)))
 
     @app.get("/v1/models", dependencies=guarded, responses=error_responses(*unauthorized))
     async def models() -> ModelList:
@@ -236,53 +266,9 @@ def _api_key_check(api_key: str | None) -> list[Any]:
     return [Depends(check)]
 
 
-# why a request was refused, for roseinfer_requests_rejected_total
-REJECTION_REASONS = {400: "invalid", 401: "unauthorized", 404: "model_not_found", 413: "too_large",
-                     429: "overloaded", 503: "unavailable"}
-
-
-def _add_error_handlers(app: FastAPI, metrics: ServerMetrics | RouterMetrics) -> None:
-    """Every error leaves in OpenAI's shape (Anthropic's on /v1/messages); validation errors are
-    400s (OpenAI's), not 422s."""
-
-    def reply(request: Request, status: int, body: dict[str, Any], headers: dict[str, str] | None = None,
-              rejected: bool = True) -> JSONResponse:
-        if rejected and status in REJECTION_REASONS:
-            metrics.rejected.labels(REJECTION_REASONS[status]).inc()
-        if request.url.path == MESSAGES_PATH:  # Anthropic's clients read Anthropic's error shape
-            body = messages_error_body(status, body["error"]["message"])
-        return JSONResponse(body, status_code=status, headers=headers)
-
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        return reply(request, exc.status, exc.body(), exc.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors() or [{"loc": (), "msg": "invalid request"}]
-        if errors[0].get("type") == "json_invalid":
-            detail = errors[0].get("ctx", {}).get("error", "")
-            return reply(request, 400, error_body(400, f"malformed JSON body: {detail}"))
-        fields = [[str(p) for p in e.get("loc", ()) if p != "body"] for e in errors]
-        param = fields[0][0] if fields[0] else None
-        if errors[0].get("type") == "extra_forbidden":
-            where = ".".join(fields[0])
-            unsupported = MESSAGES_UNSUPPORTED_FIELDS if request.url.path == MESSAGES_PATH else UNSUPPORTED_FIELDS
-            reason = unsupported.get(where, "roseinfer does not implement it")
-            return reply(request, 400, error_body(400, f"unsupported field {where!r}: {reason}", param))
-        # a union field (prompt) fails once per accepted shape: say so once, naming the field
-        reasons = list(dict.fromkeys(e["msg"] for e, f in zip(errors, fields) if (f[0] if f else None) == param))
-        return reply(request, 400, error_body(400, f"{param or 'body'}: {'; '.join(reasons[:4])}", param))
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:  # unknown route, wrong method
-        return reply(request, exc.status_code, error_body(exc.status_code, str(exc.detail)),
-                     getattr(exc, "headers", None), rejected=False)
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error")
-        return reply(request, 500, error_body(500, f"internal server error ({type(exc).__name__})"), rejected=False)
+# the routes roseinfer_endpoint_responses_total counts apart
+API_ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", RESPONSES_PATH, EMBEDDINGS_PATH, MESSAGES_PATH,
+                           COUNT_TOKENS_PATH, "/v1/models", "/tokenize", "/detokenize", "/tokenizer_info"})
 
 
 class DrainingServer(uvicorn.Server):

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from roseinfer.server.reasoning import REASONING_PARSERS
+from roseinfer.reasoning import REASONING_PARSERS
 from roseinfer.server.router import ROUTER_POLICIES
 from roseinfer.server.tool_parsers import PARSERS
 

@@ -14,9 +14,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from roseinfer.server.messages_protocol import MessagesRequest, chat_request, error_body
+from roseinfer.server.messages_protocol import CountTokensRequest, MessagesRequest, chat_request, error_body
 from roseinfer.server.protocol import APIError, ChatCompletionRequest
-from roseinfer.server.reasoning import ReasoningParser
+from roseinfer.reasoning import ReasoningParser
 from roseinfer.engine_client.request_stream import RequestStream
 from roseinfer.server.request_params import check_request, sampling_params
 from roseinfer.server.responses import EventStream
@@ -76,6 +76,14 @@ class AnthropicServing:
                              "stop_sequence": stop_sequence,
                              "usage": {"input_tokens": run.input_tokens, "output_tokens": choice.num_output_tokens}})
 
+    async def count_tokens(self, body: CountTokensRequest) -> dict[str, int]:
+        """The prompt's length as /v1/messages would template it (tools shown as they would be)."""
+        serving = self.serving
+        serving.check_model(body.model)
+        chat = await serving.run_blocking(_chat_request, body)
+        tools = await serving.run_blocking(plan_tools, chat, serving.tool_parser, False)
+        return {"input_tokens": len(await serving.chat_prompt(chat.messages, tools.shown))}
+
     async def _start(self, body: MessagesRequest) -> MessageRun:
         """The chat path's steps for the translated request, up to its submitted engine request."""
         start = time.perf_counter()
@@ -85,10 +93,11 @@ class AnthropicServing:
         check_request(chat, 1, serving.max_sequences, serving.manager.max_inflight_requests)
         tools = await serving.run_blocking(plan_tools, chat, serving.tool_parser, False)
         ids = await serving.chat_prompt(chat.messages, tools.shown)
-        reasoner = serving.reasoning_parser(ids, tools.constraint)
-        grammar = await serving.compile_constraint(tools.constraint)
+        reasoner = serving.reasoning_parser(ids)
+        constraint = serving.answer_constraint(ids, tools.constraint)
+        grammar = await serving.compile_constraint(constraint)
         params = sampling_params(chat, serving.defaults, body.max_tokens, None, None,
-                                 tools.constraint.params if tools.constraint else None)
+                                 constraint.params if constraint else None)
         [stream] = serving.submit([ids], chat, params, start, grammar)
         return MessageRun(f"msg_{uuid.uuid4().hex}", stream, len(ids),
                           tools.parser() if tools.parser else None, reasoner)
@@ -178,7 +187,7 @@ def _json_object(text: str) -> Any:
         return None
 
 
-def _chat_request(body: MessagesRequest) -> ChatCompletionRequest:
+def _chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
     try:
         return chat_request(body)
     except ValidationError as exc:  # a rule of the chat path's messages (a tool result's id, ...)

@@ -18,6 +18,7 @@ from roseinfer.server.protocol import (MAX_TOOLS, ChatCompletionRequest, Functio
                                        StrictModel, Text, bounded)
 
 MESSAGES_PATH = "/v1/messages"
+COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
 # Anthropic's error types by HTTP status (its API reference, "Errors")
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
@@ -145,19 +146,14 @@ class Metadata(StrictModel):
     user_id: Text | None = None  # recorded nowhere
 
 
-class MessagesRequest(StrictModel):
+class CountTokensRequest(StrictModel):
+    """/v1/messages/count_tokens: the conversation a message would be generated for."""
+
     model: Text
     messages: Annotated[list[Message], Field(min_length=1)]
-    max_tokens: StrictInt = Field(ge=1)
     system: Text | list[TextBlock] | None = None
-    stop_sequences: list[Text] | None = None
-    stream: bool = False
-    temperature: float | None = bounded("temperature")
-    top_p: float | None = bounded("top_p")
-    top_k: StrictInt | None = bounded("top_k")
     tools: Annotated[list[AnthropicTool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = None
-    metadata: Metadata | None = None
     cache_control: CacheControl | None = None
 
     @model_validator(mode="before")
@@ -168,7 +164,17 @@ class MessagesRequest(StrictModel):
         return data
 
 
-def chat_request(body: MessagesRequest) -> ChatCompletionRequest:
+class MessagesRequest(CountTokensRequest):
+    max_tokens: StrictInt = Field(ge=1)
+    stop_sequences: list[Text] | None = None
+    stream: bool = False
+    temperature: float | None = bounded("temperature")
+    top_p: float | None = bounded("top_p")
+    top_k: StrictInt | None = bounded("top_k")
+    metadata: Metadata | None = None
+
+
+def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
     """The chat endpoint's request for the same conversation: tool_use blocks become an assistant's
     tool_calls, tool_result blocks tool messages, and tool_choice any the chat path's "required"."""
     messages: list[dict[str, Any]] = []
@@ -177,9 +183,10 @@ def chat_request(body: MessagesRequest) -> ChatCompletionRequest:
         messages.append({"role": "system", "content": system})
     for message in body.messages:
         messages += _chat_messages(message)
-    fields: dict[str, Any] = {"model": body.model, "messages": messages, "max_tokens": body.max_tokens,
-                              "stream": body.stream, "stop": body.stop_sequences, "temperature": body.temperature,
-                              "top_p": body.top_p, "top_k": body.top_k}
+    fields: dict[str, Any] = {"model": body.model, "messages": messages}
+    if isinstance(body, MessagesRequest):
+        fields.update(max_tokens=body.max_tokens, stream=body.stream, stop=body.stop_sequences,
+                      temperature=body.temperature, top_p=body.top_p, top_k=body.top_k)
     if body.tools:
         fields["tools"] = [{"type": "function", "function": {
             "name": t.name, "parameters": t.input_schema,

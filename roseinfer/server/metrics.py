@@ -26,7 +26,7 @@ REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0
                    50.0, 60.0, 120.0, 240.0, 480.0, 960.0)
 
 
-INGRESS_FAMILIES = ("roseinfer_requests_rejected", "roseinfer_http_responses")
+INGRESS_FAMILIES = ("roseinfer_requests_rejected", "roseinfer_http_responses", "roseinfer_endpoint_responses")
 
 
 class ServerMetrics:
@@ -48,6 +48,7 @@ class ServerMetrics:
                                 registry=r)
         self.rejected = rejected_counter(r)
         self.responses = responses_counter(r)
+        self.endpoint_responses = endpoint_counter(r)
         self.kv_used = Gauge("roseinfer_kv_cache_used_blocks", "KV blocks held by requests", registry=r)
         self.kv_free = Gauge("roseinfer_kv_cache_free_blocks", "KV blocks free or only prefix-cached (evictable)",
                              registry=r)
@@ -122,32 +123,47 @@ def responses_counter(registry: CollectorRegistry) -> Counter:
                    ["status"], registry=registry)
 
 
+def endpoint_counter(registry: CollectorRegistry) -> Counter:
+    """The API endpoints' responses apart, by endpoint (its path) and status class, counted as
+    responses_counter's; other paths (health checks, scrapes, unknown URLs) only there."""
+    return Counter("roseinfer_endpoint_responses", "Responses of each API endpoint, by path and status class",
+                   ["endpoint", "status"], registry=registry)
+
+
 class CountResponses:
     """ASGI middleware counting every HTTP response by its status class as it starts. An exception
     that escapes before any response counts as the 500 that Starlette then sends; a stream that
     fails after its 200 has begun ends with an error event and stays a 2xx."""
 
-    def __init__(self, app: Any, counter: Counter) -> None:
+    def __init__(self, app: Any, counter: Counter, endpoint_counter: Counter, endpoints: frozenset[str]) -> None:
+        """endpoints: the paths endpoint_counter counts apart (a fixed set: no label per unknown URL)."""
         self.app, self.counter = app, counter
+        self.endpoint_counter, self.endpoints = endpoint_counter, endpoints
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         started = False
+        endpoint = scope["path"] if scope["path"] in self.endpoints else None
+
+        def count(status: str) -> None:
+            self.counter.labels(status).inc()
+            if endpoint is not None:
+                self.endpoint_counter.labels(endpoint, status).inc()
 
         async def counted(message: dict[str, Any]) -> None:
             nonlocal started
             if message["type"] == "http.response.start" and not started:
                 started = True
-                self.counter.labels(f"{message['status'] // 100}xx").inc()
+                count(f"{message['status'] // 100}xx")
             await send(message)
 
         try:
             await self.app(scope, receive, counted)
         except Exception:
             if not started:
-                self.counter.labels("5xx").inc()
+                count("5xx")
             raise
 
 
@@ -159,6 +175,7 @@ class RouterMetrics:
         r = self.registry
         self.rejected = rejected_counter(r)
         self.responses = responses_counter(r)
+        self.endpoint_responses = endpoint_counter(r)
         self.routed = Counter("roseinfer_router_requests", "Requests sent to each replica (a retry counts again)",
                               ["replica"], registry=r)
         self.prefix_hits = Counter("roseinfer_router_prefix_affinity_hits", "Requests sent to the replica that got "

@@ -42,6 +42,13 @@ MESSAGES_OK: dict[int | str, dict[str, Any]] = {
                          "stream is true", "content": {"application/json": {}, "text/event-stream": {}}},
 }
 
+# 200 of /v1/responses: the Response object as JSON, or the Responses events with stream: true
+RESPONSES_OK: dict[int | str, dict[str, Any]] = {
+    200: {"description": "the response as JSON, or as server-sent events ending with 'event: response.completed' "
+                         "(or response.incomplete) when stream is true",
+          "content": {"application/json": {}, "text/event-stream": {}}},
+}
+
 REF = "#/components/schemas/{model}"
 
 

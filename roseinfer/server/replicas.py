@@ -30,6 +30,7 @@ from roseinfer.engine.structured_output import CompiledGrammar
 from roseinfer.engine_client.client import SHUTDOWN_MESSAGE, OverloadedError, ShuttingDownError
 from roseinfer.engine_client.engine_view import EngineView
 from roseinfer.sampling_params import SamplingParams
+from roseinfer.pooling_params import PoolingParams
 from roseinfer.output_processor import StreamDelta
 from roseinfer.server.metrics import RouterMetrics
 from roseinfer.server.replica import EngineReplica
@@ -108,8 +109,11 @@ class ReplicaSet:
         return None if self.is_alive else SHUTDOWN_MESSAGE
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str, submit_start: float | None = None,
-               grammar: CompiledGrammar | None = None) -> ReplicaStream:
-        """`grammar` is not sent: the replica compiles the constraint again (EngineView.compile_grammar)."""
+               grammar: CompiledGrammar | None = None, pooling_params: PoolingParams | None = None) -> ReplicaStream:
+        """`grammar` is not sent: the replica compiles the constraint again (EngineView.compile_grammar).
+        Embedding requests (`pooling_params`) are not served by replicas (a ValueError: a 400)."""
+        if pooling_params is not None:
+            raise ValueError("embeddings are not served with --data-parallel-size yet")
         prompt_ids = list(prompt_ids)
         self.engine.validate(prompt_ids, params)
         if not self.is_alive:

@@ -119,6 +119,9 @@ def check_counts(data: dict[str, Any], limits: BodyLimits) -> None:
                    and isinstance(call["function"].get("arguments"), str)):
             raise APIError(400, "messages: a tool call's arguments may hold more than "
                                 f"{MAX_JSON_CONTAINERS} JSON arrays and objects or {MAX_JSON_VALUES} values", "messages")
+    items = data.get("input")  # /v1/responses' items, /v1/embeddings' inputs (not one prompt's token ids)
+    if isinstance(items, list) and items and not isinstance(items[0], int):
+        caps.append(("input", items, MAX_MESSAGES, ""))
     prompt = data.get("prompt")
     if isinstance(prompt, list):
         if prompt and isinstance(prompt[0], int):

@@ -29,6 +29,7 @@ class Choice:
     error: str | None = None
     error_status: int = 500
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None: EOS)
+    embedding: list[float] | None = None  # an embedding request's vector
 
     def add(self, delta: StreamDelta) -> None:
         self.text += delta.text
@@ -39,6 +40,7 @@ class Choice:
         self.num_output_tokens = delta.num_output_tokens
         self.finish_reason, self.error, self.error_status = delta.finish_reason, delta.error, delta.error_status
         self.stop_reason = delta.stop_reason
+        self.embedding = delta.embedding
 
 
 @dataclass
@@ -53,7 +55,7 @@ class Reply:
     include_usage: bool
     continuous_usage: bool = False  # vLLM's continuous_usage_stats: every chunk carries the usage so far
     completion_tokens: dict[int, int] = field(default_factory=dict)  # per choice, totals
-    reasoning_tokens: dict[int, int] | None = None  # per choice, with a reasoning parser (server/reasoning.py)
+    reasoning_tokens: dict[int, int] | None = None  # per choice, with a reasoning parser (reasoning.py)
 
     def record(self, index: int, delta: StreamDelta) -> None:
         self.completion_tokens[index] = delta.num_output_tokens

@@ -22,14 +22,15 @@ from jinja2 import TemplateError
 from pydantic import BaseModel
 
 from roseinfer.chat_template import template_variables
-from roseinfer.engine.structured_output import CompiledGrammar
+from roseinfer.engine.structured_output import JSON_WHITESPACE, CompiledGrammar
+from roseinfer.pooling_params import PoolingParams
 from roseinfer.sampling_params import SamplingParams
 from roseinfer.output_processor import StreamDelta
 from roseinfer.engine_client.client import EngineClient, OverloadedError, ShuttingDownError
 from roseinfer.engine_client.request_stream import RequestStream
 from roseinfer.server.logprobs import LogprobsFormatter
 from roseinfer.server.protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest, error_body
-from roseinfer.server.reasoning import ReasoningParser, pick_reasoning_parser
+from roseinfer.reasoning import ReasoningParser, after_reasoning, pick_reasoning_parser
 from roseinfer.server.request_body import BodyLimits, parse_body
 from roseinfer.server.request_params import (bad_value, check_chat_fields, check_completion_fields, check_request,
                                              sampling_params)
@@ -134,7 +135,8 @@ class OpenAIServing:
         tools = await self.run_blocking(plan_tools, body, self.tool_parser, constraint is not None)
         constraint = constraint or tools.constraint
         ids = await self.chat_prompt(body.messages, tools.shown, body.chat_template_kwargs)
-        reasoners = [self.reasoning_parser(ids, constraint) for _ in range(body.n)]
+        reasoners = [self.reasoning_parser(ids) for _ in range(body.n)]
+        constraint = self.answer_constraint(ids, constraint)
         grammar = await self.compile_constraint(constraint)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_tokens is None:  # OpenAI's chat default: whatever room the context has left
@@ -187,17 +189,22 @@ class OpenAIServing:
         except (ValueError, TemplateError) as exc:
             raise APIError(400, f"could not apply the chat template: {exc}", "messages") from None
 
-    def reasoning_parser(self, prompt_ids: list[int], constraint: Constraint | None) -> ReasoningParser | None:
-        """A reply's reasoning parser; a 400 when an output constraint would have to skip reasoning."""
-        if self.think_tags is None:
-            return None
-        reasoner = self.think_tags.parser(prompt_ids, self.tokenizer)
-        if constraint is not None and reasoner.mode != "content":
-            raise APIError(400, f"{constraint.field} constrains the whole output, and this model's reply starts with "
-                                f"reasoning (--reasoning-parser {self.think_tags.kind}), which constraints cannot "
-                                "skip yet: leave it out, or turn thinking off (chat_template_kwargs "
-                                '{"enable_thinking": false} where the template reads it)', constraint.field)
-        return reasoner
+    def reasoning_parser(self, prompt_ids: list[int]) -> ReasoningParser | None:
+        return self.think_tags.parser(prompt_ids, self.tokenizer) if self.think_tags is not None else None
+
+    def answer_constraint(self, prompt_ids: list[int], constraint: Constraint | None) -> Constraint | None:
+        """The output constraint, put after the reasoning when the reply starts with it (a 400
+        where that cannot be done yet)."""
+        reasoner = self.reasoning_parser(prompt_ids) if constraint is not None else None
+        if reasoner is None or reasoner.mode == "content":
+            return constraint
+        try:
+            params = after_reasoning(constraint.params, reasoner.tags, reasoner.mode, JSON_WHITESPACE)
+        except ValueError as exc:
+            raise APIError(400, f"{constraint.field}: {exc} (this model's reply starts with reasoning, --reasoning-"
+                                f"parser {reasoner.tags.kind}): turn thinking off (chat_template_kwargs "
+                                '{"enable_thinking": false} where the template reads it)', constraint.field) from None
+        return Constraint(params, constraint.field)
 
     async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
         """Run tokenizer work off the event loop."""
@@ -218,8 +225,10 @@ class OpenAIServing:
 
     # ---- request -> engine -------------------------------------------------------------------
     def submit(self, prompts: list[list[int]], body: SamplingRequest, params: SamplingParams,
-                start: float, grammar: CompiledGrammar | None) -> list[RequestStream]:
-        """n engine requests per prompt; with a seed, choice i draws from seed + i."""
+               start: float, grammar: CompiledGrammar | None,
+               pooling_params: PoolingParams | None = None) -> list[RequestStream]:
+        """n engine requests per prompt; with a seed, choice i draws from seed + i; with
+        `pooling_params`, embedding requests."""
         base_id = uuid.uuid4().hex
         streams: list[RequestStream] = []
         try:
@@ -227,7 +236,8 @@ class OpenAIServing:
                 for i in range(body.n):
                     choice_params = params if params.seed is None or i == 0 else \
                         dataclasses.replace(params, seed=params.seed + i)
-                    streams.append(self.manager.submit(ids, choice_params, f"{base_id}-{len(streams)}", start, grammar))
+                    streams.append(self.manager.submit(ids, choice_params, f"{base_id}-{len(streams)}", start, grammar,
+                                                       pooling_params))
         except BaseException as exc:
             for stream in streams:  # all or nothing: no half-submitted choice sets
                 self.manager.abort(stream.request_id)

@@ -22,7 +22,8 @@ if TYPE_CHECKING:
     from roseinfer.engine.sampler import Sampler
 
 PromptLogprobs = list[list[TokenLogprobs]]  # per scheduled request, the prompt logprobs this step took
-StepResult = tuple[list[list[int]], list[TokenLogprobs | None], PromptLogprobs]
+Pooled = list[torch.Tensor | None]  # per scheduled request, an embedding request's pooled part (engine/pooling.py)
+StepResult = tuple[list[list[int]], list[TokenLogprobs | None], PromptLogprobs, Pooled]
 
 
 @dataclass
@@ -83,7 +84,8 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Run one forward over the scheduled tokens; returns the new tokens per scheduled request
         (none for a prompt chunk, one for a decode, 1 to K + 1 for a verified draft), the logprobs of a
-        single token, and the prompt logprobs of the prompt positions this step computed."""
+        single token, the prompt logprobs of the prompt positions this step computed, and embedding
+        requests' pooled parts."""
         return self.run(self.prepare(out))
 
     def prepare(self, out: SchedulerOutput) -> PreparedStep:
@@ -119,7 +121,7 @@ class ModelRunner:
                    for i, item in enumerate(items)]
         for i, state in states.items():
             self.sampler.rewind(items[i].request.generator, state, len(sampled[i]), self.vocab_size)
-        return sampled, logprobs, self._prompt_logprobs(items, hidden, step.prompt_pieces)
+        return sampled, logprobs, self._prompt_logprobs(items, hidden, step.prompt_pieces), self._pooled(step, hidden)
 
     @torch.inference_mode()
     def follow(self, layout: BatchLayout, logit_rows: list[list[int] | slice]) -> None:
@@ -132,6 +134,25 @@ class ModelRunner:
 
     def _rows(self, hidden: torch.Tensor, rows: list[int] | slice) -> torch.Tensor:
         return hidden[rows] if isinstance(rows, slice) else hidden[self.backend.tensor(rows)]
+
+    @staticmethod
+    def _pooled(step: PreparedStep, hidden: torch.Tensor) -> Pooled:
+        """Each embedding request's part of this step, in fp32: its chunk's row sum for mean pooling,
+        its last row once its prompt is done for last-token pooling, its first chunk's first row
+        for cls pooling (engine/pooling.py adds them up)."""
+        parts: Pooled = []
+        for item, start in zip(step.items, step.layout.q_starts):
+            params = item.request.pooling_params
+            pooling = params.pooling if params is not None else None
+            if pooling == "mean":
+                parts.append(hidden[start:start + item.num_tokens].float().sum(dim=0))
+            elif pooling == "last" and item.reaches_end:
+                parts.append(hidden[start + item.num_tokens - 1].float())
+            elif pooling == "cls" and item.request.num_computed_tokens == 0:
+                parts.append(hidden[start].float())
+            else:
+                parts.append(None)
+        return parts
 
     def _prompt_pieces(self, items: list[ScheduledRequest]) -> list[tuple[int, slice, list[int]]]:
         """For requests with prompt_logprobs, the logits at every prompt position this step computes

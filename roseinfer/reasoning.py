@@ -13,13 +13,16 @@ come; otherwise the reply may open with `<think>` (Qwen3), and without it it is 
 
 The tags must be single tokens that the detokenizer keeps (added tokens that are not special, as
 in Qwen3's and DeepSeek-R1's tokenizers): the text is split on them, and reasoning tokens (usage)
-are counted on their ids.
+are counted on their ids. An output constraint is put after the reasoning by a grammar over those
+ids (after_reasoning), so it constrains the answer only.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from roseinfer.sampling_params import StructuredOutputsParams
 from roseinfer.stop_strings import held_length
 
 if TYPE_CHECKING:  # `roseinfer serve --help` builds its flags from this module without loading tokenizers
@@ -58,6 +61,27 @@ class ThinkTags:
         if tail.endswith(THINK_END):
             return ReasoningParser(self, "content", "content")
         return ReasoningParser(self, "start", "reasoning" if self.kind == "deepseek_r1" else "content")
+
+
+def after_reasoning(params: StructuredOutputsParams, tags: ThinkTags, mode: Mode,
+                    json_whitespace: str) -> StructuredOutputsParams:
+    """The constraint on the answer alone, for a reply that starts in `mode` (not "content"): a Lark
+    grammar that lets any tokens but `</think>` through, then `</think>`, then the answer (for qwen3,
+    a reply that does not open with `<think>` is all answer, as the parser reads it). A ValueError for regex
+    and grammar constraints, which cannot be put inside another grammar as they are."""
+    if params.regex is not None or params.grammar is not None:
+        raise ValueError(f"a {params.kind} constraint cannot be put after the reasoning yet")
+    if params.choice is not None:
+        answer = " | ".join(json.dumps(c) for c in params.choice)  # JSON string literals are Lark's
+    else:
+        schema = params.json if params.json is not None else {"type": "object"}
+        # the server's whitespace rule between JSON tokens, unless the schema sets its own
+        options = {"whitespace_pattern": json_whitespace, **schema.get("x-guidance", {})}
+        answer = "%json " + json.dumps({**schema, "x-guidance": options})
+    reasoning = f"<[^{tags.end_id}]>* <[{tags.end_id}]> answer"  # a leading <think> included
+    if mode == "start" and tags.kind == "qwen3":  # its reply thinks only if it opens with <think>
+        reasoning = f"<[{tags.start_id}]> {reasoning} | answer"
+    return StructuredOutputsParams(grammar=f"start: {reasoning}\nanswer: {answer}\n")
 
 
 def pick_reasoning_parser(template: str | None, flag: str, tokenizer: Tokenizer) -> ThinkTags | None:
