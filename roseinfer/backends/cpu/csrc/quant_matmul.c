@@ -125,6 +125,7 @@ static inline __attribute__((always_inline)) void matmul_tasks(int type, const f
 
 void quant_matmul_tasks(const float *x, int64_t x_stride, const uint8_t *weight, int64_t type, const float *bias,
                         float *out, int64_t m, int64_t n, int64_t k) {
+    if (kquant_matmul_tasks(x, x_stride, weight, type, bias, out, m, n, k)) return;
     switch (type) {
     case Q4_0: matmul_tasks(Q4_0, x, x_stride, weight, bias, out, m, n, k); break;
     case Q4_1: matmul_tasks(Q4_1, x, x_stride, weight, bias, out, m, n, k); break;

@@ -57,6 +57,11 @@ static inline int64_t quant_row_bytes(int64_t type, int64_t k) {
 void quant_matmul_tasks(const float *x, int64_t x_stride, const uint8_t *weight, int64_t type, const float *bias,
                         float *out, int64_t m, int64_t n, int64_t k);
 
+/* The same tasks for the types csrc/kquant_avx512.c has a kernel for on this target; returns 0 (nothing
+ * done) for the others, which quant_matmul_tasks then runs itself */
+int kquant_matmul_tasks(const float *x, int64_t x_stride, const uint8_t *weight, int64_t type, const float *bias,
+                        float *out, int64_t m, int64_t n, int64_t k);
+
 static inline float fp16_to_f32(const uint8_t *p) {
 #if defined(__F16C__)
     return _cvtsh_ss((unsigned short)(p[0] | p[1] << 8));
