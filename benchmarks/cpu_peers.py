@@ -24,14 +24,29 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from typing import Any, NamedTuple
 
 # llama-batched-bench's table: |PP|TG|B|N_KV|T_PP s|S_PP t/s|T_TG s|S_TG t/s|T s|S t/s|
 LLAMA_ROW = re.compile(r"^\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*\d+\s*\|" + r"\s*([0-9.]+)\s*\|" * 6)
 
 
-def llama_cpp_e2e(bin_dir: pathlib.Path, gguf: pathlib.Path, batch_sizes: list[int], prompt_len: int,
-                  new_tokens: int, threads: int, cache_type: str = "f16") -> dict[int, float]:
-    """Output tok/s end to end per batch size. cache_type: its KV cache's; llama.cpp's default f16 ran
+class LlamaRow(NamedTuple):
+    """One row of llama-batched-bench's table: B sequences of PP prompt and TG output tokens."""
+    prompt_len: int
+    new_tokens: int
+    batch: int
+    prefill_rate: float  # S_PP t/s
+    decode_rate: float  # S_TG t/s
+    total_s: float  # T s
+
+    @property
+    def e2e(self) -> float:
+        return self.batch * self.new_tokens / self.total_s
+
+
+def llama_cpp_rows(bin_dir: pathlib.Path, gguf: pathlib.Path, batch_sizes: list[int], prompt_len: int,
+                   new_tokens: int, threads: int, cache_type: str = "f16") -> dict[int, LlamaRow]:
+    """llama-batched-bench's rows per batch size. cache_type: its KV cache's; llama.cpp's default f16 ran
     batch 16 and 64 ~2x faster here than f32 (the engine's), so the peer runs at its best."""
     cmd = [str(bin_dir / "llama-batched-bench"), "-m", str(gguf), "-c", str(max(batch_sizes) * (prompt_len + new_tokens)),
            "-b", "2048", "-ub", "512", "-npp", str(prompt_len), "-ntg", str(new_tokens),
@@ -41,19 +56,26 @@ def llama_cpp_e2e(bin_dir: pathlib.Path, gguf: pathlib.Path, batch_sizes: list[i
     for line in out.splitlines():
         m = LLAMA_ROW.match(line)
         if m:
-            batch, total_s = int(m.group(3)), float(m.group(8))
-            rows[batch] = batch * int(m.group(2)) / total_s
+            rows[int(m.group(3))] = LlamaRow(int(m.group(1)), int(m.group(2)), int(m.group(3)), float(m.group(5)),
+                                             float(m.group(7)), float(m.group(8)))
     missing = set(batch_sizes) - rows.keys()
     if missing:
         raise RuntimeError(f"llama-batched-bench printed no row for batch sizes {sorted(missing)}:\n{out}")
     return rows
 
 
-def roseinfer_e2e(model: pathlib.Path, quantization: str, batch_sizes: list[int], prompt_len: int, new_tokens: int,
-                  threads: int) -> dict[int, float]:
-    """Output tok/s end to end per batch size: one full batch of requests, all submitted at once, as
-    llama-batched-bench runs them."""
-    rates = {}
+def llama_cpp_e2e(bin_dir: pathlib.Path, gguf: pathlib.Path, batch_sizes: list[int], prompt_len: int,
+                  new_tokens: int, threads: int, cache_type: str = "f16") -> dict[int, float]:
+    """Output tok/s end to end per batch size (B x TG / T)."""
+    rows = llama_cpp_rows(bin_dir, gguf, batch_sizes, prompt_len, new_tokens, threads, cache_type)
+    return {batch: row.e2e for batch, row in rows.items()}
+
+
+def roseinfer_summaries(model: pathlib.Path, quantization: str, batch_sizes: list[int], prompt_len: int,
+                        new_tokens: int, threads: int) -> dict[int, dict[str, Any]]:
+    """`roseinfer bench offline`'s JSON summary per batch size: one full batch of requests, all
+    submitted at once, as llama-batched-bench runs them."""
+    summaries = {}
     with tempfile.TemporaryDirectory() as tmp:
         report = pathlib.Path(tmp) / "report.json"
         for batch in batch_sizes:
@@ -62,8 +84,15 @@ def roseinfer_e2e(model: pathlib.Path, quantization: str, batch_sizes: list[int]
                             "--num-requests", str(batch), "--prompt-len", str(prompt_len),
                             "--max-new-tokens", str(new_tokens), "--no-stop-on-eos", "--num-threads", str(threads),
                             "--json", str(report)], check=True, stdout=subprocess.DEVNULL)
-            rates[batch] = json.loads(report.read_text())["summary"][0]["throughput_completion_total"]
-    return rates
+            summaries[batch] = json.loads(report.read_text())["summary"][0]
+    return summaries
+
+
+def roseinfer_e2e(model: pathlib.Path, quantization: str, batch_sizes: list[int], prompt_len: int, new_tokens: int,
+                  threads: int) -> dict[int, float]:
+    """Output tok/s end to end per batch size."""
+    summaries = roseinfer_summaries(model, quantization, batch_sizes, prompt_len, new_tokens, threads)
+    return {batch: summary["throughput_completion_total"] for batch, summary in summaries.items()}
 
 
 def f32_copy(bin_dir: pathlib.Path, gguf: pathlib.Path, folder: pathlib.Path) -> pathlib.Path:

@@ -1,13 +1,17 @@
 """Write a randomly initialised checkpoint of a real model's shape, for benchmarks on machines that
 cannot download one (the GPU figures in benchmarks/README.md): config.json and safetensors as
 `save_pretrained` writes them, and a byte-level tokenizer (256 byte tokens and <|endoftext|>, no
-merges), so text prompts work; the model's vocabulary stays its real size. Random weights make
-random text: benchmark them with --ignore-eos / --no-stop-on-eos.
+merges), so text prompts work; the model's vocabulary stays its real size. With --tokenizer-from GGUF
+the tokenizer is instead the one transformers rebuilds from that file (the default model's, a real
+BPE one that llama.cpp's convert_hf_to_gguf.py recognises; it pads a larger vocabulary itself).
+Random weights make random text: benchmark them with --ignore-eos / --no-stop-on-eos.
 
-Usage: python benchmarks/random_model.py SHAPE OUT_DIR [--dtype bfloat16] [--num-layers N]
+Usage: python benchmarks/random_model.py SHAPE OUT_DIR [--dtype bfloat16] [--num-layers N] [--tokenizer-from GGUF]
 SHAPE: gpt2-small (the roseinfer blog's benchmark model), qwen3-0.6b (nano-vllm's), tiny-llama (a step
-so short that the server's own costs show: benchmarks/server_overhead.py) or qwen3-30b-a3b (Qwen3-30B-A3B's
-layer shape: 128 experts, top-8, expert width 768; pick the layers that fit with --num-layers).
+so short that the server's own costs show: benchmarks/server_overhead.py), the CPU shapes people
+run quantized (benchmarks/cpu_gguf_peers.py): smollm2-1.7b, llama-3.2-3b, qwen3-8b, or qwen3-30b-a3b
+(Qwen3-30B-A3B's layer shape: 128 experts, top-8, expert width 768; pick the layers that fit with
+--num-layers).
 
 The mixture-of-experts comparison against llama.cpp (issue 39's table), on a quiet machine:
     python benchmarks/random_model.py qwen3-30b-a3b /tmp/moe --num-layers 8 --dtype float32
@@ -45,6 +49,17 @@ SHAPES: dict[str, dict[str, Any]] = {
     "tiny-llama": {"model_type": "llama", "num_hidden_layers": 3, "hidden_size": 128, "intermediate_size": 384,
                    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048,
                    "vocab_size": 384},
+    "smollm2-1.7b": {"model_type": "llama", "num_hidden_layers": 24, "hidden_size": 2048, "intermediate_size": 8192,
+                     "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 8192,
+                     "rope_theta": 130_000.0, "rms_norm_eps": 1e-5, "vocab_size": 49152, "tie_word_embeddings": True},
+    "llama-3.2-3b": {"model_type": "llama", "num_hidden_layers": 28, "hidden_size": 3072, "intermediate_size": 8192,
+                     "num_attention_heads": 24, "num_key_value_heads": 8, "head_dim": 128,
+                     "max_position_embeddings": 131072, "rope_theta": 500_000.0, "rms_norm_eps": 1e-5,
+                     "vocab_size": 128256, "tie_word_embeddings": True},
+    "qwen3-8b": {"model_type": "qwen3", "num_hidden_layers": 36, "hidden_size": 4096, "intermediate_size": 12288,
+                 "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                 "max_position_embeddings": 40960, "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6,
+                 "vocab_size": 151936, "tie_word_embeddings": False},
 }
 LAYER_KEYS = {"gpt2": "n_layer", "qwen3": "num_hidden_layers", "llama": "num_hidden_layers",
               "qwen3_moe": "num_hidden_layers"}
@@ -64,7 +79,15 @@ def write_tokenizer(out: Path, max_length: int) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
 
-def write_model(shape: str, out: Path, dtype: torch.dtype, num_layers: int | None = None, seed: int = 0) -> None:
+def copy_gguf_tokenizer(gguf: Path, out: Path) -> None:
+    """The tokenizer transformers rebuilds from a GGUF's metadata, saved into out."""
+    from transformers import PreTrainedTokenizerFast
+
+    PreTrainedTokenizerFast.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(out))
+
+
+def write_model(shape: str, out: Path, dtype: torch.dtype, num_layers: int | None = None, seed: int = 0,
+                tokenizer_from: Path | None = None) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     values = dict(SHAPES[shape])
@@ -76,7 +99,10 @@ def write_model(shape: str, out: Path, dtype: torch.dtype, num_layers: int | Non
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out))
-    write_tokenizer(out, config.max_position_embeddings)
+    if tokenizer_from is None:
+        write_tokenizer(out, config.max_position_embeddings)
+    else:
+        copy_gguf_tokenizer(tokenizer_from, out)
 
 
 def main() -> None:
@@ -87,8 +113,9 @@ def main() -> None:
                         help="dtype of the saved weights (default: %(default)s)")
     parser.add_argument("--num-layers", type=int, default=None, help="fewer layers than the shape's (for tests)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokenizer-from", type=Path, default=None, help="a GGUF whose tokenizer to save instead")
     args = parser.parse_args()
-    write_model(args.shape, args.out_dir, getattr(torch, args.dtype), args.num_layers, args.seed)
+    write_model(args.shape, args.out_dir, getattr(torch, args.dtype), args.num_layers, args.seed, args.tokenizer_from)
     print(f"wrote a random {args.shape} to {args.out_dir}")
 
 

@@ -129,12 +129,14 @@ def test_attention_kernels_stay_inside_their_buffers_under_address_sanitizer(tmp
     # a whole decode step in one call: the norm and SiLU matmul calls and decode attention together
     run = build_and_run("decode_layers_asan", pathlib.Path(__file__).with_name("decode_layers_asan.c"),
                         kernels.CSRC / "decode_layers.c", kernels.CSRC / "packed_matmul.c",
-                        kernels.CSRC / "quant_matmul.c", kernels.CSRC / "paged_attention.c")
+                        kernels.CSRC / "quant_matmul.c", kernels.CSRC / "kquant_avx512.c",
+                        kernels.CSRC / "quant_tiled_matmul.c", kernels.CSRC / "paged_attention.c")
     assert run is not None, "the decode-step harness did not build although an empty ASan program did"
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr
     # the GGUF-block matmul and row lookup: every type, partial row groups and tiles
     run = build_and_run("quant_matmul_asan", pathlib.Path(__file__).with_name("quant_matmul_asan.c"),
-                        kernels.CSRC / "quant_matmul.c")
+                        kernels.CSRC / "quant_matmul.c", kernels.CSRC / "kquant_avx512.c",
+                        kernels.CSRC / "quant_tiled_matmul.c")
     assert run is not None, "the quantized-matmul harness did not build although an empty ASan program did"
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr
 

@@ -13,7 +13,9 @@
  * A single row of x (one sequence decoding) times Q8_0/Q4_0/Q4_1 takes the block scale out of the
  * sum instead, d * sum(q x) + m * sum(x) with x's chunk sums taken once: the same real weights and
  * fp32 sums, in another order, and 6 multiplies a chunk in place of 8 (the one-row kernel is bound
- * by its instructions, not by memory). */
+ * by its instructions, not by memory). Q4_K and Q6_K on AVX-512 take csrc/kquant_avx512.c instead,
+ * and from TILED_MIN_ROWS rows both take csrc/quant_tiled_matmul.c on every target (the 32-weight
+ * types stay here: on the default model's 576-wide rows the tiles' lane sums cost more than they saved). */
 #include <stdint.h>
 #include <string.h>
 
@@ -23,6 +25,9 @@
 
 #define GROUP 8
 #define TILE 16
+/* from this many rows of x, a K-quant W dequantized once into fp32 tiles (csrc/quant_tiled_matmul.c)
+ * beats decoding it again for every group of rows */
+#define TILED_MIN_ROWS 32
 #define MAX_SCALED_CHUNKS 2048 /* the one-row path's x chunk sums live on the stack: k <= 65536 */
 
 static inline vec8 load8(const float *p) {
@@ -125,6 +130,8 @@ static inline __attribute__((always_inline)) void matmul_tasks(int type, const f
 
 void quant_matmul_tasks(const float *x, int64_t x_stride, const uint8_t *weight, int64_t type, const float *bias,
                         float *out, int64_t m, int64_t n, int64_t k) {
+    if ((type == Q4_K || type == Q6_K) && m >= TILED_MIN_ROWS && quant_tiled_tasks(x, x_stride, weight, type, bias, out, m, n, k)) return;
+    if (kquant_matmul_tasks(x, x_stride, weight, type, bias, out, m, n, k)) return;
     switch (type) {
     case Q4_0: matmul_tasks(Q4_0, x, x_stride, weight, bias, out, m, n, k); break;
     case Q4_1: matmul_tasks(Q4_1, x, x_stride, weight, bias, out, m, n, k); break;
@@ -152,19 +159,6 @@ int dequantize_rows_f32(const uint8_t *weight, int64_t type, const int64_t *ids,
     if (!quant_shape_ok(type, k)) return 1;
     const int64_t row_bytes = quant_row_bytes(type, k);
 #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t i = 0; i < count; i++) {
-        const uint8_t *row = weight + ids[i] * row_bytes;
-        for (int64_t c = 0; c < k / 32; c++) {
-            vec8 w[4];
-            switch (type) {
-            case Q4_0: dequant_chunk(Q4_0, row, c, w); break;
-            case Q4_1: dequant_chunk(Q4_1, row, c, w); break;
-            case Q8_0: dequant_chunk(Q8_0, row, c, w); break;
-            case Q4_K: dequant_chunk(Q4_K, row, c, w); break;
-            default: dequant_chunk(Q6_K, row, c, w); break;
-            }
-            memcpy(out + i * k + 32 * c, w, sizeof w);
-        }
-    }
+    for (int64_t i = 0; i < count; i++) dequantize_row(type, weight + ids[i] * row_bytes, k, out + i * k);
     return 0;
 }

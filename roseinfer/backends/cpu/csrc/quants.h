@@ -57,6 +57,16 @@ static inline int64_t quant_row_bytes(int64_t type, int64_t k) {
 void quant_matmul_tasks(const float *x, int64_t x_stride, const uint8_t *weight, int64_t type, const float *bias,
                         float *out, int64_t m, int64_t n, int64_t k);
 
+/* The same tasks through fp32 tiles of W dequantized once (csrc/quant_tiled_matmul.c), for many rows of x;
+ * returns 0 (nothing done) where its buffers could not be allocated */
+int quant_tiled_tasks(const float *x, int64_t x_stride, const uint8_t *weight, int64_t type, const float *bias,
+                      float *out, int64_t m, int64_t n, int64_t k);
+
+/* The same tasks for the types csrc/kquant_avx512.c has a kernel for on this target; returns 0 (nothing
+ * done) for the others, which quant_matmul_tasks then runs itself */
+int kquant_matmul_tasks(const float *x, int64_t x_stride, const uint8_t *weight, int64_t type, const float *bias,
+                        float *out, int64_t m, int64_t n, int64_t k);
+
 static inline float fp16_to_f32(const uint8_t *p) {
 #if defined(__F16C__)
     return _cvtsh_ss((unsigned short)(p[0] | p[1] << 8));
@@ -197,6 +207,21 @@ static inline __attribute__((always_inline)) void dequant_chunk(int type, const 
         const uint64_t q = (load64(ql + 8 * i) >> (4 * (t >> 1)) & NIBBLES)
                            | (load64(qh + 8 * i) >> (2 * t) & 0x0303030303030303ull) << 4;
         w[i] = (d * (float)scales[i >> 1]) * (u8_lanes(q) - 32.0f);
+    }
+}
+
+/* out[0..k) = a row of k weights of a type, dequantized (the switch outside the loop) */
+static inline void dequantize_row(int64_t type, const uint8_t *row, int64_t k, float *out) {
+    for (int64_t c = 0; c < k / 32; c++) {
+        vec8 w[4];
+        switch (type) {
+        case Q4_0: dequant_chunk(Q4_0, row, c, w); break;
+        case Q4_1: dequant_chunk(Q4_1, row, c, w); break;
+        case Q8_0: dequant_chunk(Q8_0, row, c, w); break;
+        case Q4_K: dequant_chunk(Q4_K, row, c, w); break;
+        default: dequant_chunk(Q6_K, row, c, w); break;
+        }
+        memcpy(out + 32 * c, w, sizeof w);
     }
 }
 

@@ -1,0 +1,59 @@
+"""The GGUF-block matmul's kernels against gguf-py's dequantize and a torch matmul, in every build this
+CPU can run: native, AVX2 only and portable. K-quants below 32 rows take csrc/kquant_avx512.c on
+AVX-512 (quant_matmul.c's generic kernel elsewhere): one and two rows (four FMA chains), partial and
+full groups of 4, several groups; from 32 rows csrc/quant_tiled_matmul.c: 37 and 70 rows leave partial
+passes of rows of x, and 37 outputs a partial tile and pass. The other types at 1 and 37 rows (the
+generic kernel); 1 or 3 blocks a row."""
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from roseinfer.backends.cpu import kernels, ops
+from test_native_kernels import needs_kernels
+from test_quantized import QTYPES, random_blocks
+
+X86 = platform.machine() in ("x86_64", "AMD64")
+BUILDS = ("native", "avx2", "portable")
+
+
+def _flags(build: str) -> tuple[str, ...]:
+    if build == "avx2":  # what an AVX2-only CPU builds, on this one
+        return kernels.CFLAGS + ("-mno-avx512f",)
+    if build == "portable":
+        return tuple(f for f in kernels.CFLAGS if f != "-march=native") + ("-mno-avx", "-mno-f16c", "-mno-fma")
+    return kernels.CFLAGS
+
+
+@needs_kernels
+@pytest.mark.parametrize("build", BUILDS)
+def test_quant_matmul_equals_dequantize_then_matmul_in_every_build(build: str, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    if build != "native" and not X86:
+        pytest.skip("the -mno-* flags are x86's")
+    if build == "avx2" and " avx2" not in kernels.cpu_flags():
+        pytest.skip("this CPU has no AVX2")
+    monkeypatch.setattr(kernels, "CFLAGS", _flags(build))
+    monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(tmp_path))
+    kernels.native_library.cache_clear()
+    try:
+        for qtype in QTYPES:
+            for blocks_per_row in (1, 3):
+                blocks, dense = random_blocks(qtype, 37, gguf.GGML_QUANT_SIZES[qtype][0] * blocks_per_row,
+                                              seed=blocks_per_row)
+                bias = torch.randn(37)
+                for rows in (1, 2, 3, 8, 13, 17, 37, 70) if qtype in (QT.Q4_K, QT.Q6_K) else (1, 37):
+                    x = torch.randn(rows, dense.shape[1])
+                    got = ops.quant_matmul(x, blocks, int(qtype), bias)
+                    torch.testing.assert_close(got, x @ dense.T + bias, rtol=1e-5,
+                                               atol=1e-4 * dense.abs().max().item())
+                    wide = torch.randn(rows, dense.shape[1] + 16)  # rows of x a stride apart
+                    wide[:, :dense.shape[1]] = x
+                    assert torch.equal(ops.quant_matmul(wide[:, :dense.shape[1]], blocks, int(qtype), bias), got)
+    finally:
+        kernels.native_library.cache_clear()  # later tests load the real build again
