@@ -27,6 +27,7 @@ class DecodeGraphs:
                  max_blocks: int, block_size: int) -> None:
         from roseinfer.backends.triton import DecodeBatch, TritonMetadata
 
+        self.backend = backend
         self.buckets = bucket_sizes(max_num_seqs)
         device, rows = backend.device, self.buckets[-1]
         # the graphs' inputs, which every replay refills: one row per sequence
@@ -62,6 +63,7 @@ class DecodeGraphs:
         width = max(len(t) for t in layout.block_tables)
         tables = torch.tensor([t + [0] * (width - len(t)) for t in layout.block_tables], dtype=torch.long)
         self.head[:, :batch].copy_(head)
+        self.backend.fill_future(self.head[0], layout)
         self.block_tables[:n, :width].copy_(tables)
         graph, hidden = self.graphs[batch]
         graph.replay()
