@@ -21,17 +21,16 @@ from typing import Callable
 
 import torch
 
+from roseinfer.engine.host_buffer import HostBuffer, Tensors, upload
 from roseinfer.engine.penalties import PenaltyCounts
 from roseinfer.engine.request import Request, TokenLogprobs
 from roseinfer.engine.sampling_filters import FilterSettings, candidate_filter, sort_filter
 from roseinfer.engine.structured_output import GrammarMasks
-from roseinfer.platforms import platform_for
 from roseinfer.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")
 TINY = torch.finfo(torch.float32).tiny
 Argmax = Callable[[torch.Tensor], torch.Tensor]
-Tensors = dict[str, torch.Tensor]
 PROCESSED_BY = ("seen", "output", "bias_ids", "banned")  # the id sections _process applies
 
 
@@ -158,7 +157,7 @@ class Sampler:
         column of _process), per-row settings, and the row indices that _sample and logprobs use.
         Sections a step does not need are left out, so an empty result means nothing to process."""
         params = [r.sampling_params for r in requests]
-        ints, floats = _HostBuffer("q"), _HostBuffer("f")
+        ints, floats = HostBuffer("q"), HostBuffer("f")
         counts = [_counts(r) if r.sampling_params.needs_penalties else None for r in requests]
         if any(p.repetition_penalty != 1.0 for p in params):
             ints.add_rows("seen", [c.seen if c is not None and p.repetition_penalty != 1.0 else []
@@ -315,7 +314,7 @@ def _filters(params: SamplingParams, vocab: int) -> bool:
     return _top_k(params, vocab) > 0 or params.top_p < 1.0 or params.min_p > 0.0
 
 
-def _add_filter_settings(ints: _HostBuffer, floats: _HostBuffer, params: list[SamplingParams], vocab: int) -> None:
+def _add_filter_settings(ints: HostBuffer, floats: HostBuffer, params: list[SamplingParams], vocab: int) -> None:
     """The sampled rows' temperatures, the filtered rows' settings and, when only some filter,
     which of the sampled rows do and which do not."""
     floats.add("temperature", [p.temperature for p in params])
@@ -345,7 +344,7 @@ def _logprob_rows(params: list[SamplingParams]) -> list[int]:
 def token_logprobs(logprobs: torch.Tensor, tokens: list[int], num_top: int) -> list[TokenLogprobs]:
     """logprobs: [R, V] log-softmax rows; row i's entry for tokens[i], with its rank and the
     num_top most likely tokens. One copy each way."""
-    chosen = _upload(array.array("q", tokens), torch.long, logprobs.device)
+    chosen = upload(array.array("q", tokens), torch.long, logprobs.device)
     num_tops = [num_top] * len(tokens)
     return _unpack_logprobs(_pack_logprobs(logprobs, chosen, num_tops).tolist(), tokens, num_tops)
 
@@ -375,41 +374,6 @@ def _unpack_logprobs(values: list[float], tokens: list[int], num_tops: list[int]
         entries.append(TokenLogprobs(token, values[i], int(values[rows + i]), [(int(t), v) for t, v in zip(ids, tops)]))
         pos += 2 * num_top
     return entries
-
-
-class _HostBuffer:
-    """Named sections of one dtype gathered in one host array, moved to the device in one copy
-    and handed back as views ("q": int64, "f": float32)."""
-
-    def __init__(self, typecode: str) -> None:
-        self.values = array.array(typecode)
-        self.shapes: dict[str, tuple[int, ...]] = {}
-
-    def add(self, name: str, values: list) -> None:
-        self.shapes[name] = (len(values),)
-        self.values.extend(values)
-
-    def add_rows(self, name: str, rows: list[list], pad: int | float) -> None:
-        """Rows padded with pad to the longest one."""
-        width = max(map(len, rows))
-        self.shapes[name] = (len(rows), width)
-        for row in rows:
-            self.values.extend(row)
-            self.values.extend([pad] * (width - len(row)))
-
-    def upload(self, dtype: torch.dtype, device: torch.device) -> Tensors:
-        if not self.shapes:
-            return {}
-        flat, start, views = _upload(self.values, dtype, device), 0, {}
-        for name, shape in self.shapes.items():
-            views[name] = flat[start:start + math.prod(shape)].view(shape)
-            start += math.prod(shape)
-        return views
-
-
-def _upload(values: array.array, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """One host-to-device copy (none on CPU), not blocking where the platform allows."""
-    return platform_for(device).upload(torch.frombuffer(values, dtype=dtype) if values else torch.empty(0, dtype=dtype))
 
 
 def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:

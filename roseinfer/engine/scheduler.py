@@ -120,7 +120,7 @@ class Scheduler:
                 self._recompute(req)
                 i -= 1
                 continue
-            if req.has_placeholder and self._reaches_length(req):
+            if req.token_ids[-1] == PLACEHOLDER and self._reaches_length(req):
                 continue  # its pending token ends it (length): a step more would be thrown away
             prefill = req.in_prefill
             if (phase == "decode" and prefill) or (phase == "prefill" and not prefill):
