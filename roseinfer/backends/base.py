@@ -119,6 +119,7 @@ class Backend(ABC):
         return steps
 
     def tensor(self, values: list) -> torch.Tensor:
-        """A step's index list as a tensor on the device (int64)."""
-        return torch.tensor(values, dtype=torch.long, device=self.device)
+        """A step's index list as a tensor on the device (int64); from pinned memory on CUDA, so the host
+        does not wait for the queued steps (async scheduling prepares the next one meanwhile)."""
+        return self.platform.upload(torch.tensor(values, dtype=torch.long))
 

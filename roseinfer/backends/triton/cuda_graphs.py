@@ -62,9 +62,10 @@ class DecodeGraphs:
                              layout.slot_mapping + [-1] * pad, layout.kv_lens + [0] * pad], dtype=torch.long)
         width = max(len(t) for t in layout.block_tables)
         tables = torch.tensor([t + [0] * (width - len(t)) for t in layout.block_tables], dtype=torch.long)
-        self.head[:, :batch].copy_(head)
+        # from pinned memory: a pageable copy would wait for every queued step (async scheduling's overlap)
+        self.head[:, :batch].copy_(head.pin_memory(), non_blocking=True)
         self.backend.fill_future(self.head[0], layout)
-        self.block_tables[:n, :width].copy_(tables)
+        self.block_tables[:n, :width].copy_(tables.pin_memory(), non_blocking=True)
         graph, hidden = self.graphs[batch]
         graph.replay()
         return hidden[:n]
