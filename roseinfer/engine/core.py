@@ -18,6 +18,8 @@ from roseinfer.worker.model_runner import LaunchedStep
 
 @dataclass
 class InFlight:
+    """A launched step not read yet: what the scheduler gave it and what the executor queued."""
+
     out: SchedulerOutput
     launched: LaunchedStep
 
