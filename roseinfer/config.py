@@ -9,7 +9,7 @@ ADMISSION_POLICIES = ("fifo", "pack")
 BACKEND_NAMES = ("auto", "torch", "cpu", "triton")  # backends/__init__.py
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 QUANTIZATION_METHODS = ("auto", "gguf", "none")  # loader/quantized.py
-ENGINE_PROCESS_MODES = ("auto", "on", "off")  # engine_client/select.py
+SWITCHES = ("auto", "on", "off")  # engine_process (engine_client/select.py), async_scheduling
 
 
 @dataclass
@@ -83,6 +83,9 @@ class EngineConfig:
     pack_lookahead: int = 64  # waiting requests considered by the pack policy
     pack_fifo_every: int = 8  # starvation guard: every Nth admitting step is FIFO
     decode_first: bool = False
+    # schedule the next step while the current one's forward runs (engine/core.py); auto: where the
+    # device runs ahead of the host (CUDA), not on a CPU, whose forward returns when it is done
+    async_scheduling: str = "auto"
     max_active_requests: int | None = None  # admitted (running) requests at once
     # a dict or JSON object of SpeculativeConfig's fields; None = no speculation
     speculative_config: dict[str, Any] | None = None
@@ -113,9 +116,11 @@ class EngineConfig:
         if self.quantization == "gguf" and self.tensor_parallel_size > 1:
             raise ValueError("quantization gguf keeps GGUF blocks whole, and tensor parallelism splits weights "
                              "through them: use quantization auto (or none), which dequantizes at load")
-        if self.engine_process not in ENGINE_PROCESS_MODES:
-            raise ValueError(f"engine_process must be one of {', '.join(ENGINE_PROCESS_MODES)}, "
+        if self.engine_process not in SWITCHES:
+            raise ValueError(f"engine_process must be one of {', '.join(SWITCHES)}, "
                              f"got {self.engine_process!r}")
+        if self.async_scheduling not in SWITCHES:
+            raise ValueError(f"async_scheduling must be one of {', '.join(SWITCHES)}, got {self.async_scheduling!r}")
         if self.dtype not in ("float32", "float16", "bfloat16", "auto"):
             raise ValueError(f"dtype must be float32, float16, bfloat16 or auto, got {self.dtype!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -144,11 +149,3 @@ def prefill_step_tokens(max_num_batched_tokens: int, prefill_max_tokens: int | N
     cap where that is lower."""
     return min(max_num_batched_tokens, prefill_max_tokens or max_num_batched_tokens)
 
-
-def resolve_device(name: str) -> str:
-    """`auto` as the device it means here: CUDA when torch sees one, else the CPU."""
-    if name != "auto":
-        return name
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -5,7 +5,7 @@ import argparse
 import json
 from dataclasses import fields
 
-from roseinfer.config import ADMISSION_POLICIES, BACKEND_NAMES, ENGINE_PROCESS_MODES, QUANTIZATION_METHODS, EngineConfig
+from roseinfer.config import ADMISSION_POLICIES, BACKEND_NAMES, QUANTIZATION_METHODS, SWITCHES, EngineConfig
 
 HELP = {
     "model": "HF folder, .gguf file or hub id (default: the embedded SmolLM2-135M-Instruct)",
@@ -47,6 +47,10 @@ HELP = {
     "pack_lookahead": "waiting requests the pack policy looks at",
     "pack_fifo_every": "pack's starvation guard: every Nth admitting step is FIFO",
     "decode_first": "alternate decode-only and prefill-only steps instead of mixing them",
+    "async_scheduling": "overlap scheduling: schedule and prepare the next step while the current one's forward "
+                        "and sampling run, its sampled ids fed to the next on the device; off for steps with "
+                        "structured output, penalties, top-k/top-p/min-p sampling or prompt logprobs, and with "
+                        "speculative decoding or tensor parallelism; auto (default): on for CUDA, off on a CPU",
     "max_active_requests": "most admitted (running) requests at once (default: no limit)",
     "speculative_config": "JSON of speculative decoding settings (vLLM's names), e.g. '{\"method\": \"ngram\", "
                           "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 1, \"prompt_lookup_max\": 4, "
@@ -75,7 +79,7 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = (),
         kind = {"int": int, "int | None": int, "float": float, "float | None": float,
                 "dict[str, Any] | None": _json_object}.get(str(f.type), str)
         choices = {"prefill_admission_policy": ADMISSION_POLICIES, "attention_backend": BACKEND_NAMES,
-                   "quantization": QUANTIZATION_METHODS, "engine_process": ENGINE_PROCESS_MODES}.get(f.name)
+                   "quantization": QUANTIZATION_METHODS, "engine_process": SWITCHES, "async_scheduling": SWITCHES}.get(f.name)
         # a help text that explains its own default (None rarely says what happens) keeps it
         shown = "" if "(default" in HELP[f.name] else f" (default: {default})"
         group.add_argument(*flags, dest=f.name, type=kind, default=default, choices=choices,

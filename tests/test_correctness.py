@@ -65,11 +65,11 @@ def test_greedy_matches_hf(tiny_model_dir, references, mode):
 
 
 def test_mlp_in_row_chunks_matches_hf(tiny_model_dir, references, monkeypatch):
-    """On CPU a step's MLP runs MLP_CHUNK_ROWS rows at a time (backends/base.py); at 8 rows every
+    """On CPU a step's MLP runs MLP_CHUNK_ROWS rows at a time (platforms/cpu.py); at 8 rows every
     prefill here is split, the last piece short."""
-    from roseinfer.backends import base
+    from roseinfer.platforms import cpu
 
-    monkeypatch.setattr(base, "MLP_CHUNK_ROWS", 8)
+    monkeypatch.setattr(cpu, "MLP_CHUNK_ROWS", 8)
     prompts, refs = references
     assert any(len(p) % 8 for p in prompts) and max(len(p) for p in prompts) > 16
     outs = LLM(model=str(tiny_model_dir), num_kv_blocks=128).generate(prompts, GREEDY)
@@ -77,9 +77,9 @@ def test_mlp_in_row_chunks_matches_hf(tiny_model_dir, references, monkeypatch):
 
 
 def test_logits_in_row_chunks_match_hf(tiny_model_dir, references, monkeypatch):
-    """On CPU the LM head and the sampler run LOGITS_CHUNK_ROWS rows at a time (backends/base.py);
+    """On CPU the LM head and the sampler run LOGITS_CHUNK_ROWS rows at a time (platforms/base.py);
     at 3 rows a step in which all 8 requests here sample splits into pieces of 3 / 3 / 2."""
-    from roseinfer.backends import base
+    from roseinfer.platforms import base
 
     monkeypatch.setattr(base, "LOGITS_CHUNK_ROWS", 3)
     prompts, refs = references

@@ -12,6 +12,7 @@ import torch
 from roseinfer.backends.base import Backend
 from roseinfer.config import BACKEND_NAMES
 from roseinfer.models.config import ModelConfig
+from roseinfer.platforms import platform_for
 
 logger = logging.getLogger(__name__)
 
@@ -38,10 +39,9 @@ def select_backend(name: str, device: torch.device, dtype: torch.dtype, model_co
     model_config is what one rank computes (worker/sharding.py shard_config) and world_size the
     number of tensor-parallel ranks, each with a backend of its own."""
     if name == "auto":
-        candidates = ("triton", "torch") if device.type == "cuda" else ("cpu", "torch")
-        name = next(c for c in candidates if backend_class(c).supports(device, dtype))
+        name = next(c for c in platform_for(device).backends if backend_class(c).supports(device, dtype))
         logger.info("attention backend: %s", name)
     cls = backend_class(name)
     if not cls.supports(device, dtype):
-        raise ValueError(f"the {name} backend cannot run {dtype} on {device.type} here")
+        raise ValueError(f"the {name} backend cannot run {dtype} on {platform_for(device).name} here")
     return cls(device, dtype, model_config, world_size)

@@ -15,7 +15,8 @@ import argparse
 import contextlib
 from collections.abc import Iterator
 
-from roseinfer.config import EngineConfig, resolve_device
+from roseinfer.config import EngineConfig
+from roseinfer.platforms import platform_for, resolve_device
 from roseinfer.engine_args import add_engine_args, engine_config_from_args
 from roseinfer.sampling_params import SamplingParams
 
@@ -79,13 +80,10 @@ def sampling_params_from_flags(args: argparse.Namespace) -> SamplingParams:
 @contextlib.contextmanager
 def nvtx_range(args: argparse.Namespace, name: str) -> Iterator[None]:
     """An NVTX range around one run when --nvtx is given on CUDA (for nsys); else nothing."""
-    if not (args.nvtx and args.device.startswith("cuda")):
+    if not args.nvtx:
         yield
         return
     import torch
 
-    torch.cuda.nvtx.range_push(name)
-    try:
+    with platform_for(torch.device(args.device)).trace_range(name):
         yield
-    finally:
-        torch.cuda.nvtx.range_pop()

@@ -21,16 +21,16 @@ from torch import nn
 
 from roseinfer.backends.base import Backend
 from roseinfer.layers.linear import Linear, linear_layers
+from roseinfer.platforms import platform_for
 
 
-def _timed(run: Callable[[], None], cuda: bool) -> float:
-    """Seconds `run` took, with the GPU's queued work included."""
-    if cuda:
-        torch.cuda.synchronize()  # earlier queued kernels stay out of the timing
+def _timed(run: Callable[[], None], device: torch.device) -> float:
+    """Seconds `run` took, with the device's queued work included."""
+    platform = platform_for(device)
+    platform.synchronize()  # earlier queued kernels stay out of the timing
     start = time.perf_counter()
     run()
-    if cuda:
-        torch.cuda.synchronize()
+    platform.synchronize()
     return time.perf_counter() - start
 
 
@@ -56,7 +56,7 @@ def matmul_floor(model: nn.Module, backend: Backend, batch_size: int, steps: int
     reference = _activation_like(model)
     decode_steps = backend.matmul_loop(layers, _inputs(layers, batch_size, reference))
     decode_steps(warmup)
-    return batch_size * steps / _timed(lambda: decode_steps(steps), reference.device.type == "cuda")
+    return batch_size * steps / _timed(lambda: decode_steps(steps), reference.device)
 
 
 @torch.inference_mode()
@@ -83,7 +83,7 @@ def prefill_matmul_floor(model: nn.Module, num_prompts: int, prompt_len: int, st
             head(head_input)
 
     prefill(steps[:1], False)
-    return total / _timed(lambda: prefill(steps, True), reference.device.type == "cuda")
+    return total / _timed(lambda: prefill(steps, True), reference.device)
 
 
 def copy_bandwidth(device: torch.device, nbytes: int, repeats: int = 10) -> float:
@@ -94,7 +94,7 @@ def copy_bandwidth(device: torch.device, nbytes: int, repeats: int = 10) -> floa
     src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)  # first touch: pages and caches are set up outside the timing
-    seconds = _timed(lambda: [dst.copy_(src) for _ in range(repeats)], device.type == "cuda")
+    seconds = _timed(lambda: [dst.copy_(src) for _ in range(repeats)], device)
     return 2 * src.numel() * 4 * repeats / seconds
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from roseinfer.engine.llm_engine import DTYPES
+from roseinfer.platforms import platform_for
 from roseinfer.sampling_params import SamplingParams
 
 from .metrics import RequestTiming
@@ -29,8 +30,7 @@ def _step_clock():
             self.times: list[float] = []
 
         def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor | None, **kwargs) -> torch.Tensor:
-            if input_ids.is_cuda:
-                torch.cuda.synchronize(input_ids.device)  # stamp when the token exists, not when queued
+            platform_for(input_ids.device).synchronize()  # stamp when the token exists, not when queued
             self.times.append(time.perf_counter())
             return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
@@ -46,8 +46,8 @@ class HFRunner:
 
         self.device = torch.device(device)
         # "auto" resolves as the engine resolves it, so both backends compute in one dtype.
-        resolved = dtype if dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
-        self.model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=DTYPES[resolved]).to(self.device).eval()
+        resolved = DTYPES[dtype] if dtype != "auto" else platform_for(self.device).default_dtype
+        self.model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=resolved).to(self.device).eval()
         self.eos_token_ids = sorted(eos_token_ids)
         pad = self.model.generation_config.pad_token_id
         self.pad_id = pad if isinstance(pad, int) else (self.eos_token_ids[0] if self.eos_token_ids else 0)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from roseinfer.backends.cpu.memory import return_freed_memory
+from roseinfer.platforms.cpu_memory import return_freed_memory
 from roseinfer.layers.linear import linear_layers
 
 if TYPE_CHECKING:

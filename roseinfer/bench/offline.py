@@ -56,7 +56,7 @@ from typing import Any, Protocol
 
 import torch
 
-from roseinfer.config import resolve_device
+from roseinfer.platforms import platform_for, resolve_device
 from roseinfer.sampling_params import SamplingParams
 
 from .datasets import random_requests
@@ -344,8 +344,7 @@ def run_offline_bench(args: argparse.Namespace) -> dict[str, Any]:
             # Drop this engine's KV pool (and tokenizer) before the next one sizes its own from free memory.
             del runner, tokenizer
             gc.collect()
-            if args.device.startswith("cuda"):
-                torch.cuda.empty_cache()
+            platform_for(torch.device(args.device)).empty_cache()
     rows = summary_rows(results)
     if args.detailed or "hf" in backends or args.batch_sizes is not None:
         print(format_table(rows, args.model or DEFAULT_MODEL_NAME, args.device), flush=True)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from roseinfer.config import resolve_device
+from roseinfer.platforms import platform_for, resolve_device
 from roseinfer.engine_args import add_engine_args, engine_config_from_args
 from roseinfer.sampling_params import SamplingParams
 
@@ -68,8 +68,7 @@ def make_workload(num_prompts: int, input_range: tuple[int, int], output_range: 
 
 
 def _synchronize(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+    platform_for(torch.device(device)).synchronize()
 
 
 def run_roseinfer(args: argparse.Namespace, workload: Workload, warmup: Workload) -> ThroughputResult:
@@ -141,8 +140,7 @@ def _hf_generate(manager: Any, workload: Workload) -> int:
 def _release(device: str) -> None:
     """Free a finished backend's memory before the next one sizes its KV cache from what is free."""
     gc.collect()
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
+    platform_for(torch.device(device)).empty_cache()
 
 
 def _length_range(text: str) -> tuple[int, int]:

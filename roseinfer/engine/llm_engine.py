@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from roseinfer.config import EngineConfig, resolve_device
+from roseinfer.config import EngineConfig
 from roseinfer.engine.block_manager import BlockManager, blocks_for
 from roseinfer.engine.core import EngineCore
 from roseinfer.engine.draft_model import DraftModelProposer
@@ -27,6 +27,7 @@ from roseinfer.loader.model_loader import load_model_config, resolve_model_folde
 from roseinfer.loader.pooling_config import pooling_defaults
 from roseinfer.pooling_params import PoolingParams
 from roseinfer.models.config import ModelConfig
+from roseinfer.platforms import platform_for, resolve_device
 from roseinfer.sampling_params import SamplingParams, StructuredOutputsParams
 from roseinfer.tokenizer import Tokenizer
 from roseinfer.worker.sharding import check_tensor_parallel
@@ -48,13 +49,9 @@ class LLMEngine:
         if threads:
             torch.set_num_threads(max(1, threads // size))
         self.device = torch.device(resolve_device(config.device))
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device 'cuda' was asked for but torch sees no CUDA device")
-        if self.device.type == "cuda" and size > torch.cuda.device_count():
-            raise ValueError(f"tensor_parallel_size {size} needs a GPU per rank; "
-                             f"torch sees {torch.cuda.device_count()}")
-        self.dtype = DTYPES["bfloat16" if config.dtype == "auto" and self.device.type == "cuda" else
-                            "float32" if config.dtype == "auto" else config.dtype]
+        self.platform = platform_for(self.device)
+        self.platform.check(size)
+        self.dtype = self.platform.default_dtype if config.dtype == "auto" else DTYPES[config.dtype]
         self.model_folder = resolve_model_folder(config.model, config.quantization)
         self.model_config = load_model_config(self.model_folder)
         check_tensor_parallel(self.model_config, size)
@@ -75,7 +72,7 @@ class LLMEngine:
         except BaseException:
             self.shutdown()
             raise
-        self.core = EngineCore(self.scheduler, self.executor)
+        self.core = EngineCore(self.scheduler, self.executor, self._async_scheduling(config))
         # built on the first constrained request: wrapping the tokenizer takes a moment for a large vocabulary
         self._grammar_compiler: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()
@@ -112,6 +109,15 @@ class LLMEngine:
                                           config.enable_prefix_caching and not hybrid, self.model_config.kv_window,
                                           state_pool=StatePool(num_slots) if hybrid else None)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, eos, proposer)
+
+    def _async_scheduling(self, config: EngineConfig) -> bool:
+        """auto: where the device runs ahead of the host; never with drafts, proposed from each step's
+        tokens on the host, nor where the executor cannot launch ahead (tensor parallelism)."""
+        if config.speculative is not None or not self.executor.launches_ahead:
+            if config.async_scheduling == "on":
+                logger.info("async scheduling: off (speculative decoding or tensor parallelism)")
+            return False
+        return config.async_scheduling == "on" or (config.async_scheduling == "auto" and self.platform.runs_ahead)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel ranks' processes (also done when the engine is garbage-collected

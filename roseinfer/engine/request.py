@@ -17,6 +17,10 @@ if TYPE_CHECKING:
     from roseinfer.engine.structured_output import GrammarMatcher
 
 
+# overlap scheduling: a token a launched step samples, its id not on the host yet (engine/core.py)
+PLACEHOLDER = -1
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -90,6 +94,14 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def has_placeholder(self) -> bool:
+        return bool(self.token_ids) and self.token_ids[-1] == PLACEHOLDER
+
+    def drop_placeholders(self) -> None:
+        while self.has_placeholder:
+            self.token_ids.pop()
 
     @property
     def rotates_long(self) -> bool:

@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from roseinfer.engine.host_buffer import HostBuffer, Tensors, upload
 from roseinfer.engine.penalties import PenaltyCounts
 from roseinfer.engine.request import Request, TokenLogprobs
 from roseinfer.engine.sampling_filters import FilterSettings, candidate_filter, sort_filter
@@ -30,7 +31,6 @@ from roseinfer.sampling_params import SamplingParams
 NEG_INF = float("-inf")
 TINY = torch.finfo(torch.float32).tiny
 Argmax = Callable[[torch.Tensor], torch.Tensor]
-Tensors = dict[str, torch.Tensor]
 PROCESSED_BY = ("seen", "output", "bias_ids", "banned")  # the id sections _process applies
 
 
@@ -47,6 +47,28 @@ class _Retry:
     drawn: dict[int, torch.Tensor]  # a seeded filtered row's draws this step, over the vocabulary
 
 
+@dataclass
+class SampledRows:
+    """One launch's picks: `tokens` [N] on the device, and what read() copies to the host at once
+    (`head`), or its result where launch had to read already."""
+
+    tokens: torch.Tensor
+    head: torch.Tensor
+    params: list[SamplingParams]
+    result: tuple[list[int], list[TokenLogprobs | None]] | None = None
+
+
+def samples_on_device(req: Request) -> bool:
+    """Whether a request's next token can be picked before its last one reaches the host (overlap
+    scheduling): not with a grammar (its mask follows the accepted tokens), penalties (they count the
+    token ids), filters (undecided candidates are read back and sampled again) or prompt logprobs
+    (read from the step's hidden states after the next step has run) or an embedding (likewise)."""
+    p = req.sampling_params
+    filters = not p.greedy and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0)
+    return (req.grammar is None and not p.needs_penalties and not filters and p.prompt_logprobs is None
+            and req.pooling_params is None)
+
+
 class Sampler:
     def __init__(self, eos_token_ids: set[int], device: torch.device, seed: int, argmax: Argmax | None = None) -> None:
         self.eos_token_ids = sorted(eos_token_ids)
@@ -58,6 +80,11 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[TokenLogprobs | None]]:
         """logits: [N, V] float32, one row per request; returns token ids and optional logprobs."""
+        return self.read(self.launch(logits, requests))
+
+    def launch(self, logits: torch.Tensor, requests: list[Request]) -> SampledRows:
+        """The picks, left on the device where nothing needs the host (read() takes them); rows whose
+        filters' candidates did not decide are read and sampled again here."""
         params = [r.sampling_params for r in requests]
         constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
         if constrained:
@@ -65,38 +92,51 @@ class Sampler:
             self.grammar_masks = self.grammar_masks or GrammarMasks()
             logits = self.grammar_masks.apply(logits, constrained, [requests[i].grammar for i in constrained])
         ints, floats = self._inputs(requests, logits.shape[1], logits.device)
-        retry = None
         if all(p.greedy for p in params) and not any(name in ints for name in PROCESSED_BY):
             tokens = self.argmax(logits)
-        else:
-            tokens, retry = self._sample(self._process(logits, ints, floats), requests, ints, floats)
-        token_list, logprobs, undecided = self._read(logits, tokens, params, ints, retry)
+            return SampledRows(tokens, self._head(logits, tokens, params, ints, None), params)
+        tokens, retry = self._sample(self._process(logits, ints, floats), requests, ints, floats)
+        head = self._head(logits, tokens, params, ints, retry)
+        if retry is None:
+            return SampledRows(tokens, head, params)
+        token_list, logprobs, undecided = self._unpack(head.tolist(), params, retry)
         if undecided:
             tokens = self._resample(tokens, retry, undecided)
-            token_list, logprobs, _ = self._read(logits, tokens, params, ints, None)
+            token_list, logprobs, _ = self._unpack(self._head(logits, tokens, params, ints, None).tolist(), params, None)
+        return SampledRows(tokens, head, params, (token_list, logprobs))
+
+    def read(self, rows: SampledRows) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """Token ids and logprobs from one device-to-host copy."""
+        if rows.result is not None:
+            return rows.result
+        token_list, logprobs, _ = self._unpack(rows.head.tolist(), rows.params, None)
         return token_list, logprobs
 
-    def _read(self, logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams], ints: Tensors,
-              retry: _Retry | None) -> tuple[list[int], list[TokenLogprobs | None], list[int]]:
-        """Tokens, logprobs, and the filtered rows (as _Retry numbers them) whose candidates did not
-        decide, from one device-to-host copy."""
-        n = len(params)
+    def _head(self, logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams], ints: Tensors,
+              retry: _Retry | None) -> torch.Tensor:
+        """Tokens, which filtered rows decided (with a retry), then the packed logprobs, in one tensor."""
         head = tokens if retry is None else torch.cat([tokens, retry.exact.to(tokens.dtype)])
         order = _logprob_rows(params)
         if order:
             rows = ints.get("logprob_rows")
             raw = logits if rows is None else logits[rows]
             chosen = tokens if rows is None else tokens[rows]
-            num_tops = [params[i].logprobs for i in order]
-            packed = _pack_logprobs(torch.log_softmax(raw, dim=-1), chosen, num_tops)
+            packed = _pack_logprobs(torch.log_softmax(raw, dim=-1), chosen, [params[i].logprobs for i in order])
             head = torch.cat([head.to(packed.dtype), packed])
-        values = head.tolist()  # the step's one device-to-host copy
+        return head
+
+    def _unpack(self, values: list, params: list[SamplingParams],
+                retry: _Retry | None) -> tuple[list[int], list[TokenLogprobs | None], list[int]]:
+        """Tokens, logprobs, and the filtered rows (as _Retry numbers them) whose candidates did not
+        decide, from _head's values."""
+        n = len(params)
         token_list = [int(v) for v in values[:n]]
         end = n if retry is None else n + retry.exact.numel()
         undecided = [j for j, flag in enumerate(values[n:end]) if not flag]
         logprobs: list[TokenLogprobs | None] = [None] * n
+        order = _logprob_rows(params)
         if order:
-            entries = _unpack_logprobs(values[end:], [token_list[i] for i in order], num_tops)
+            entries = _unpack_logprobs(values[end:], [token_list[i] for i in order], [params[i].logprobs for i in order])
             for i, entry in zip(order, entries):
                 logprobs[i] = entry
         return token_list, logprobs, undecided
@@ -118,7 +158,7 @@ class Sampler:
         column of _process), per-row settings, and the row indices that _sample and logprobs use.
         Sections a step does not need are left out, so an empty result means nothing to process."""
         params = [r.sampling_params for r in requests]
-        ints, floats = _HostBuffer("q"), _HostBuffer("f")
+        ints, floats = HostBuffer("q"), HostBuffer("f")
         counts = [_counts(r) if r.sampling_params.needs_penalties else None for r in requests]
         if any(p.repetition_penalty != 1.0 for p in params):
             ints.add_rows("seen", [c.seen if c is not None and p.repetition_penalty != 1.0 else []
@@ -271,7 +311,7 @@ def _filters(params: SamplingParams, vocab: int) -> bool:
     return _top_k(params, vocab) > 0 or params.top_p < 1.0 or params.min_p > 0.0
 
 
-def _add_filter_settings(ints: _HostBuffer, floats: _HostBuffer, params: list[SamplingParams], vocab: int) -> None:
+def _add_filter_settings(ints: HostBuffer, floats: HostBuffer, params: list[SamplingParams], vocab: int) -> None:
     """The sampled rows' temperatures, the filtered rows' settings and, when only some filter,
     which of the sampled rows do and which do not."""
     floats.add("temperature", [p.temperature for p in params])
@@ -301,7 +341,7 @@ def _logprob_rows(params: list[SamplingParams]) -> list[int]:
 def token_logprobs(logprobs: torch.Tensor, tokens: list[int], num_top: int) -> list[TokenLogprobs]:
     """logprobs: [R, V] log-softmax rows; row i's entry for tokens[i], with its rank and the
     num_top most likely tokens. One copy each way."""
-    chosen = _upload(array.array("q", tokens), torch.long, logprobs.device)
+    chosen = upload(array.array("q", tokens), torch.long, logprobs.device)
     num_tops = [num_top] * len(tokens)
     return _unpack_logprobs(_pack_logprobs(logprobs, chosen, num_tops).tolist(), tokens, num_tops)
 
@@ -331,44 +371,6 @@ def _unpack_logprobs(values: list[float], tokens: list[int], num_tops: list[int]
         entries.append(TokenLogprobs(token, values[i], int(values[rows + i]), [(int(t), v) for t, v in zip(ids, tops)]))
         pos += 2 * num_top
     return entries
-
-
-class _HostBuffer:
-    """Named sections of one dtype gathered in one host array, moved to the device in one copy
-    and handed back as views ("q": int64, "f": float32)."""
-
-    def __init__(self, typecode: str) -> None:
-        self.values = array.array(typecode)
-        self.shapes: dict[str, tuple[int, ...]] = {}
-
-    def add(self, name: str, values: list) -> None:
-        self.shapes[name] = (len(values),)
-        self.values.extend(values)
-
-    def add_rows(self, name: str, rows: list[list], pad: int | float) -> None:
-        """Rows padded with pad to the longest one."""
-        width = max(map(len, rows))
-        self.shapes[name] = (len(rows), width)
-        for row in rows:
-            self.values.extend(row)
-            self.values.extend([pad] * (width - len(row)))
-
-    def upload(self, dtype: torch.dtype, device: torch.device) -> Tensors:
-        if not self.shapes:
-            return {}
-        flat, start, views = _upload(self.values, dtype, device), 0, {}
-        for name, shape in self.shapes.items():
-            views[name] = flat[start:start + math.prod(shape)].view(shape)
-            start += math.prod(shape)
-        return views
-
-
-def _upload(values: array.array, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """One host-to-device copy (none on CPU); from pinned memory on CUDA, so it does not block."""
-    host = torch.frombuffer(values, dtype=dtype) if values else torch.empty(0, dtype=dtype)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
 
 
 def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:

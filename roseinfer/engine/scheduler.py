@@ -17,7 +17,7 @@ from roseinfer.config import EngineConfig
 from roseinfer.engine.block_manager import BlockManager
 from roseinfer.engine.outputs import EngineCoreOutput, request_times
 from roseinfer.engine.pooling import add_part, embedding
-from roseinfer.engine.request import Request, RequestStatus, TokenLogprobs
+from roseinfer.engine.request import PLACEHOLDER, Request, RequestStatus, TokenLogprobs
 from roseinfer.engine.speculative import NgramProposer, Proposer
 
 UNLIMITED = 1 << 62
@@ -28,6 +28,7 @@ class ScheduledRequest:
     request: Request
     num_tokens: int  # tokens whose K/V this step computes, the draft's included
     draft: list[int] = field(default_factory=list)  # proposed tokens fed after the last known one
+    placeholder: int | None = None  # advanced: where its sampled token waits in token_ids
 
     @property
     def reaches_end(self) -> bool:
@@ -44,6 +45,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
+    advanced: bool = False  # its tokens counted computed at launch (Scheduler.advance)
 
     @property
     def num_tokens(self) -> int:
@@ -79,11 +81,16 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def abort(self, req: Request) -> None:
+        req.drop_placeholders()
+        self._stop(req, "abort")
+
+    def _stop(self, req: Request, reason: str) -> None:
+        """Out of its queue (waiting too: preempted while its last step was in flight) and finished."""
         if req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
         elif req.status is RequestStatus.RUNNING:
             self.running.remove(req)
-        self._finish(req, "abort")
+        self._finish(req, reason)
 
     def pop_finished_ids(self) -> list[str]:
         ids = list(self.finished_ids)
@@ -121,6 +128,8 @@ class Scheduler:
                 self._recompute(req)
                 i -= 1
                 continue
+            if req.token_ids[-1] == PLACEHOLDER and self._reaches_length(req):
+                continue  # its pending token ends it (length): a step more would be thrown away
             prefill = req.in_prefill
             if (phase == "decode" and prefill) or (phase == "prefill" and not prefill):
                 continue
@@ -206,6 +215,21 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # ---- results ---------------------------------------------------------------------------
+    def advance(self, out: SchedulerOutput) -> None:
+        """Overlap scheduling: a launched step's tokens count as computed, and each token it samples
+        waits as a PLACEHOLDER, so that the next step is scheduled before the ids reach the host;
+        update() puts them in. A request that finished meanwhile is left alone."""
+        out.advanced = True
+        for item in out.scheduled:
+            req = item.request
+            if req.is_finished or req.pooling_params is not None:
+                continue  # an embedding request's batch is read at once, and _pool counts its tokens
+            samples = item.samples
+            req.num_computed_tokens += item.num_tokens
+            if samples:
+                item.placeholder = req.num_tokens
+                req.token_ids.append(PLACEHOLDER)
+
     def update(self, out: SchedulerOutput, sampled: list[list[int]], logprobs: list[TokenLogprobs | None],
                prompt_logprobs: list[list[TokenLogprobs]] | None = None,
                pooled: list[torch.Tensor | None] | None = None) -> list[EngineCoreOutput]:
@@ -215,6 +239,11 @@ class Scheduler:
         now = time.perf_counter()
         for i, (item, tokens, logprob) in enumerate(zip(out.scheduled, sampled, logprobs)):
             req = item.request
+            if out.advanced:
+                if req.is_finished:
+                    continue  # ended (stop, length or abort) by a step before: this step's token is not its
+                if item.placeholder is not None:
+                    del req.token_ids[item.placeholder:]
             if req.pooling_params is not None:
                 self._pool(item, pooled[i] if pooled else None, now, outputs)
                 continue
@@ -236,8 +265,9 @@ class Scheduler:
                     reason = self._stop_reason(req, token)
                 if reason is not None:
                     break  # nothing past a stop, even inside an accepted draft
-            # every input position whose token was kept has valid K/V; the last emitted token has none yet
-            req.num_computed_tokens += item.num_tokens - len(item.draft) + max(len(emitted) - 1, 0)
+            if not out.advanced:
+                # every input position whose token was kept has valid K/V; the last emitted one has none yet
+                req.num_computed_tokens += item.num_tokens - len(item.draft) + max(len(emitted) - 1, 0)
             if item.draft:
                 self.block_manager.shrink(req)
             self.block_manager.cache_full_blocks(req)
@@ -249,8 +279,7 @@ class Scheduler:
             if first:
                 req.first_token_time = now
             if reason is not None:
-                self.running.remove(req)
-                self._finish(req, reason)
+                self._stop(req, reason)
             params = req.sampling_params
             wants_prompt = first and params.prompt_logprobs is not None
             last = emitted[-1]
@@ -291,9 +320,10 @@ class Scheduler:
         if req.num_output_tokens > params.min_tokens:
             if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
                 return "stop"
-        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
-            return "length"
-        return None
+        return "length" if self._reaches_length(req) else None
+
+    def _reaches_length(self, req: Request) -> bool:
+        return req.num_output_tokens >= req.sampling_params.max_tokens or req.num_tokens >= self.max_model_len
 
     def _finish(self, req: Request, reason: str) -> None:
         self.block_manager.free(req)

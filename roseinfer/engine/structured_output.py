@@ -16,6 +16,7 @@ import llguidance
 import llguidance.torch
 import torch
 
+from roseinfer.platforms import platform_for
 from roseinfer.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -163,9 +164,7 @@ class GrammarMasks:
         bitmask = torch.empty(len(rows), (vocab + 31) // 32, dtype=torch.int32)
         llguidance.torch.fill_next_token_bitmask_par(
             self.executor, [(m.matcher, j) for j, m in enumerate(matchers)], bitmask)
-        if logits.device.type == "cuda":
-            bitmask = bitmask.pin_memory()
-        bitmask = bitmask.to(logits.device, non_blocking=True)
+        bitmask = platform_for(logits.device).upload(bitmask)
         allowed = allowed_tokens(bitmask, vocab)
         out = logits.clone()
         if len(rows) == logits.shape[0]:

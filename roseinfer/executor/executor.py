@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from roseinfer.executor.rank_processes import RankProcesses
-from roseinfer.worker.model_runner import StepResult
+from roseinfer.worker.model_runner import LaunchedStep, StepResult
 from roseinfer.worker.worker import Worker, WorkerSpec
 
 if TYPE_CHECKING:
@@ -18,6 +18,10 @@ if TYPE_CHECKING:
 
 class Executor:
     """One rank: rank 0's Worker, in this process."""
+
+    # a step launched before the last one's ids reach the host (overlap scheduling); the other
+    # tensor-parallel ranks would need those ids sent to them first
+    launches_ahead = True
 
     def __init__(self, spec: WorkerSpec, device: torch.device) -> None:
         self.driver = Worker(spec, device)
@@ -35,12 +39,20 @@ class Executor:
     def execute(self, out: SchedulerOutput) -> StepResult:
         return self.driver.execute(out)
 
+    def launch(self, out: SchedulerOutput, previous: LaunchedStep | None) -> LaunchedStep:
+        return self.driver.launch(out, previous)
+
+    def collect(self, launched: LaunchedStep) -> StepResult:
+        return self.driver.collect(launched)
+
     def shutdown(self) -> None:
         """Stop what runs elsewhere (nothing here); the engine runs no steps afterwards."""
 
 
 class TensorParallelExecutor(Executor):
     """spec.world_size ranks: the same Worker on each; rank 0's prepares each step and samples."""
+
+    launches_ahead = False
 
     def __init__(self, spec: WorkerSpec, device: torch.device, num_threads: int) -> None:
         """num_threads: each rank's torch threads."""

@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from roseinfer.distributed.parallel import TensorParallel
+from roseinfer.platforms import platform_for
 from roseinfer.worker.worker import Worker, WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ class RankProcesses:
             for rank in range(1, size):
                 parent, child = ctx.Pipe()
                 proc = ctx.Process(target=_rank_main,
-                                   args=(spec, device.type, num_threads, rank, store.port, child, os.getpid()),
+                                   args=(spec, device, num_threads, rank, store.port, child, os.getpid()),
                                    name=f"roseinfer-tp-rank{rank}", daemon=True)
                 proc.start()
                 child.close()
@@ -218,24 +219,17 @@ def _process_group(store: dist.Store, rank: int, size: int, device: torch.device
     """This rank's member of the group: gloo on CPU, NCCL on CUDA (one GPU per rank). Built
     directly on the store, not as torch.distributed's default group, so that one process can hold
     several engines (the tests do)."""
-    if device.type == "cuda":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = COLLECTIVE_TIMEOUT
-        return dist.ProcessGroupNCCL(store, rank, size, options)
-    return dist.ProcessGroupGloo(store, rank, size, COLLECTIVE_TIMEOUT)
+    return platform_for(device).process_group(store, rank, size, COLLECTIVE_TIMEOUT)
 
 
 # ---- a rank's process ------------------------------------------------------------------------
-def _rank_main(spec: WorkerSpec, device_type: str, num_threads: int, rank: int, port: int,
+def _rank_main(spec: WorkerSpec, device: torch.device, num_threads: int, rank: int, port: int,
                conn: multiprocessing.connection.Connection, parent_pid: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it stops us
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     try:
         torch.set_num_threads(num_threads)
-        device = torch.device(device_type)
-        if device.type == "cuda":  # rank r uses GPU r
-            device = torch.device("cuda", rank)
-            torch.cuda.set_device(device)
+        device = platform_for(device).rank_device(rank)
         worker = Worker(spec, device)
         store = dist.TCPStore("127.0.0.1", port, spec.world_size, is_master=False,
                               timeout=timedelta(seconds=START_TIMEOUT_S))

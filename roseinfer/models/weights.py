@@ -107,6 +107,5 @@ def _fits(part: Part) -> bool:
 
 
 def _can_map(param: torch.Tensor, tensor: torch.Tensor) -> bool:
-    """The checkpoint tensor can stand in for the parameter as it is: no conversion, no copy."""
-    return (param.device.type == "cpu" and tensor.device.type == "cpu" and tensor.dtype == param.dtype
-            and tensor.is_contiguous())
+    """The checkpoint tensor (in host memory) can stand in for the parameter as it is: no conversion, no copy."""
+    return param.device == tensor.device and tensor.dtype == param.dtype and tensor.is_contiguous()

@@ -11,15 +11,16 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from roseinfer.backends.base import LOGITS_CHUNK_ROWS, Backend, BatchLayout
-from roseinfer.engine.request import TokenLogprobs
+from roseinfer.backends.base import Backend, BatchLayout, FutureTokens
+from roseinfer.engine.request import PLACEHOLDER, TokenLogprobs
 from roseinfer.engine.scheduler import ScheduledRequest, SchedulerOutput
 from roseinfer.engine.speculative import accept_draft
 from roseinfer.layers.attention import KVCache
 from roseinfer.models.config import ModelConfig
+from roseinfer.platforms.base import LOGITS_CHUNK_ROWS
 
 if TYPE_CHECKING:
-    from roseinfer.engine.sampler import Sampler
+    from roseinfer.engine.sampler import SampledRows, Sampler
 
 PromptLogprobs = list[list[TokenLogprobs]]  # per scheduled request, the prompt logprobs this step took
 Pooled = list[torch.Tensor | None]  # per scheduled request, an embedding request's pooled part (engine/pooling.py)
@@ -40,6 +41,26 @@ class PreparedStep:
     @property
     def logit_rows(self) -> list[list[int] | slice]:
         return self.sample_chunks + [rows for _, rows, _ in self.prompt_pieces]
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward and sampling are queued on the device; collect() reads its tokens."""
+
+    step: PreparedStep
+    hidden: torch.Tensor
+    samples: list[SampledRows]  # per sample chunk
+    generator_states: dict[int, torch.Tensor]  # see ModelRunner.launch
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """The sampled ids on the device, one per sampled row (in step.owners' order)."""
+        parts = [rows.tokens for rows in self.samples]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def token_index(self) -> dict[str, int]:
+        """Each sampling request's row in `tokens` (a step without drafts samples one row each)."""
+        return {self.step.items[i].request.request_id: row for row, i in enumerate(self.step.owners)}
 
 
 class ModelRunner:
@@ -88,40 +109,73 @@ class ModelRunner:
         requests' pooled parts."""
         return self.run(self.prepare(out))
 
-    def prepare(self, out: SchedulerOutput) -> PreparedStep:
-        """The step's flat batch and its logit rows, from the scheduler's requests (rank 0's part)."""
+    def prepare(self, out: SchedulerOutput, previous: LaunchedStep | None = None) -> PreparedStep:
+        """The step's flat batch and its logit rows, from the scheduler's requests (rank 0's part);
+        `previous`: the launched step whose sampled ids this one's placeholders stand for."""
         items = out.scheduled
         layout, sample_rows = self._prepare(items)
+        if previous is not None:
+            self._take_future(layout, items, previous)
         # a draft's request samples every one of its 1 + K rows
         owners = [i for i, item in enumerate(items) if item.samples for _ in range(1 + len(item.draft))]
         chunk = self.backend.logits_chunk_rows or max(len(owners), 1)
         sample_chunks = [sample_rows[start:start + chunk] for start in range(0, len(owners), chunk)]
         return PreparedStep(items, layout, owners, sample_chunks, self._prompt_pieces(items))
 
-    @torch.inference_mode()
     def run(self, step: PreparedStep) -> StepResult:
         """The forward, the LM head on the sampled rows and sampling (see execute)."""
+        return self.collect(self.launch(step))
+
+    @torch.inference_mode()
+    def launch(self, step: PreparedStep) -> LaunchedStep:
+        """The forward, the LM head and sampling, queued; nothing read back where the device runs ahead."""
         items, owners = step.items, step.owners
         hidden = self.backend.forward(self.model, step.layout, self.kv_caches)
         # a seeded sampled request's generator before its rows' draws: see Sampler.rewind
         states = {i: item.request.generator.get_state() for i, item in enumerate(items) if item.draft
                   and item.request.generator is not None and not item.request.sampling_params.greedy}
-        row_tokens: list[list[int]] = [[] for _ in items]
-        logprobs: list[TokenLogprobs | None] = [None] * len(items)
+        samples = []
         start = 0
         for rows in step.sample_chunks:
             part = owners[start:start + len(rows)]
             start += len(rows)
             logits = self.model.compute_logits(self._rows(hidden, rows))
-            tokens, lps = self.sampler(logits, [items[i].request for i in part])
-            for i, token, lp in zip(part, tokens, lps):
+            samples.append(self.sampler.launch(logits, [items[i].request for i in part]))
+        return LaunchedStep(step, hidden, samples, states)
+
+    @torch.inference_mode()
+    def collect(self, launched: LaunchedStep) -> StepResult:
+        """A launched step's tokens and logprobs on the host (see execute)."""
+        step = launched.step
+        items, owners = step.items, step.owners
+        row_tokens: list[list[int]] = [[] for _ in items]
+        logprobs: list[TokenLogprobs | None] = [None] * len(items)
+        start = 0
+        for rows in launched.samples:
+            tokens, lps = self.sampler.read(rows)
+            for i, token, lp in zip(owners[start:start + len(tokens)], tokens, lps):
                 row_tokens[i].append(token)
                 logprobs[i] = lp
+            start += len(tokens)
         sampled = [accept_draft(item.draft, row_tokens[i]) if item.draft else row_tokens[i]
                    for i, item in enumerate(items)]
-        for i, state in states.items():
+        for i, state in launched.generator_states.items():
             self.sampler.rewind(items[i].request.generator, state, len(sampled[i]), self.vocab_size)
-        return sampled, logprobs, self._prompt_logprobs(items, hidden, step.prompt_pieces), self._pooled(step, hidden)
+        return (sampled, logprobs, self._prompt_logprobs(items, launched.hidden, step.prompt_pieces),
+                self._pooled(step, launched.hidden))
+
+    def _take_future(self, layout: BatchLayout, items: list[ScheduledRequest], previous: LaunchedStep) -> None:
+        """Each row whose input is a placeholder reads its id from the previous step's tokens on the
+        device (a placeholder is only ever a chunk's last input, the token sampled after it)."""
+        index = previous.token_index()
+        rows, indices = [], []
+        for item, end in zip(items, layout.q_starts[1:] + [layout.num_tokens]):
+            if layout.input_ids[end - 1] == PLACEHOLDER:
+                layout.input_ids[end - 1] = 0
+                rows.append(end - 1)
+                indices.append(index[item.request.request_id])
+        if rows:
+            layout.future = FutureTokens(rows, previous.tokens, indices)
 
     @torch.inference_mode()
     def follow(self, layout: BatchLayout, logit_rows: list[list[int] | slice]) -> None:
@@ -216,7 +270,7 @@ class ModelRunner:
     def profile(model: nn.Module, model_config: ModelConfig, backend: Backend, block_size: int,
                 num_tokens: int, num_logits: int) -> None:
         """One forward of the largest step, a prompt of num_tokens into a throwaway pool, and the LM
-        head on num_logits rows: its peak memory sizes the real pool (Backend.kv_pool_bytes)."""
+        head on num_logits rows: its peak memory sizes the real pool (Platform.kv_pool_bytes)."""
         blocks = -(-num_tokens // block_size)
         hybrid = bool(model_config.linear_layers)
         caches = layer_caches(model_config, backend, blocks * block_size, 1 if hybrid else 0)
@@ -232,8 +286,8 @@ def layer_caches(model_config: ModelConfig, backend: Backend, kv_slots: int, sta
     tensor for all of them, backend-allocated; where the model keeps one plane, MLA's latent rows
     (ModelConfig.kv_cache_planes), K and V are the same tensor), a linear-attention layer's (conv
     state, recurrent state) with a row per state-pool slot (zeroed once; see engine/state_pool.py)."""
-    pool = backend.allocate_kv_pool((model_config.num_kv_layers, model_config.kv_cache_planes, kv_slots,
-                                     model_config.num_kv_heads, model_config.head_dim))
+    pool = backend.platform.allocate_kv_pool((model_config.num_kv_layers, model_config.kv_cache_planes, kv_slots,
+                                              model_config.num_kv_heads, model_config.head_dim), backend.dtype)
     kv = iter([(pool[i, 0], pool[i, -1]) for i in range(model_config.num_kv_layers)])
     shape = model_config.linear_attention
     caches: list[KVCache] = []

@@ -18,7 +18,7 @@ from roseinfer.config import EngineConfig
 from roseinfer.distributed.parallel import SINGLE, TensorParallel
 from roseinfer.loader.model_loader import load_model, load_model_config
 from roseinfer.models.config import ModelConfig
-from roseinfer.worker.model_runner import ModelRunner, PreparedStep, StepResult
+from roseinfer.worker.model_runner import LaunchedStep, ModelRunner, PreparedStep, StepResult
 from roseinfer.worker.sharding import shard_config
 
 if TYPE_CHECKING:
@@ -67,8 +67,8 @@ class Worker:
             return config.num_kv_blocks
         per_block = ModelRunner.kv_bytes_per_block(self.local_config, config.block_size, self.backend.dtype)
         step_tokens = min(config.max_num_batched_tokens, self.spec.max_model_len)
-        # on CUDA, what is left after a profiling forward of the largest step (Backend.kv_pool_bytes)
-        budget = self.backend.kv_pool_bytes(config, lambda: ModelRunner.profile(
+        # on CUDA, what is left after a profiling forward of the largest step (Platform.kv_pool_bytes)
+        budget = self.backend.platform.kv_pool_bytes(config, self.spec.world_size, lambda: ModelRunner.profile(
             self.model, self.local_config, self.backend, config.block_size, step_tokens, config.max_num_seqs))
         if slot_bytes:
             # the state pool first, a slot per sequence that may run within half the budget; KV gets the rest
@@ -99,6 +99,13 @@ class Worker:
 
     def prepare(self, out: SchedulerOutput) -> PreparedStep:
         return self.runner.prepare(out)
+
+    def launch(self, out: SchedulerOutput, previous: LaunchedStep | None) -> LaunchedStep:
+        """Overlap scheduling: the step queued, its placeholders read from `previous`'s tokens on the device."""
+        return self.runner.launch(self.runner.prepare(out, previous))
+
+    def collect(self, launched: LaunchedStep) -> StepResult:
+        return self.runner.collect(launched)
 
     def run(self, step: PreparedStep) -> StepResult:
         return self.runner.run(step)

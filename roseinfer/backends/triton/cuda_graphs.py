@@ -27,6 +27,7 @@ class DecodeGraphs:
                  max_blocks: int, block_size: int) -> None:
         from roseinfer.backends.triton import DecodeBatch, TritonMetadata
 
+        self.backend = backend
         self.buckets = bucket_sizes(max_num_seqs)
         device, rows = backend.device, self.buckets[-1]
         # the graphs' inputs, which every replay refills: one row per sequence
@@ -61,8 +62,10 @@ class DecodeGraphs:
                              layout.slot_mapping + [-1] * pad, layout.kv_lens + [0] * pad], dtype=torch.long)
         width = max(len(t) for t in layout.block_tables)
         tables = torch.tensor([t + [0] * (width - len(t)) for t in layout.block_tables], dtype=torch.long)
-        self.head[:, :batch].copy_(head)
-        self.block_tables[:n, :width].copy_(tables)
+        # from pinned memory: a pageable copy would wait for every queued step (async scheduling's overlap)
+        self.head[:, :batch].copy_(head.pin_memory(), non_blocking=True)
+        self.backend.fill_future(self.head[0], layout)
+        self.block_tables[:n, :width].copy_(tables.pin_memory(), non_blocking=True)
         graph, hidden = self.graphs[batch]
         graph.replay()
         return hidden[:n]
