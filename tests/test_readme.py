@@ -42,7 +42,7 @@ def run_blocks(blocks: list[str], namespace: dict) -> None:
 def test_the_readme_has_the_blocks_this_test_runs() -> None:
     blocks = python_blocks()
     server = [b for b in blocks if talks_to_a_server(b)]
-    assert len(blocks) == 6 and len(server) == 4
+    assert len(blocks) == 7 and len(server) == 5
     assert README_ADDRESS in server[0], "the substituted address must be the one the README gives"
 
 
