@@ -12,7 +12,7 @@ run (a torch sum over a buffer larger than the caches, --threads threads); rosei
 step is reported as a fraction of it (floor time / step time; 1.0 is at the floor).
 
     python benchmarks/cpu_gguf_peers.py --llama-cpp LLAMA_CPP/build/bin [--shape smollm2-1.7b]
-        [--types Q4_K_M,Q8_0] [--batch-sizes 1,16,64] [--threads 2] [--work-dir /tmp/gguf-peers]
+        [--types Q4_K_M,Q8_0] [--batch-sizes 1,16,64] [--threads 2] [--work-dir /tmp/gguf-peers] [--gguf FILE]
 
 LLAMA_CPP is the llama.cpp checkout the binaries were built from (its convert_hf_to_gguf.py and gguf-py
 are found two folders above build/bin; --llama-cpp-src overrides). The converter imports sentencepiece
@@ -122,10 +122,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--work-dir", type=pathlib.Path, default=pathlib.Path("/tmp/gguf-peers"),
                         help="where the checkpoint and its GGUFs are built and kept")
+    parser.add_argument("--gguf", type=pathlib.Path, action="append", default=None,
+                        help="compare this existing file instead of building the shape's (repeatable)")
     args = parser.parse_args()
     src = args.llama_cpp_src or args.llama_cpp.resolve().parents[1]
     args.work_dir.mkdir(parents=True, exist_ok=True)
-    files = build_ggufs(args.shape, args.types.split(","), args.work_dir, args.llama_cpp, src)
+    files = ({f.name: f for f in args.gguf} if args.gguf
+             else build_ggufs(args.shape, args.types.split(","), args.work_dir, args.llama_cpp, src))
     bandwidth = statistics.median(read_bandwidth(args.threads) for _ in range(3))
     print(f"read bandwidth, {args.threads} threads: {bandwidth / 1e9:.1f} GB/s")
     for gguf in files.values():

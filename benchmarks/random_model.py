@@ -9,7 +9,7 @@ Random weights make random text: benchmark them with --ignore-eos / --no-stop-on
 Usage: python benchmarks/random_model.py SHAPE OUT_DIR [--dtype bfloat16] [--num-layers N] [--tokenizer-from GGUF]
 SHAPE: gpt2-small (the roseinfer blog's benchmark model), qwen3-0.6b (nano-vllm's), tiny-llama (a step
 so short that the server's own costs show: benchmarks/server_overhead.py), the CPU shapes people
-run quantized (benchmarks/cpu_gguf_peers.py): smollm2-1.7b, llama-3.2-3b, qwen3-8b, or qwen3-30b-a3b
+run quantized (benchmarks/cpu_gguf_peers.py): smollm2-1.7b, llama-3.2-3b, qwen3-8b, gemma3-1b, or qwen3-30b-a3b
 (Qwen3-30B-A3B's layer shape: 128 experts, top-8, expert width 768; pick the layers that fit with
 --num-layers).
 
@@ -56,13 +56,16 @@ SHAPES: dict[str, dict[str, Any]] = {
                      "num_attention_heads": 24, "num_key_value_heads": 8, "head_dim": 128,
                      "max_position_embeddings": 131072, "rope_theta": 500_000.0, "rms_norm_eps": 1e-5,
                      "vocab_size": 128256, "tie_word_embeddings": True},
+    "gemma3-1b": {"model_type": "gemma3_text", "num_hidden_layers": 26, "hidden_size": 1152, "intermediate_size": 6912,
+                  "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256, "sliding_window": 512,
+                  "query_pre_attn_scalar": 256, "max_position_embeddings": 32768, "vocab_size": 262144},
     "qwen3-8b": {"model_type": "qwen3", "num_hidden_layers": 36, "hidden_size": 4096, "intermediate_size": 12288,
                  "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
                  "max_position_embeddings": 40960, "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6,
                  "vocab_size": 151936, "tie_word_embeddings": False},
 }
 LAYER_KEYS = {"gpt2": "n_layer", "qwen3": "num_hidden_layers", "llama": "num_hidden_layers",
-              "qwen3_moe": "num_hidden_layers"}
+              "qwen3_moe": "num_hidden_layers", "gemma3_text": "num_hidden_layers"}
 
 
 def write_tokenizer(out: Path, max_length: int) -> None:
@@ -79,11 +82,16 @@ def write_tokenizer(out: Path, max_length: int) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
 
-def copy_gguf_tokenizer(gguf: Path, out: Path) -> None:
-    """The tokenizer transformers rebuilds from a GGUF's metadata, saved into out."""
+def copy_gguf_tokenizer(gguf: Path, out: Path, vocab_size: int) -> None:
+    """The tokenizer transformers rebuilds from a GGUF's metadata, saved into out, padded with unused
+    special tokens to the model's vocabulary: Gemma's converter cuts the embedding to the tokenizer's size."""
+    from tokenizers import AddedToken
     from transformers import PreTrainedTokenizerFast
 
-    PreTrainedTokenizerFast.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(out))
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tokenizer.add_special_tokens({"additional_special_tokens": [
+        AddedToken(f"<unused{i}>", special=True) for i in range(vocab_size - len(tokenizer))]})
+    tokenizer.save_pretrained(str(out))
 
 
 def write_model(shape: str, out: Path, dtype: torch.dtype, num_layers: int | None = None, seed: int = 0,
@@ -102,7 +110,7 @@ def write_model(shape: str, out: Path, dtype: torch.dtype, num_layers: int | Non
     if tokenizer_from is None:
         write_tokenizer(out, config.max_position_embeddings)
     else:
-        copy_gguf_tokenizer(tokenizer_from, out)
+        copy_gguf_tokenizer(tokenizer_from, out, config.vocab_size)
 
 
 def main() -> None:

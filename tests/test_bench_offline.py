@@ -67,6 +67,10 @@ def test_all_modes_both_backends(model: str, tmp_path, capsys) -> None:
 
     report = json.loads(out_json.read_text())
     assert len(report["runs"]) == 12 and len(report["summary"]) == 6
+    for row in report["summary"]:  # benchmarks/cpu_gguf_peers.py reads the decode and prefill rates from these
+        runs = [r for r in report["runs"] if all(r[k] == row[k] for k in ("backend", "mode", "batch_size"))]
+        for key in ("throughput_decode_tokens", "throughput_prefill"):
+            assert row[key] == pytest.approx(statistics.fmean(r[key] for r in runs))
     for run in report["runs"]:
         assert run["num_requests"] == N and run["completion_tokens"] == N * NEW
         assert run["throughput_completion_total"] == pytest.approx(N * NEW / run["total_time_s"])

@@ -94,6 +94,8 @@ def summary_rows(results: list[RunResult]) -> list[dict[str, Any]]:
             "decode_time_s": statistics.fmean(r.decode_time for r in runs),
             "throughput_completion_decode": statistics.fmean(r.throughput(r.decode_time) for r in runs),
             "throughput_completion_total": statistics.fmean(r.throughput(r.total_time) for r in runs),
+            "throughput_decode_tokens": statistics.fmean(r.decode_throughput for r in runs),
+            "throughput_prefill": statistics.fmean(r.prefill_throughput for r in runs),
         })
     return rows
 
