@@ -116,3 +116,43 @@ def test_a_sentence_transformers_pooling_roseinfer_lacks_is_refused(model_dir: P
     folder = sentence_transformers_copy(model_dir, tmp_path / "st", {"pooling_mode_max_tokens": True}, True)
     with pytest.raises(ValueError, match="pooling_mode_max_tokens"):
         LLM(str(folder), num_kv_blocks=8)
+
+
+def matryoshka_copy(model_dir: Path, out: Path, **keys: object) -> Path:
+    """The checkpoint with vLLM's Matryoshka keys added to its config.json."""
+    shutil.copytree(model_dir, out)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, **keys}))
+    return out
+
+
+def test_matryoshka_dimensions_keep_the_first_values_then_normalize(model_dir: Path, tmp_path: Path) -> None:
+    folder = matryoshka_copy(model_dir, tmp_path / "mrl", matryoshka_dimensions=[16, 32])
+    llm = LLM(str(folder), num_kv_blocks=64)
+    [out] = llm.embed(PROMPTS[0], PoolingParams(dimensions=16), use_tqdm=False)
+    hidden = hf_hidden(model_dir, out.prompt_token_ids)[-1]
+    expected = torch.nn.functional.normalize(hidden[:16], dim=-1)
+    torch.testing.assert_close(torch.tensor(out.outputs.embedding), expected, atol=ATOL, rtol=0)
+    for size in (24, hidden.numel() + 16):  # not a trained size; longer than the vector
+        with pytest.raises(ValueError, match=r"dimensions must be one of \[16, 32, 64\]"):
+            llm.embed(PROMPTS[0], PoolingParams(dimensions=size), use_tqdm=False)
+    assert llm.kv_cache_stats()["used_blocks"] == 0
+
+
+def test_any_dimensions_up_to_the_hidden_size_where_the_checkpoint_is_matryoshka(model_dir: Path,
+                                                                                  tmp_path: Path) -> None:
+    llm = LLM(str(matryoshka_copy(model_dir, tmp_path / "mrl", is_matryoshka=True)), num_kv_blocks=64)
+    [out] = llm.embed(PROMPTS[1], PoolingParams(normalize=False, dimensions=5), use_tqdm=False)
+    expected = hf_hidden(model_dir, out.prompt_token_ids)[-1][:5]
+    torch.testing.assert_close(torch.tensor(out.outputs.embedding), expected, atol=ATOL, rtol=1e-4)
+    with pytest.raises(ValueError, match="dimensions must be at most 64"):
+        llm.embed(PROMPTS[1], PoolingParams(dimensions=65), use_tqdm=False)
+
+
+def test_dimensions_other_than_the_hidden_size_are_refused_without_matryoshka(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="declares no shorter"):
+        llm.embed(PROMPTS[0], PoolingParams(dimensions=16), use_tqdm=False)
+    [out] = llm.embed(PROMPTS[0], PoolingParams(dimensions=llm.engine.model_config.hidden_size), use_tqdm=False)
+    assert len(out.outputs.embedding) == llm.engine.model_config.hidden_size
+    with pytest.raises(ValueError, match="dimensions must be at least 1"):
+        PoolingParams(dimensions=0)

@@ -4,6 +4,8 @@ of strings and token ids; the KV blocks are free afterwards; refusals name the f
 from __future__ import annotations
 
 import base64
+import json
+import shutil
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -13,7 +15,7 @@ import openai
 import pytest
 import torch
 
-from roseinfer import LLM
+from roseinfer import LLM, PoolingParams
 from roseinfer.config import EngineConfig
 from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.server.app import build_app
@@ -97,3 +99,20 @@ def test_refusals_name_the_field(base_url: str, body: dict[str, Any], param: str
                           trust_env=False, timeout=60)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+def test_a_matryoshka_checkpoint_serves_its_shorter_vectors(model_dir: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "mrl"
+    shutil.copytree(model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "matryoshka_dimensions": [16, 32]}))
+    [want] = LLM(str(folder), num_kv_blocks=64).embed(TEXTS[0], PoolingParams(dimensions=16), use_tqdm=False)
+    engine = LLMEngine(EngineConfig(model=str(folder), num_kv_blocks=64))
+    with serve_app(build_app(engine, MODEL)) as url:
+        [got] = openai_client(url).embeddings.create(model=MODEL, input=TEXTS[0], dimensions=16).data
+        close(got.embedding, want.outputs.embedding)
+        refused = httpx.post(f"{url}/v1/embeddings", json={"input": "Hi", "dimensions": 24}, trust_env=False,
+                             timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "dimensions"
+    assert "one of [16, 32, 64]" in refused.json()["error"]["message"]
+    assert engine.kv_cache_stats()["used_blocks"] == 0

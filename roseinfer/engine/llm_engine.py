@@ -24,6 +24,7 @@ from roseinfer.engine.structured_output import CompiledGrammar, GrammarCompiler
 from roseinfer.executor.executor import Executor, make_executor
 from roseinfer.loader.generation_config import sampling_defaults
 from roseinfer.loader.model_loader import load_model_config, resolve_model_folder
+from roseinfer.engine.pooling import check_dimensions
 from roseinfer.loader.pooling_config import pooling_defaults
 from roseinfer.pooling_params import PoolingParams
 from roseinfer.models.config import ModelConfig
@@ -138,6 +139,7 @@ class LLMEngine:
         else compiled here. With `pooling_params` it is an embedding request: its prompt's pooled
         hidden state comes back on its final output, and no token is generated."""
         if pooling_params is not None:
+            check_dimensions(pooling_params, self.model_config)
             sampling_params = EMBEDDING_SAMPLING
         params = sampling_params or self.default_sampling_params()
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)

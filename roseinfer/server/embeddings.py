@@ -8,6 +8,7 @@ import base64
 import struct
 import time
 import uuid
+from dataclasses import replace
 from typing import Annotated, Any, ClassVar, Literal, Union
 
 from fastapi import Request
@@ -15,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import Field, StrictInt
 
 from roseinfer.engine.llm_engine import EMBEDDING_SAMPLING
+from roseinfer.engine.pooling import check_dimensions
 from roseinfer.server.protocol import APIError, PromptText, StrictModel, Text, TokenIds
 from roseinfer.server.request_params import check_sequences
 from roseinfer.server.serving import CLIENT_CLOSED, OpenAIServing
@@ -29,7 +31,7 @@ class EmbeddingsRequest(StrictModel):
     input: Union[PromptText, Annotated[list[PromptText], Field(min_length=1)], TokenIds,
                  Annotated[list[TokenIds], Field(min_length=1)]]
     encoding_format: Literal["float", "base64"] = "float"
-    # the model's hidden size, the only size it has (no Matryoshka truncation)
+    # the hidden size, or a shorter one a Matryoshka checkpoint declares (engine/pooling.py)
     dimensions: StrictInt | None = Field(None, ge=1)
     user: Text | None = None  # recorded nowhere
 
@@ -42,10 +44,12 @@ class EmbeddingsServing:
         start = time.perf_counter()
         serving = self.serving
         serving.check_model(body.model)
-        hidden_size = serving.manager.engine.model_config.hidden_size
-        if body.dimensions is not None and body.dimensions != hidden_size:
-            raise APIError(400, f"dimensions must be the model's hidden size, {hidden_size}: the model has no "
-                                "shorter embeddings", "dimensions")
+        engine = serving.manager.engine
+        pooling = replace(engine.pooling_defaults, dimensions=body.dimensions)
+        try:
+            check_dimensions(pooling, engine.model_config)
+        except ValueError as error:
+            raise APIError(400, str(error), "dimensions") from None
         inputs = [body.input] if isinstance(body.input, str) or isinstance(body.input[0], int) else body.input
         check_sequences(len(inputs), 1, serving.max_sequences)
         max_inflight = serving.manager.max_inflight_requests
@@ -54,7 +58,6 @@ class EmbeddingsServing:
                                 f"{max_inflight} in flight (--max-inflight-requests)", "input")
         prompts = [await serving.run_blocking(serving.tokenizer.encode, p) if isinstance(p, str) else list(p)
                    for p in inputs]
-        pooling = serving.manager.engine.pooling_defaults
         streams = serving.submit(prompts, body, EMBEDDING_SAMPLING, start, None, pooling)
         results = await serving.collect(streams, raw)
         if results is None:
