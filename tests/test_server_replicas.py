@@ -13,6 +13,7 @@ from typing import Iterator
 
 import httpx
 import pytest
+import torch
 
 from roseinfer.config import EngineConfig
 from roseinfer.llm import LLM
@@ -164,3 +165,15 @@ def test_a_killed_replica_is_replaced_and_the_other_keeps_serving(http: httpx.Cl
         assert time.monotonic() < deadline, f"Serve did not replace the killed replica within {HANG_GUARD_S} s"
         time.sleep(0.5)
     assert metric(http, "roseinfer_router_replica_up", replica="1") == 1.0
+
+
+def test_embeddings_are_served_by_the_replicas_as_by_one_engine(http: httpx.Client, model_dir: Path) -> None:
+    texts = ["The cat sees a red apple", "Hello", "Paris is the capital of France."]
+    resp = http.post("/v1/embeddings", json={"model": MODEL, "input": texts})
+    assert resp.status_code == 200, resp.text
+    offline = LLM(str(model_dir)).embed(texts, use_tqdm=False)
+    for data, want in zip(resp.json()["data"], offline):
+        # the bound of test_embeddings.py: the replicas' steps batch the inputs as LLM.embed's may not
+        torch.testing.assert_close(torch.tensor(data["embedding"]), torch.tensor(want.outputs.embedding),
+                                   atol=1e-5, rtol=0)
+    assert resp.json()["usage"]["prompt_tokens"] == sum(len(o.prompt_token_ids) for o in offline)

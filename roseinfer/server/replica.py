@@ -16,6 +16,7 @@ from typing import AsyncIterator
 from ray import serve
 
 from roseinfer.config import EngineConfig
+from roseinfer.pooling_params import PoolingParams
 from roseinfer.sampling_params import SamplingParams
 from roseinfer.output_processor import StreamDelta
 from roseinfer.engine_client.select import make_engine_client
@@ -32,7 +33,8 @@ class EngineReplica:
         self.manager.start()
         self.compile_pool = compile_pool()
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[StreamDelta]:
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                       pooling_params: PoolingParams | None = None) -> AsyncIterator[StreamDelta]:
         """The request's deltas, the last one `finished`. Serve cancels this generator when the
         ingress cancels the call (the client went away): the request is then aborted here, which
         frees its KV blocks at the worker's next turn."""
@@ -40,7 +42,7 @@ class EngineReplica:
         if params.structured_outputs is not None:  # as the ingress does: not in the engine's step loop, deep stack
             grammar = await asyncio.get_running_loop().run_in_executor(
                 self.compile_pool, self.engine.compile_grammar, params.structured_outputs)
-        stream = self.manager.submit(prompt_ids, params, request_id, grammar=grammar)
+        stream = self.manager.submit(prompt_ids, params, request_id, grammar=grammar, pooling_params=pooling_params)
         try:
             async for delta in stream:
                 yield delta

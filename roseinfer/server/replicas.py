@@ -51,6 +51,7 @@ class ReplicaStream:
     prompt_ids: list[int]
     params: SamplingParams
     replica: int
+    pooling_params: PoolingParams | None = None  # an embedding request
     finished: bool = False
     streamed: bool = False  # a delta arrived: a failure can no longer be retried elsewhere
     tried: list[int] = field(default_factory=list)
@@ -110,10 +111,7 @@ class ReplicaSet:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str, submit_start: float | None = None,
                grammar: CompiledGrammar | None = None, pooling_params: PoolingParams | None = None) -> ReplicaStream:
-        """`grammar` is not sent: the replica compiles the constraint again (EngineView.compile_grammar).
-        Embedding requests (`pooling_params`) are not served by replicas (a ValueError: a 400)."""
-        if pooling_params is not None:
-            raise ValueError("embeddings are not served with --data-parallel-size yet")
+        """`grammar` is not sent: the replica compiles the constraint again (EngineView.compile_grammar)."""
         prompt_ids = list(prompt_ids)
         self.engine.validate(prompt_ids, params)
         if not self.is_alive:
@@ -126,7 +124,7 @@ class ReplicaSet:
         decision = self.router.route(prompt_ids)
         if decision.prefix_hit:
             self.metrics.prefix_hits.labels(str(decision.replica)).inc()
-        stream = ReplicaStream(request_id, prompt_ids, params, decision.replica)
+        stream = ReplicaStream(request_id, prompt_ids, params, decision.replica, pooling_params)
         self._streams[request_id] = stream
         stream._pump = asyncio.get_running_loop().create_task(self._pump(stream))
         return stream
@@ -168,7 +166,7 @@ class ReplicaSet:
                 router.inflight[replica] += 1
                 self.metrics.routed.labels(str(replica)).inc()
                 call = self.handles[replica].options(stream=True).generate.remote(
-                    stream.request_id, stream.prompt_ids, stream.params)
+                    stream.request_id, stream.prompt_ids, stream.params, stream.pooling_params)
                 try:
                     async for delta in call:
                         stream.streamed = True
