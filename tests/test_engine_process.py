@@ -5,6 +5,7 @@ leaves no process behind."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 from multiprocessing import resource_tracker
 from pathlib import Path
@@ -68,7 +69,7 @@ def drain(stream: RequestStream) -> list[StreamDelta]:
 
 
 def greedy(max_tokens: int, **kwargs) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+    return SamplingParams(**{"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True, **kwargs})
 
 
 def test_tokens_and_text_equal_hf_and_the_in_process_client(client: EngineProcessClient, model_dir: Path) -> None:
@@ -103,6 +104,29 @@ def test_an_embedding_crosses_the_boundary_as_the_in_process_vector(client: Engi
         local.shutdown()
     assert final.embedding == reference and final.token_ids == []
     assert wait_for(lambda: client.stats()["kv_used_blocks"] == 0)
+
+
+def test_constraints_compile_in_the_core_and_hold_beside_unconstrained_requests(client: EngineProcessClient,
+                                                                               model_dir: Path) -> None:
+    ids = client.engine.tokenizer.encode(PROMPT)
+    patterns = [f"(yes|no)-[0-9]{{{n}}}" for n in (1, 2, 3)]
+    free = client.submit(ids, greedy(24))
+    constrained = [client.submit(ids, greedy(12, structured_outputs={"regex": p}, ignore_eos=False)) for p in patterns]
+    aborted = client.submit(ids, greedy(12, structured_outputs={"regex": "[a-z]{5}"}))
+    client.abort(aborted.request_id)  # while its constraint compiles, or just after: it ends either way
+    texts = ["".join(d.text for d in drain(s)) for s in constrained]
+    assert [t for d in drain(free) for t in d.token_ids] == hf_greedy(model_dir, ids, 24)
+    assert drain(aborted)[-1].finish_reason == "abort"
+    local = LLM(model=str(model_dir), num_kv_blocks=128)
+    try:
+        expected = [o.text for o in local.generate([ids] * 3, [greedy(12, structured_outputs={"regex": p},
+                                                                       ignore_eos=False) for p in patterns],
+                                                   use_tqdm=False)]
+    finally:
+        local.shutdown()
+    assert texts == expected
+    assert all(re.fullmatch(p, t) for p, t in zip(patterns, texts)), texts
+    assert wait_for(lambda: client.stats()["kv_used_blocks"] == 0 and client.stats()["num_inflight"] == 0)
 
 
 def test_a_stop_string_ends_the_request_in_the_core(client: EngineProcessClient) -> None:

@@ -10,6 +10,7 @@ import json
 import logging
 import threading
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import llguidance
@@ -26,6 +27,10 @@ logger = logging.getLogger(__name__)
 # "key": value spacing models are trained on. A schema's own "x-guidance" options override it.
 JSON_WHITESPACE = r"(?: |\n[ \t]{0,20})?"
 MAX_CACHED_GRAMMARS = 256
+COMPILE_THREADS = 2
+# llguidance recurses once per nested rule as it compiles, so a deep grammar overflows a thread's default
+# stack; this covers --max-constraint-bytes' default (reserved address space, used only as deep as needed)
+COMPILE_STACK_BYTES = 256 << 20
 MAX_LOGGED_ERROR = 300  # characters of a grammar error in the log: a message may quote the grammar
 
 
@@ -85,6 +90,20 @@ class GrammarCompiler:
             if len(self._compiled) > MAX_CACHED_GRAMMARS:
                 self._compiled.popitem(last=False)
         return compiled
+
+
+def compile_pool() -> ThreadPoolExecutor:
+    """The threads constraints compile in: their own, so that a slow compile holds no other request's
+    parsing or tokenizing, and with a deep stack. Both are started here, while the stack size is set."""
+    previous = threading.stack_size(COMPILE_STACK_BYTES)
+    try:
+        pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="roseinfer-grammar")
+        started = threading.Barrier(COMPILE_THREADS)  # each waits for the other: two threads, not one reused
+        for waiting in [pool.submit(started.wait) for _ in range(COMPILE_THREADS)]:
+            waiting.result()
+    finally:
+        threading.stack_size(previous)
+    return pool
 
 
 def _first_token_error(matcher: llguidance.LLMatcher, vocab: int) -> str | None:

@@ -7,8 +7,10 @@ SIGINT: a Ctrl-C reaches the whole process group, and the server drains first, t
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
+from concurrent.futures import Future
 from multiprocessing.connection import Connection
 
 import zmq
@@ -16,8 +18,9 @@ import zmq
 from roseinfer.config import EngineConfig
 from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.engine.outputs import EngineCoreOutput
+from roseinfer.engine.structured_output import CompiledGrammar, compile_pool
 from roseinfer.engine_client.in_process import engine_stats
-from roseinfer.engine_client.messages import ABORT, ADD, CoreOutputs, add_decoder, encoder, ids_decoder
+from roseinfer.engine_client.messages import ABORT, ADD, AddRequest, CoreOutputs, add_decoder, encoder, ids_decoder
 
 logger = logging.getLogger(__name__)
 
@@ -60,15 +63,25 @@ class CoreLoop:
         self.poller = zmq.Poller()
         self.poller.register(inbox, zmq.POLLIN)
         self.poller.register(client.fileno(), zmq.POLLIN)  # readable at EOF: the client is gone
+        # constraints compile on threads of their own (llguidance drops the GIL), not in the step loop;
+        # a finished compile writes a byte to `_compiled` to wake the loop's poll
+        self._compile_pool = compile_pool()
+        self._compiling: dict[str, tuple[AddRequest, Future[CompiledGrammar]]] = {}
+        self._compiled, self._compiled_signal = os.pipe()
+        self.poller.register(self._compiled, zmq.POLLIN)
 
     def run(self) -> None:
         engine = self.engine
         while True:
             events = dict(self.poller.poll(0 if engine.has_unfinished() else None))
             if self.client.fileno() in events:
+                self._compile_pool.shutdown(wait=False, cancel_futures=True)
                 return
             outputs: list[EngineCoreOutput] = []
-            received = False
+            received = self._compiled in events
+            if received:
+                os.read(self._compiled, 4096)
+                outputs += self._add_compiled()
             while True:
                 try:
                     kind, body = self.inbox.recv_multipart(zmq.NOBLOCK)
@@ -78,7 +91,7 @@ class CoreLoop:
                 if kind == ADD:
                     outputs += self._add(body)
                 elif kind == ABORT:
-                    outputs += [out for out in map(engine.abort_request, ids_decoder.decode(body)) if out is not None]
+                    outputs += [out for out in map(self._abort, ids_decoder.decode(body)) if out is not None]
             failure = None
             if engine.has_unfinished():
                 try:
@@ -92,11 +105,33 @@ class CoreLoop:
                 self.outbox.send(encoder.encode(CoreOutputs(outputs, engine_stats(self.engine), failure)))
 
     def _add(self, body: bytes) -> list[EngineCoreOutput]:
-        """The request into the core; one that fails here (validated by the client, so rarely) ends at
-        once with its reason."""
+        """The request into the core, or, with a constraint, into the compile threads first; one that
+        fails here (validated by the client, so rarely) ends at once with its reason."""
         add = add_decoder.decode(body)
+        constraint = add.params.structured_outputs
+        if constraint is None:
+            return self._admit(add, None)
+        compiling = self._compile_pool.submit(self.engine.compile_grammar, constraint)
+        self._compiling[add.request_id] = add, compiling
+        compiling.add_done_callback(lambda _: os.write(self._compiled_signal, b"\0"))
+        return []
+
+    def _add_compiled(self) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        for request_id, (add, compiling) in list(self._compiling.items()):
+            if compiling.done():
+                del self._compiling[request_id]
+                error = compiling.exception()
+                outputs += self._admit(add, None, error) if error is not None else self._admit(add, compiling.result())
+        return outputs
+
+    def _admit(self, add: AddRequest, grammar: CompiledGrammar | None,
+               error: BaseException | None = None) -> list[EngineCoreOutput]:
         try:
-            req = self.engine.new_request(add.prompt_ids, add.params, add.request_id, pooling_params=add.pooling_params)
+            if error is not None:
+                raise error
+            req = self.engine.new_request(add.prompt_ids, add.params, add.request_id, grammar,
+                                          pooling_params=add.pooling_params)
             req.arrival_time = add.arrival
             self.engine.core.add(req)
         except Exception as exc:  # noqa: BLE001 -- one request's failure, reported on its stream
@@ -104,7 +139,17 @@ class CoreLoop:
             return [EngineCoreOutput(add.request_id, [], "abort", error=str(exc), num_prompt_tokens=len(add.prompt_ids))]
         return []
 
+    def _abort(self, request_id: str) -> EngineCoreOutput | None:
+        """As the engine's abort_request, for a request whose constraint still compiles too."""
+        compiling = self._compiling.pop(request_id, None)
+        if compiling is not None:
+            return EngineCoreOutput(request_id, [], "abort", num_prompt_tokens=len(compiling[0].prompt_ids))
+        return self.engine.abort_request(request_id)
+
     def _abort_all(self) -> None:
+        """After a failed step: the client fails every open request on the failure message, those
+        whose constraint still compiles included."""
+        self._compiling.clear()
         for request_id in list(self.engine.core.requests):
             try:
                 self.engine.abort_request(request_id)

@@ -21,7 +21,7 @@ from roseinfer.sampling_params import SamplingParams
 from roseinfer.output_processor import StreamDelta
 from roseinfer.engine_client.select import make_engine_client
 from roseinfer.server.metrics import ServerMetrics
-from roseinfer.server.structured import compile_pool
+from roseinfer.engine.structured_output import compile_pool
 
 
 @serve.deployment

@@ -22,7 +22,7 @@ from jinja2 import TemplateError
 from pydantic import BaseModel
 
 from roseinfer.chat_template import template_variables
-from roseinfer.engine.structured_output import JSON_WHITESPACE, CompiledGrammar
+from roseinfer.engine.structured_output import JSON_WHITESPACE, CompiledGrammar, compile_pool
 from roseinfer.pooling_params import PoolingParams
 from roseinfer.sampling_params import SamplingParams
 from roseinfer.output_processor import StreamDelta
@@ -36,8 +36,7 @@ from roseinfer.server.request_params import (bad_value, check_chat_fields, check
                                              sampling_params)
 from roseinfer.server.responses import (Choice, EventStream, Reply, prompt_entries, sse, wait_disconnect,
                                         without_output)
-from roseinfer.server.structured import (Constraint, ConstraintLimits, compile_constraint, compile_pool,
-                                         requested_constraint)
+from roseinfer.server.structured import Constraint, ConstraintLimits, compile_constraint, requested_constraint
 from roseinfer.server.tool_calls import chat_inputs, pick_parser, plan_tools, takes_system_role
 from roseinfer.server.tool_parsers import NamedCallParser, ToolCall, ToolParser
 

@@ -1,13 +1,13 @@
 """The output constraint a request asks for, from whichever field it came in: OpenAI's
 response_format, vLLM's structured_outputs or its older guided_* fields. One per request.
 It is compiled here, in a worker thread, under a size and a time limit, before the request is
-submitted: a mistake is a 400 before anything is generated, and the engine takes the compiled
-grammar as it is instead of compiling it again in its step loop."""
+submitted: a mistake is a 400 before anything is generated, and an engine in this process takes the
+compiled grammar as it is; an engine process compiles its own copy on its compile threads, off its
+step loop (engine_client/core_process.py)."""
 from __future__ import annotations
 
 import asyncio
-import threading
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -19,11 +19,6 @@ from roseinfer.server.protocol import APIError, JsonObjectFormat, JsonSchemaForm
 if TYPE_CHECKING:
     from roseinfer.engine.llm_engine import LLMEngine
     from roseinfer.engine_client.engine_view import EngineView
-
-COMPILE_THREADS = 2
-# llguidance recurses once per nested rule as it compiles, so a deep grammar overflows a thread's default
-# stack; this covers --max-constraint-bytes' default (reserved address space, used only as deep as needed)
-COMPILE_STACK_BYTES = 256 << 20
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}
@@ -72,20 +67,6 @@ def constraint(field: str, **kwargs: Any) -> Constraint:
 class ConstraintLimits:
     max_bytes: int  # --max-constraint-bytes
     compile_timeout: float  # --constraint-compile-timeout, seconds
-
-
-def compile_pool() -> ThreadPoolExecutor:
-    """The threads constraints compile in: their own, so that a slow compile holds no other request's
-    parsing or tokenizing, and with a deep stack. Both are started here, while the stack size is set."""
-    previous = threading.stack_size(COMPILE_STACK_BYTES)
-    try:
-        pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="roseinfer-grammar")
-        started = threading.Barrier(COMPILE_THREADS)  # each waits for the other: two threads, not one reused
-        for waiting in [pool.submit(started.wait) for _ in range(COMPILE_THREADS)]:
-            waiting.result()
-    finally:
-        threading.stack_size(previous)
-    return pool
 
 
 async def compile_constraint(constraint: Constraint, engine: LLMEngine | EngineView, pool: Executor,
