@@ -44,17 +44,24 @@ def select_experts(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple
 
 class StackedExperts(nn.Module):
     """Every expert's gate/up [E, 2 w, H] and down [E, H, w], w being this rank's share of the expert
-    width; run only on the rows routed to each."""
+    width; run only on the rows routed to each. With `bias` (gpt-oss) each projection adds its
+    expert's bias after the matmul; `act_and_mul` maps gate/up to the down projection's input
+    (act(gate) * up of `hidden_act` where not given)."""
 
     def __init__(self, num_experts: int, hidden_size: int, expert_width: int, hidden_act: str,
-                 tp: TensorParallel) -> None:
+                 tp: TensorParallel, bias: bool = False, act_and_mul: nn.Module | None = None) -> None:
         super().__init__()
         self.width = tp.even(expert_width)
+        self.rank = tp.rank
         self.num_experts = num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * self.width.rows, hidden_size),
                                          requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, self.width.rows), requires_grad=False)
-        self.act_and_mul = ActivationAndMul(hidden_act)
+        self.gate_up_proj_bias = self.down_proj_bias = None
+        if bias:
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * self.width.rows), requires_grad=False)
+            self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        self.act_and_mul = act_and_mul if act_and_mul is not None else ActivationAndMul(hidden_act)
         self._filled: dict[str, set[tuple[int | None, int | None]]] = {"gate_up_proj": set(), "down_proj": set()}
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
@@ -73,8 +80,13 @@ class StackedExperts(nn.Module):
                 continue
             pairs = order[start:start + count]
             start += count
-            h = self.act_and_mul.forward(F.linear(x[pairs % tokens], self.gate_up_proj[expert]))
-            per_pair[pairs] = F.linear(h, self.down_proj[expert]) * flat_weights[pairs, None]
+            gate_up = F.linear(x[pairs % tokens], self.gate_up_proj[expert])
+            if self.gate_up_proj_bias is not None:
+                gate_up += self.gate_up_proj_bias[expert]
+            down = F.linear(self.act_and_mul.forward(gate_up), self.down_proj[expert])
+            if self.down_proj_bias is not None:
+                down += self.down_proj_bias[expert]
+            per_pair[pairs] = down * flat_weights[pairs, None]
         per_slot = per_pair.view(top_k, tokens, -1)
         by_expert = experts.argsort(dim=1, stable=True)  # each token's slots in ascending expert order
         rows = torch.arange(tokens, device=x.device)
@@ -103,6 +115,21 @@ class StackedExperts(nn.Module):
         filled = self._filled[target]
         filled.update((e, half) for e in (range(self.num_experts) if expert is None else [expert]))
         return len(filled) == self.num_experts * (1 if half is None else 2)
+
+
+    def load_bias(self, target: str, tensor: torch.Tensor) -> None:
+        """Every expert's bias of `target`: gate_up_proj_bias [E, 2 w] (gate's then up's), this rank's
+        share of each half; down_proj_bias [E, H] on rank 0 alone, zeros elsewhere (the layer's
+        all-reduce adds the ranks' partial sums)."""
+        part = self.width
+        if target == "gate_up_proj_bias":
+            tensor = torch.cat([half.narrow(-1, part.start, part.rows) for half in tensor.chunk(2, dim=-1)], dim=-1)
+        elif self.rank != 0:
+            tensor = torch.zeros_like(tensor)
+        param = getattr(self, target)
+        if param is None or param.shape != tensor.shape:
+            raise ValueError(f"expert bias {target} of shape {tuple(tensor.shape)} fits no parameter of this model")
+        param.data.copy_(tensor)
 
 
 class SharedExpert(nn.Module):

@@ -15,6 +15,7 @@ from torch import nn
 from roseinfer.backends.base import Backend, BatchLayout
 from roseinfer.backends.torch_sdpa import padded_block_tables, split_decode_prefill
 from roseinfer.layers.attention import AttentionMetadata, KVCache, PagedAttention
+from roseinfer.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,10 @@ class TritonMetadata(AttentionMetadata):
 class TritonBackend(Backend):
     name = "triton"
     graphs = None  # DecodeGraphs once captured
+
+    @staticmethod
+    def lacks(model_config: ModelConfig) -> str | None:
+        return "attention sinks" if model_config.attention_sinks else None
 
     @staticmethod
     def supports(device: torch.device, dtype: torch.dtype) -> bool:
