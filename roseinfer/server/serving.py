@@ -367,6 +367,8 @@ def split_reply(text: str, token_ids: list[int], reasoner: ReasoningParser | Non
         reasoning, text = reasoner.parse(text, token_ids)
     if parser is None:
         return reasoning, text, []
+    for name, arguments in reasoner.calls if reasoner is not None else ():  # harmony's, read from the ids
+        parser.called(name, arguments)
     content, calls = parser.parse(text or "")
     return reasoning, content, calls
 
@@ -383,6 +385,8 @@ def split_delta(delta: StreamDelta, reasoner: ReasoningParser | None,
         reasoning, content = split.reasoning, split.content
     if parser is not None:
         parsed = parser.feed(content)
+        for name, arguments in split.calls if reasoner is not None else ():  # harmony's, read from the ids
+            parsed.extend(parser.called(name, arguments))
         if delta.finished:
             parsed.extend(parser.finish())
         content, calls = parsed.content, parsed.tool_calls
