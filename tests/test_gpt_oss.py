@@ -1,26 +1,32 @@
 """gpt-oss (models/gpt_oss.py): HF's greedy tokens in every scheduling mode, every KV block free
-after; the backends without attention sinks refuse it (auto passes them over); the MoE block,
-sinks and clamp against transformers' modules; MXFP4 experts dequantized as transformers does."""
+after; attention sinks in each backend's attention against a float64 reference, and the backend
+without them (triton) refusing the model by name; the MoE block, sinks and clamp against
+transformers' modules; MXFP4 experts dequantized as transformers does."""
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from roseinfer import LLM
+from roseinfer.layers.attention import PagedAttention
 from roseinfer.layers.mxfp4 import dequantize_mxfp4, dequantized_mxfp4
+from roseinfer.layers.rotary import apply_rotary
 from roseinfer.models.config import ModelConfig
 from roseinfer.models.gpt_oss import GptOssMoe, select_top_logits
 from roseinfer.models.registry import build_model
 from test_correctness import GREEDY, MAX_TOKENS
 from test_correctness import _prompts as correctness_prompts
 from test_moe import MODES
+from test_sliding_window import BACKENDS, BLOCK_SIZE, CPU, HEAD_DIM, HEADS, KV_HEADS, LAYOUTS, _case
 from test_speculative import _prompts as speculative_prompts
 from tiny_models import hf_greedy, load_hf_model
 
 ARCH = "gpt_oss"
-# the backends whose attention has no sinks: refused by name, so they are not modes here
-SINKLESS = ("cpu", "triton")
+# the backend whose attention has no sinks: refused by name, so it is not a mode here
+SINKLESS = ("triton",)
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +42,6 @@ def test_greedy_matches_hf_in_every_mode(gpt_oss, mode: str) -> None:
     model_dir, prompts, refs = gpt_oss
     kind = "speculative" if "speculative_config" in MODES[mode] else "plain"
     llm = LLM(model=str(model_dir), **{"num_kv_blocks": 128, **MODES[mode]})
-    assert llm.engine.backend.name == "torch"  # auto passes over the backends without sinks
     outs = llm.generate(prompts[kind][:6], GREEDY, use_tqdm=False)
     outs += llm.generate(prompts[kind][6:], GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == refs[kind]
@@ -50,13 +55,73 @@ def test_greedy_matches_hf_in_every_mode(gpt_oss, mode: str) -> None:
         assert stats["prefix_cache_hits"] > 0
 
 
-@pytest.mark.parametrize("backend", SINKLESS)
-def test_backends_without_sinks_refuse_it_by_name(tiny_model_factory, backend: str) -> None:
+def test_the_backend_without_sinks_refuses_it_by_name(tiny_model_factory, monkeypatch) -> None:
     from roseinfer.backends import select_backend
+    from roseinfer.backends.triton import TritonBackend
 
     cfg = ModelConfig.from_dict(load_hf_model(tiny_model_factory(ARCH)).config.to_dict())
-    with pytest.raises(ValueError, match="attention sinks"):
-        select_backend(backend, torch.device("cpu"), torch.float32, cfg)
+    monkeypatch.setattr(TritonBackend, "supports", staticmethod(lambda device, dtype: True))
+    with pytest.raises(ValueError, match="the triton backend has no attention sinks"):
+        select_backend("triton", torch.device("cpu"), torch.float32, cfg)
+
+
+def _sink_reference(q, k, v, caches, layout, layer):
+    """test_sliding_window's float64 reference with each head's sink as one more score column."""
+    k_cache, v_cache = (c.clone() for c in caches)
+    k_cache[layout.slot_mapping], v_cache[layout.slot_mapping] = k, v
+    heads, kv_heads = layer.num_heads, layer.num_kv_heads
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for start, q_len, ctx, table in zip(layout.q_starts, layout.q_lens, layout.kv_lens, layout.block_tables):
+        slots = [table[t // BLOCK_SIZE] * BLOCK_SIZE + t % BLOCK_SIZE for t in range(ctx)]
+        keys, values = (c[slots].double().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+                        for c in (k_cache, v_cache))
+        scores = q[start:start + q_len].double().transpose(0, 1) @ keys.transpose(1, 2) * layer.scale
+        positions, key_positions = torch.arange(ctx - q_len, ctx).unsqueeze(1), torch.arange(ctx)
+        visible = key_positions <= positions
+        if layer.sliding_window is not None:
+            visible &= positions - key_positions < layer.sliding_window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        sinks = layer.sinks.double().view(heads, 1, 1).expand(heads, q_len, 1)
+        weights = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1]
+        out[start:start + q_len] = (weights @ values).transpose(0, 1)
+    return out.float()
+
+
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("layout_name", list(LAYOUTS))
+@pytest.mark.parametrize("backend_name", [b for b in BACKENDS if b not in SINKLESS])
+def test_each_backend_with_sinks_attends_as_the_reference(backend_name: str, layout_name: str,
+                                                          window: int | None) -> None:
+    """Decodes, whole prompts and mixed steps (the CPU backend's C decode and prefill kernels)."""
+    q, k, v, caches, layout = _case(sum(map(ord, layout_name)), LAYOUTS[layout_name])
+    sinks = torch.tensor([2.0, -1.0, 0.5, 4.0])
+    layer = PagedAttention(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5, sliding_window=window, sinks=sinks)
+    expected = _sink_reference(q, k, v, caches, layout, layer)
+    plain = PagedAttention(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5, sliding_window=window,
+                           sinks=torch.full((HEADS,), -1e4))
+    assert (expected - _sink_reference(q, k, v, caches, layout, plain)).abs().max() > 0.1
+    shape = SimpleNamespace(num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM)
+    meta = BACKENDS[backend_name](CPU, torch.float32, shape).build_metadata(layout)
+    got = layer(q, k, v, [c.clone() for c in caches], meta)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif("cpu" not in BACKENDS, reason="the CPU kernels do not build here")
+def test_the_cpu_fused_decode_applies_the_sinks() -> None:
+    """A decode step's rotary, KV write and attention in one C call, sinks included."""
+    _, k, v, caches, layout = _case(5, LAYOUTS["decodes"])
+    rows = k.shape[0]
+    qkv = torch.randn(rows, (HEADS + 2 * KV_HEADS) * HEAD_DIM) * 3
+    rope = torch.polar(torch.ones(rows, 1, HEAD_DIM // 2), torch.randn(rows, 1, HEAD_DIM // 2))
+    layer = PagedAttention(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5, sinks=torch.tensor([2.0, -1.0, 0.5, 4.0]))
+    shape = SimpleNamespace(num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM)
+    meta = BACKENDS["cpu"](CPU, torch.float32, shape).build_metadata(layout)
+    assert meta.fused_decode
+    qk = apply_rotary(qkv[:, :(HEADS + KV_HEADS) * HEAD_DIM].view(rows, HEADS + KV_HEADS, HEAD_DIM), rope)
+    values = qkv[:, (HEADS + KV_HEADS) * HEAD_DIM:].view(rows, KV_HEADS, HEAD_DIM)
+    expected = _sink_reference(qk[:, :HEADS], qk[:, HEADS:], values, caches, layout, layer)
+    got = layer.forward_qkv(qkv.clone(), rope, [c.clone() for c in caches], meta)
+    torch.testing.assert_close(got, expected.flatten(1), rtol=1e-5, atol=1e-5)
 
 
 def _hf_model_and_ours(tiny_model_factory):

@@ -31,10 +31,6 @@ class CPUBackend(Backend):
         self.native_prefill = ops.prefill_attention_supported(model_config.head_dim, self.group)
 
     @staticmethod
-    def lacks(model_config: ModelConfig) -> str | None:
-        return "attention sinks" if model_config.attention_sinks else None
-
-    @staticmethod
     def supports(device: torch.device, dtype: torch.dtype) -> bool:
         return device.type == "cpu" and dtype == torch.float32 and kernels_available()
 
