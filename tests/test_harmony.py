@@ -145,12 +145,16 @@ def forced_reply(model_dir: Path, tokenizer: Tokenizer, harmony: HarmonyTokens) 
     grammar = after_reasoning(StructuredOutputsParams(choice=CHOICES), harmony, "start", JSON_WHITESPACE)
     end_id = harmony.end_ids[0]
     params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=grammar, logit_bias={end_id: END_BIAS})
-    ids = LLM(model=str(model_dir)).generate([prompt], params, use_tqdm=False)[0].token_ids
+    llm = LLM(model=str(model_dir), reasoning_parser="auto")
+    ids = llm.generate([prompt], params, use_tqdm=False)[0].token_ids
     opened, ended = ids.index(harmony.message_id), ids.index(end_id)
     # the test means something only if there is reasoning before the final channel
     assert ids[0] == harmony.channel_id and ended > opened + 1, tokenizer.decode(ids, skip_special_tokens=False)
     final = len(ids) - 1 - ids[::-1].index(harmony.message_id)
-    return tokenizer.decode(ids[opened + 1:ended]), tokenizer.decode(ids[final + 1:]), ended - opened
+    reasoning, answer = tokenizer.decode(ids[opened + 1:ended]), tokenizer.decode(ids[final + 1:])
+    [chat] = llm.chat(QUESTION, params, use_tqdm=False)  # LLM.chat splits it alike
+    assert (chat.reasoning, chat.text) == (reasoning, answer)
+    return reasoning, answer, ended - opened
 
 
 @pytest.fixture(scope="module")
