@@ -216,3 +216,20 @@ def test_references_are_not_degenerate(tiny_model_factory) -> None:
     from test_tiny_models import test_reference_not_degenerate
 
     test_reference_not_degenerate(tiny_model_factory(ARCH), hf_greedy)
+
+
+def test_greedy_matches_hf_on_two_ranks(gpt_oss) -> None:
+    """Chunked prefill, prefix caching and preemption over two ranks, each with half of every head's
+    sinks, biases and every expert's width (down's bias on rank 0 alone): HF's tokens, every block free."""
+    model_dir, prompts, refs = gpt_oss
+    llm = LLM(model=str(model_dir), tensor_parallel_size=2, num_kv_blocks=10, max_num_batched_tokens=16)
+    try:
+        outs = llm.generate(prompts["plain"][:6], GREEDY, use_tqdm=False)
+        outs += llm.generate(prompts["plain"][6:], GREEDY, use_tqdm=False)
+        assert [o.token_ids for o in outs] == refs["plain"]
+        assert sum(o.metrics["num_preemptions"] for o in outs) > 0
+        assert llm.kv_cache_stats()["used_blocks"] == 0
+        attention = llm.engine.runner.model.model.layers[0].self_attn
+        assert attention.sinks.shape == (llm.engine.model_config.num_heads // 2,)
+    finally:
+        llm.shutdown()

@@ -7,7 +7,8 @@ computed by models/moe.py's StackedExperts.
 Checkpoints hold the experts as transformers holds them in memory, gate/up [E, H, 2 w] with gate and
 up columns interleaved and down [E, w, H]; the original ones as MXFP4 blocks and scales, dequantized
 at load (layers/mxfp4.py). Loading transposes them into StackedExperts' [E, 2 w, H] with gate's rows
-first, the order its activation reads them in.
+first, the order its activation reads them in. A converted GGUF file (loader/gguf_architectures.py)
+names them as llama.cpp splits them: gate_proj, up_proj and down_proj, [E, out, in], and their biases.
 """
 from __future__ import annotations
 
@@ -24,11 +25,13 @@ from roseinfer.layers.linear import Linear
 from roseinfer.layers.mxfp4 import dequantized_mxfp4
 from roseinfer.models.config import ModelConfig
 from roseinfer.models.llama import DecoderForCausalLM, LlamaAttention, LlamaDecoderLayer
-from roseinfer.models.moe import StackedExperts
+from roseinfer.models.moe import EXPERT_PROJECTIONS, StackedExperts
 from roseinfer.models.weights import WeightLoader
 
-# model.layers.{layer}.mlp.experts.{gate_up_proj|down_proj}[_bias]
+# model.layers.{layer}.mlp.experts.{gate_up_proj|down_proj}[_bias], transformers' names
 _EXPERT_TENSOR = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
+# model.layers.{layer}.mlp.experts.{gate_proj|up_proj|down_proj}.{weight|bias}, a GGUF file's
+_SPLIT_EXPERT_TENSOR = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_proj|up_proj|down_proj)\.(weight|bias)$")
 
 
 def select_top_logits(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,6 +88,10 @@ class GptOssForCausalLM(DecoderForCausalLM):
             attention = self.model.layers[int(name.split(".")[2])].self_attn
             loader.load(name, tensor.narrow(0, attention.first_head, attention.num_heads))
             return
+        split = _SPLIT_EXPERT_TENSOR.match(name)
+        if split is not None:
+            self._load_split(loader, *split.groups(), tensor)
+            return
         match = _EXPERT_TENSOR.match(name)
         if match is None:
             super().load_weight(loader, name, tensor)
@@ -94,10 +101,17 @@ class GptOssForCausalLM(DecoderForCausalLM):
         if bias:
             if projection == "gate_up_proj":  # interleaved gate, up -> gate's, then up's
                 tensor = torch.cat([tensor[..., 0::2], tensor[..., 1::2]], dim=-1)
-            experts.load_bias(projection + "_bias", tensor)
+            experts.load_bias(projection, tensor)
         elif projection == "gate_up_proj":  # [E, H, 2 w], columns interleaved
             experts.load("gate_proj", None, tensor[..., 0::2].transpose(1, 2))
             experts.load("up_proj", None, tensor[..., 1::2].transpose(1, 2))
         else:  # [E, w, H]
             experts.load("down_proj", None, tensor.transpose(1, 2))
         loader.loaded.add(f"model.layers.{layer}.mlp.experts.{projection}{bias or ''}")
+
+    def _load_split(self, loader: WeightLoader, layer: str, projection: str, kind: str, tensor: torch.Tensor) -> None:
+        experts: StackedExperts = self.model.layers[int(layer)].mlp.experts
+        whole = experts.load_bias(projection, tensor) if kind == "bias" else experts.load(projection, None, tensor)
+        if whole:
+            target = EXPERT_PROJECTIONS[projection][0]
+            loader.loaded.add(f"model.layers.{layer}.mlp.experts.{target}{'_bias' if kind == 'bias' else ''}")

@@ -117,19 +117,28 @@ class StackedExperts(nn.Module):
         return len(filled) == self.num_experts * (1 if half is None else 2)
 
 
-    def load_bias(self, target: str, tensor: torch.Tensor) -> None:
-        """Every expert's bias of `target`: gate_up_proj_bias [E, 2 w] (gate's then up's), this rank's
-        share of each half; down_proj_bias [E, H] on rank 0 alone, zeros elsewhere (the layer's
-        all-reduce adds the ranks' partial sums)."""
+    def load_bias(self, projection: str, tensor: torch.Tensor) -> bool:
+        """Every expert's bias of `projection`: gate_up_proj [E, 2 w] (gate's then up's), gate_proj or
+        up_proj [E, w], this rank's share of each; down_proj [E, H] on rank 0 alone, zeros elsewhere
+        (the layer's all-reduce adds the ranks' partial sums). True once the parameter it fills is whole."""
         part = self.width
-        if target == "gate_up_proj_bias":
-            tensor = torch.cat([half.narrow(-1, part.start, part.rows) for half in tensor.chunk(2, dim=-1)], dim=-1)
-        elif self.rank != 0:
-            tensor = torch.zeros_like(tensor)
-        param = getattr(self, target)
-        if param is None or param.shape != tensor.shape:
-            raise ValueError(f"expert bias {target} of shape {tuple(tensor.shape)} fits no parameter of this model")
-        param.data.copy_(tensor)
+        halves = {"gate_up_proj": (0, 1), "gate_proj": (0,), "up_proj": (1,)}.get(projection, ())
+        param = self.down_proj_bias if not halves else self.gate_up_proj_bias
+        if param is None:
+            raise ValueError(f"expert bias {projection} fits no parameter of this model")
+        if not halves:
+            destinations, sources = [param.data], [tensor if self.rank == 0 else torch.zeros_like(tensor)]
+        else:
+            destinations = [param.data.narrow(-1, half * part.rows, part.rows) for half in halves]
+            sources = [piece.narrow(-1, part.start, part.rows) for piece in tensor.chunk(len(halves), dim=-1)]
+        for destination, source in zip(destinations, sources):
+            if destination.shape != source.shape:
+                raise ValueError(f"expert bias {projection} has shape {tuple(tensor.shape)}, which does not fit "
+                                 f"{tuple(param.shape)}")
+            destination.copy_(source)
+        filled = self._filled.setdefault(f"{'down' if not halves else 'gate_up'}_proj_bias", set())
+        filled.update((None, half) for half in halves or (None,))
+        return len(filled) == (1 if not halves else 2)
 
 
 class SharedExpert(nn.Module):
