@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from roseinfer.sampling_params import StructuredOutputsParams
 from roseinfer.stop_strings import held_length
@@ -123,6 +123,26 @@ def pick_reasoning_parser(template: str | None, flag: str,
 def _tag_id(tokenizer: Tokenizer, tag: str) -> int | None:
     ids = tokenizer.encode(tag, add_special_tokens=False)
     return ids[0] if len(ids) == 1 and tokenizer.decode(ids) == tag else None
+
+
+class Reasoner(Protocol):
+    """What the server reads of one reply's reasoning parser: ReasoningParser, or harmony.py's
+    HarmonyParser (which also finds tool calls)."""
+
+    tags: ThinkTags | HarmonyTokens
+    mode: Mode
+    reasoning: str
+    content: str
+    calls: list[tuple[str, str]]
+
+    @property
+    def reasoning_tokens(self) -> int: ...
+
+    def feed(self, text: str, token_ids: list[int] = ()) -> ReasoningDelta: ...
+
+    def finish(self) -> ReasoningDelta: ...
+
+    def parse(self, text: str, token_ids: list[int] = ()) -> tuple[str | None, str | None]: ...
 
 
 class ReasoningParser:

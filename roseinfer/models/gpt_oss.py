@@ -69,9 +69,8 @@ class GptOssMoe(nn.Module):
 
 
 class GptOssDecoderLayer(LlamaDecoderLayer):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel, layer: int) -> None:
-        super().__init__(cfg, tp, layer)
-        self.self_attn = GptOssAttention(cfg, tp, layer)
+    def build_attention(self, cfg: ModelConfig, tp: TensorParallel, layer: int) -> LlamaAttention:
+        return GptOssAttention(cfg, tp, layer)
 
     def build_mlp(self, cfg: ModelConfig, tp: TensorParallel, layer: int) -> nn.Module:
         return GptOssMoe(cfg, tp)
