@@ -1,8 +1,7 @@
 """Backends, chosen once at engine start by `--attention-backend` (EngineConfig.attention_backend).
 
 auto picks `cpu` for fp32 on a CPU where the C kernels build, `triton` on CUDA, else `torch` (the
-reference, on any device; also the way to run without any of the CPU kernels), passing over a backend
-that lacks what the model's attention needs (Backend.lacks: gpt-oss's sinks).
+reference, on any device; also the way to run without any of the CPU kernels).
 """
 from __future__ import annotations
 
@@ -40,14 +39,9 @@ def select_backend(name: str, device: torch.device, dtype: torch.dtype, model_co
     model_config is what one rank computes (worker/sharding.py shard_config) and world_size the
     number of tensor-parallel ranks, each with a backend of its own."""
     if name == "auto":
-        name = next(c for c in platform_for(device).backends
-                    if backend_class(c).supports(device, dtype) and backend_class(c).lacks(model_config) is None)
+        name = next(c for c in platform_for(device).backends if backend_class(c).supports(device, dtype))
         logger.info("attention backend: %s", name)
     cls = backend_class(name)
     if not cls.supports(device, dtype):
         raise ValueError(f"the {name} backend cannot run {dtype} on {platform_for(device).name} here")
-    missing = cls.lacks(model_config)
-    if missing is not None:
-        raise ValueError(f"the {name} backend has no {missing}, which this {model_config.model_type} model needs; "
-                         "use --attention-backend torch")
     return cls(device, dtype, model_config, world_size)

@@ -73,12 +73,6 @@ class Backend(ABC):
         """Whether this backend can run tensors of this device and dtype here."""
         return True
 
-    @staticmethod
-    def lacks(model_config: ModelConfig) -> str | None:
-        """What this model needs that this backend's attention cannot do (None: nothing); such a
-        backend refuses the model rather than give wrong results, and auto passes it over."""
-        return None
-
     @abstractmethod
     def build_metadata(self, layout: BatchLayout) -> AttentionMetadata:
         """The step's metadata, shared by every layer's attention."""

@@ -55,8 +55,7 @@ class PagedAttention:
     when k <= p and p - k < W (its last W positions, itself included); with `logit_softcap` c, the
     scores become c * tanh(scores / c) after the scale, before the mask and the softmax; with
     `sinks` [H] (gpt-oss), head h's softmax has one more logit, sinks[h], in its denominator and
-    none in the output (attention that may rest on nothing). A backend that cannot apply one of
-    them refuses the model at start-up (Backend.lacks)."""
+    none in the output (attention that may rest on nothing). Every backend applies all three."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None = None, logit_softcap: float | None = None,

@@ -15,7 +15,6 @@ from torch import nn
 from roseinfer.backends.base import Backend, BatchLayout
 from roseinfer.backends.torch_sdpa import padded_block_tables, split_decode_prefill
 from roseinfer.layers.attention import AttentionMetadata, KVCache, PagedAttention
-from roseinfer.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +49,8 @@ class TritonMetadata(AttentionMetadata):
 
         kernels.store_kv(k, v, self.slot_mapping, *kv_cache)
         decode, prefill = self.decode, self.prefill
-        options = {"sliding_window": layer.sliding_window, "logit_softcap": layer.logit_softcap}
+        options = {"sliding_window": layer.sliding_window, "logit_softcap": layer.logit_softcap,
+                   "sinks": layer.sinks}
         if prefill is None and decode.rows is None:
             return kernels.paged_decode_attention(q, *kv_cache, decode.block_tables, decode.kv_lens, self.block_size,
                                                   layer.scale, **options)
@@ -68,10 +68,6 @@ class TritonMetadata(AttentionMetadata):
 class TritonBackend(Backend):
     name = "triton"
     graphs = None  # DecodeGraphs once captured
-
-    @staticmethod
-    def lacks(model_config: ModelConfig) -> str | None:
-        return "attention sinks" if model_config.attention_sinks else None
 
     @staticmethod
     def supports(device: torch.device, dtype: torch.dtype) -> bool:
