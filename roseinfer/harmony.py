@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from roseinfer.reasoning import ReasoningDelta
+from roseinfer.reasoning_delta import ReasoningDelta
 
 if TYPE_CHECKING:
     from roseinfer.tokenizer import IncrementalDetokenizer, Tokenizer

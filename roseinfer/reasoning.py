@@ -19,33 +19,21 @@ ids (after_reasoning), so it constrains the answer only.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol
 
+from roseinfer.harmony import CHANNEL, HarmonyTokens
+from roseinfer.reasoning_delta import ReasoningDelta
 from roseinfer.sampling_params import StructuredOutputsParams
 from roseinfer.stop_strings import held_length
 
 if TYPE_CHECKING:  # `roseinfer serve --help` builds its flags from this module without loading tokenizers
-    from roseinfer.harmony import HarmonyTokens
     from roseinfer.tokenizer import Tokenizer
 
 THINK_START, THINK_END = "<think>", "</think>"
 REASONING_PARSERS = ("qwen3", "deepseek_r1", "harmony")
 PROMPT_TAIL_TOKENS = 8  # enough to see the generation prompt's last tag past trailing newlines
 Mode = Literal["start", "reasoning", "content"]
-
-
-@dataclass
-class ReasoningDelta:
-    reasoning: str = ""
-    content: str = ""
-    calls: list[tuple[str, str]] = field(default_factory=list)  # (name, JSON arguments): harmony's tool calls
-
-    def extend(self, other: ReasoningDelta) -> ReasoningDelta:
-        self.reasoning += other.reasoning
-        self.content += other.content
-        self.calls += other.calls
-        return self
 
 
 @dataclass(frozen=True)
@@ -96,8 +84,6 @@ def pick_reasoning_parser(template: str | None, flag: str,
     template writes `<|channel|>` and the tokenizer has harmony's markers; qwen3 when it writes
     `</think>` (thinking templates do, to drop earlier turns' reasoning or to close it when thinking
     is off) and the tokenizer has the tags as kept tokens; no parser otherwise."""
-    from roseinfer.harmony import CHANNEL, HarmonyTokens
-
     if flag == "none":
         return None
     if flag in ("auto", "harmony") and (flag == "harmony" or CHANNEL in (template or "")):
