@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
+from roseinfer.harmony import CHANNEL, HarmonyTokens
+from roseinfer.reasoning_delta import ReasoningDelta
 from roseinfer.sampling_params import StructuredOutputsParams
 from roseinfer.stop_strings import held_length
 
@@ -29,20 +31,9 @@ if TYPE_CHECKING:  # `roseinfer serve --help` builds its flags from this module 
     from roseinfer.tokenizer import Tokenizer
 
 THINK_START, THINK_END = "<think>", "</think>"
-REASONING_PARSERS = ("qwen3", "deepseek_r1")
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "harmony")
 PROMPT_TAIL_TOKENS = 8  # enough to see the generation prompt's last tag past trailing newlines
 Mode = Literal["start", "reasoning", "content"]
-
-
-@dataclass
-class ReasoningDelta:
-    reasoning: str = ""
-    content: str = ""
-
-    def extend(self, other: ReasoningDelta) -> ReasoningDelta:
-        self.reasoning += other.reasoning
-        self.content += other.content
-        return self
 
 
 @dataclass(frozen=True)
@@ -63,12 +54,13 @@ class ThinkTags:
         return ReasoningParser(self, "start", "reasoning" if self.kind == "deepseek_r1" else "content")
 
 
-def after_reasoning(params: StructuredOutputsParams, tags: ThinkTags, mode: Mode,
+def after_reasoning(params: StructuredOutputsParams, tags: ThinkTags | HarmonyTokens, mode: Mode,
                     json_whitespace: str) -> StructuredOutputsParams:
     """The constraint on the answer alone, for a reply that starts in `mode` (not "content"): a Lark
     grammar that lets any tokens but `</think>` through, then `</think>`, then the answer (for qwen3,
-    a reply that does not open with `<think>` is all answer, as the parser reads it). A ValueError for regex
-    and grammar constraints, which cannot be put inside another grammar as they are."""
+    a reply that does not open with `<think>` is all answer, as the parser reads it; for harmony,
+    analysis messages, then the final channel's). A ValueError for regex and grammar constraints,
+    which cannot be put inside another grammar as they are."""
     if params.regex is not None or params.grammar is not None:
         raise ValueError(f"a {params.kind} constraint cannot be put after the reasoning yet")
     if params.choice is not None:
@@ -78,18 +70,29 @@ def after_reasoning(params: StructuredOutputsParams, tags: ThinkTags, mode: Mode
         # the server's whitespace rule between JSON tokens, unless the schema sets its own
         options = {"whitespace_pattern": json_whitespace, **schema.get("x-guidance", {})}
         answer = "%json " + json.dumps({**schema, "x-guidance": options})
+    if tags.kind == "harmony":
+        return StructuredOutputsParams(grammar=tags.answer_after_analysis() + f"answer: {answer}\n")
     reasoning = f"<[^{tags.end_id}]>* <[{tags.end_id}]> answer"  # a leading <think> included
     if mode == "start" and tags.kind == "qwen3":  # its reply thinks only if it opens with <think>
         reasoning = f"<[{tags.start_id}]> {reasoning} | answer"
     return StructuredOutputsParams(grammar=f"start: {reasoning}\nanswer: {answer}\n")
 
 
-def pick_reasoning_parser(template: str | None, flag: str, tokenizer: Tokenizer) -> ThinkTags | None:
-    """--reasoning-parser: a name, "none", or "auto": qwen3 when the chat template writes `</think>`
-    (thinking templates do, to drop earlier turns' reasoning or to close it when thinking is off)
-    and the tokenizer has the tags as kept tokens; no parser otherwise."""
+def pick_reasoning_parser(template: str | None, flag: str,
+                          tokenizer: Tokenizer) -> ThinkTags | HarmonyTokens | None:
+    """--reasoning-parser: a name, "none", or "auto": harmony (roseinfer/harmony.py) when the chat
+    template writes `<|channel|>` and the tokenizer has harmony's markers; qwen3 when it writes
+    `</think>` (thinking templates do, to drop earlier turns' reasoning or to close it when thinking
+    is off) and the tokenizer has the tags as kept tokens; no parser otherwise."""
     if flag == "none":
         return None
+    if flag in ("auto", "harmony") and (flag == "harmony" or CHANNEL in (template or "")):
+        harmony = HarmonyTokens.of(tokenizer)
+        if harmony is None and flag == "harmony":
+            raise ValueError("--reasoning-parser harmony needs harmony's markers (<|channel|>, <|message|>, ...) "
+                             "as single tokens of this tokenizer")
+        if harmony is not None:
+            return harmony
     ids = [_tag_id(tokenizer, tag) for tag in (THINK_START, THINK_END)]
     if flag == "auto":
         if THINK_END not in (template or "") or None in ids:
@@ -108,6 +111,26 @@ def _tag_id(tokenizer: Tokenizer, tag: str) -> int | None:
     return ids[0] if len(ids) == 1 and tokenizer.decode(ids) == tag else None
 
 
+class Reasoner(Protocol):
+    """What the server reads of one reply's reasoning parser: ReasoningParser, or harmony.py's
+    HarmonyParser (which also finds tool calls)."""
+
+    tags: ThinkTags | HarmonyTokens
+    mode: Mode
+    reasoning: str
+    content: str
+    calls: list[tuple[str, str]]
+
+    @property
+    def reasoning_tokens(self) -> int: ...
+
+    def feed(self, text: str, token_ids: list[int] = ()) -> ReasoningDelta: ...
+
+    def finish(self) -> ReasoningDelta: ...
+
+    def parse(self, text: str, token_ids: list[int] = ()) -> tuple[str | None, str | None]: ...
+
+
 class ReasoningParser:
     """One reply's split: `feed` each text delta (and its token ids), `finish` at the end."""
 
@@ -117,6 +140,7 @@ class ReasoningParser:
         self.default = default  # the mode a reply that does not open with <think> is in
         self.reasoning = ""  # all of it so far, for a non-streamed reply
         self.content = ""
+        self.calls: list[tuple[str, str]] = []  # none: <think> replies make calls in their answer
         self.had_reasoning = mode == "reasoning"
         self._pending = ""  # text held back: maybe the start of a tag, or whitespace before one
         self._strip_leading = mode == "reasoning"  # whitespace right after a tag is dropped

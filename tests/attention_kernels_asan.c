@@ -7,7 +7,11 @@
 
 #include "kernels.h"
 
-/* window > 0: a sliding window, with a soft-cap too */
+/* per query head (up to 16): the sinks the windowed runs read, so a sink past H would show */
+static const float sinks[16] = {0.5f, -1.0f, 2.0f, 0.0f, 1.5f, -0.5f, 3.0f, -2.0f,
+                                0.25f, 1.0f, -3.0f, 0.75f, 2.5f, -1.5f, 0.1f, -0.1f};
+
+/* window > 0: a sliding window, with a soft-cap and sinks too */
 static void run(int64_t H, int64_t Hkv, int64_t D, int64_t qlen, int64_t ctx, int64_t window) {
     int64_t bs = 4, kv = ctx + qlen, nb = (kv + bs - 1) / bs;
     float *q = malloc(sizeof(float) * qlen * H * D), *out = malloc(sizeof(float) * qlen * H * D);
@@ -18,7 +22,7 @@ static void run(int64_t H, int64_t Hkv, int64_t D, int64_t qlen, int64_t ctx, in
     for (int64_t i = 0; i < nb; i++) table[i] = nb - 1 - i;
     int64_t start = 0;
     int r = paged_prefill_attention_f32(q, H * D, k, v, out, table, &start, &qlen, &kv, 1, H, Hkv, D, bs, nb, 0.1f, window,
-                                        window ? 30.0f : 0.0f, 2);
+                                        window ? 30.0f : 0.0f, window ? sinks : NULL, 2);
     if (r != 0) {
         printf("H=%ld Hkv=%ld D=%ld: kernel returned %d\n", (long)H, (long)Hkv, (long)D, r);
         exit(1);
@@ -38,7 +42,7 @@ static void run_decode(int64_t H, int64_t Hkv, int64_t D, int64_t kv, int64_t wi
     for (int64_t i = 0; i < 2 * nb; i++) tables[i] = 2 * nb - 1 - i;
     for (int s = 0; s < 2; s++) slots[s] = tables[s * nb + (lens[s] - 1) / bs] * bs + (lens[s] - 1) % bs;
     int r = paged_decode_attention_f32(qkv, row, rope, slots, k, v, out, tables, lens, 2, H, Hkv, D, bs, nb, 0.1f, window,
-                                       window ? 30.0f : 0.0f, 2);
+                                       window ? 30.0f : 0.0f, window ? sinks : NULL, 2);
     if (r != 0) {
         printf("decode H=%ld Hkv=%ld D=%ld: kernel returned %d\n", (long)H, (long)Hkv, (long)D, r);
         exit(1);

@@ -105,4 +105,4 @@ def test_chat_with_a_reasoning_parser_splits_the_reasoning_from_the_answer(model
     assert (out.reasoning, out.text) == (reasoning.strip(), answer.lstrip())
     assert out.token_ids == raw.token_ids and raw.reasoning is None
     with pytest.raises(ValueError, match="--reasoning-parser must be auto, none or one of"):
-        LLM(str(model_dir), num_kv_blocks=8, reasoning_parser="harmony")
+        LLM(str(model_dir), num_kv_blocks=8, reasoning_parser="granite")

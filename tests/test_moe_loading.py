@@ -1,9 +1,11 @@
 """Mixtures of experts loaded other ways: from GGUF files written as llama.cpp's converter writes them
-(experts stacked in 3-D `ffn_*_exps`, Mixtral as `llama` with q/k permuted), and over two
+(experts stacked in 3-D `ffn_*_exps`, Mixtral as `llama` with q/k permuted, gpt-oss with MXFP4
+experts), and over two
 tensor-parallel ranks, each holding its share of every expert's width."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -58,3 +60,36 @@ def test_olmoe_on_two_ranks_is_refused_with_the_reason(tiny_model_factory) -> No
     """OLMoE's q/k norms span every head, which no rank holds alone."""
     with pytest.raises(ValueError, match="norm"):
         LLM(model=str(tiny_model_factory("olmoe")), tensor_parallel_size=2)
+
+
+def test_a_gpt_oss_gguf_with_mxfp4_experts_gives_hf_greedy_tokens(tiny_model_factory, tmp_path: Path) -> None:
+    """llama.cpp's `gpt-oss` file (experts split and in MXFP4, sinks, the router's bias) converts back
+    into gpt-oss's config and weights: the engine on it gives the tokens of transformers holding the
+    MXFP4-rounded experts. The clamp is llama.cpp's fixed 7.0, which the checkpoint here is given."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from gguf_gpt_oss import mxfp4_round_trip, write_gpt_oss_gguf
+
+    source = tmp_path / "gpt_oss"
+    shutil.copytree(tiny_model_factory("gpt_oss"), source)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "swiglu_limit": 7.0}))
+    hf = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32)
+    src = write_gpt_oss_gguf(tmp_path / "gpt-oss.gguf", hf, _trained_tokenizer())
+    with torch.no_grad():  # the reference holds what the file holds
+        for layer in hf.model.layers:
+            experts = layer.mlp.experts
+            experts.gate_up_proj.copy_(mxfp4_round_trip(experts.gate_up_proj.transpose(1, 2)).transpose(1, 2))
+            experts.down_proj.copy_(mxfp4_round_trip(experts.down_proj.transpose(1, 2)).transpose(1, 2))
+    hf.save_pretrained(str(source))
+    folder = convert_gguf(src, cache_dir=str(tmp_path / "cache"))
+    converted = ModelConfig.from_dict(json.loads((folder / "config.json").read_text()))
+    original = ModelConfig.from_dict(json.loads((source / "config.json").read_text()))
+    for field in ("moe", "sliding_windows", "clamped_swiglu", "attention_sinks", "o_proj_bias", "head_dim"):
+        assert getattr(converted, field) == getattr(original, field), field
+    prompts = sample_prompts(source, 3, seed=5)
+    refs = [hf_greedy(source, p, MAX_TOKENS) for p in prompts]
+    llm = LLM(model=str(src), num_kv_blocks=64)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == refs
+    assert llm.kv_cache_stats()["used_blocks"] == 0

@@ -1,5 +1,5 @@
 """tiny_models' configs of the families with more to set than a Llama's: the mixtures of experts,
-Gemma 2/3/4 and DeepSeek, each from the tests' common tiny shape."""
+Gemma 2/3/4, DeepSeek and gpt-oss, each from the tests' common tiny shape."""
 from __future__ import annotations
 
 from typing import Any
@@ -67,3 +67,16 @@ def deepseek_config(arch: str, common: dict[str, Any]) -> Any:
     return DeepseekV3Config(**deepseek, q_lora_rank=24, n_group=2, topk_group=1, routed_scaling_factor=2.5,
                             rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
                                              "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0})
+
+
+# gpt-oss: sliding then full attention with sinks, 8 experts (top 2) with a SwiGLU clamp low enough
+# to bite, YaRN from an original 64 positions (shorter than the test prompts and their replies).
+def gpt_oss_config(common: dict[str, Any], sliding_window: int) -> Any:
+    from transformers import GptOssConfig
+
+    return GptOssConfig(**{**common, "intermediate_size": 32}, head_dim=16, num_local_experts=8,
+                        num_experts_per_tok=2, sliding_window=sliding_window, swiglu_limit=1.5,
+                        rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                         "truncate": False, "original_max_position_embeddings": 64,
+                                         "rope_theta": 150000.0},
+                        tie_word_embeddings=False)

@@ -15,7 +15,7 @@ from functools import lru_cache
 from typing import Any
 
 import torch
-from tiny_family_configs import deepseek_config, gemma_config, moe_config
+from tiny_family_configs import deepseek_config, gemma_config, gpt_oss_config, moe_config
 
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -43,6 +43,8 @@ EXTRA_ARCHS: list[str] = ["mistral_sliding", "deepseek_v2_lite", "deepseek_v3", 
 # tests/test_moe.py runs them through every scheduling mode and backend.
 MOE_ARCHS: list[str] = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
 EXTRA_ARCHS += MOE_ARCHS
+# gpt-oss (models/gpt_oss.py): attention sinks, a biased router, the clamped SwiGLU; tests/test_gpt_oss.py
+EXTRA_ARCHS.append("gpt_oss")
 
 # Weights that do not move when archs are added before these ones: the speculative tests need a
 # model that continues a repeated pattern, and the references must be far from ties
@@ -196,6 +198,8 @@ def _config(arch: str) -> Any:
         return deepseek_config(arch, common)
     if arch in MOE_ARCHS:
         return moe_config(arch, common)
+    if arch == "gpt_oss":
+        return gpt_oss_config(common, SLIDING_WINDOW)
     if arch == "mistral_sliding":  # every layer slides
         return MistralConfig(**common, sliding_window=SLIDING_WINDOW, tie_word_embeddings=False)
     if arch == "qwen2_sliding":  # layer 0 attends the whole context, layer 1 slides

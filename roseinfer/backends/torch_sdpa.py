@@ -66,7 +66,7 @@ class SdpaGroup:
                kv_cache: KVCache) -> torch.Tensor:
         if self.fresh:
             queries, keys, values = (self._padded(t).transpose(1, 2) for t in (q, k, v))
-            if layer.sliding_window is None and layer.logit_softcap is None:
+            if layer.sliding_window is None and layer.logit_softcap is None and layer.sinks is None:
                 # right padding is invisible to real queries under a causal mask: no explicit mask
                 out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=layer.scale,
                                                      enable_gqa=layer.num_heads != layer.num_kv_heads)
@@ -122,16 +122,31 @@ class SdpaGroup:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
               layer: PagedAttention) -> torch.Tensor:
-    """q [B, H, Lq, D] over k, v [B, Hkv, Lk, D] under an additive mask. SDPA has no soft-cap, so a
-    capped layer spells the scores out, as transformers' eager attention does."""
+    """q [B, H, Lq, D] (or a decode's [B, Hkv, H / Hkv, D]) over k, v [B, Hkv, Lk, D] under an
+    additive mask. SDPA has neither soft-cap nor sinks, so such a layer spells the scores out, as
+    transformers' eager attention does."""
     gqa = q.shape[1] != k.shape[1]
-    if layer.logit_softcap is None:
+    if layer.logit_softcap is None and layer.sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.scale, enable_gqa=gqa)
     if gqa:
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    if layer.logit_softcap is None:
+        return _attention_with_sinks(q, k, v, mask, layer)
     cap = layer.logit_softcap
     scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * (layer.scale / cap)) * cap + mask
     return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def _attention_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                          layer: PagedAttention) -> torch.Tensor:
+    """Each head's sink as one more score column, dropped after the softmax (gpt-oss's eager
+    attention); q's heads dim 1 and 2 in order, as the sinks are."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * layer.scale + mask
+    sinks = layer.sinks.to(scores.dtype).view(1, q.shape[1], -1, 1).expand(*scores.shape[:-1], 1)
+    combined = torch.cat([scores, sinks], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)
 
 
 def padded_block_tables(backend: Backend, layout: BatchLayout, idx: list[int]) -> torch.Tensor:

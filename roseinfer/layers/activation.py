@@ -46,3 +46,18 @@ class ActivationAndMul(nn.Module):
         gate, up = gate_up.chunk(2, dim=-1)
         # multiply in place: one [T, intermediate] buffer fewer per layer
         return self.act(gate).mul_(up)
+
+
+class ClampedSwigluAndMul(nn.Module):
+    """gpt-oss's experts over a fused [gate | up] projection: the gate clamped above at `limit`, up to
+    ±limit, then gate * sigmoid(alpha * gate) * (up + 1), in transformers' order of operations."""
+
+    def __init__(self, alpha: float, limit: float) -> None:
+        super().__init__()
+        self.alpha, self.limit = alpha, limit
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate = gate.clamp(min=None, max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))

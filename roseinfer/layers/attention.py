@@ -51,12 +51,15 @@ class AttentionMetadata(ABC):
 class PagedAttention:
     """A layer's attention shape and its per-layer options; the step's metadata does the work.
 
-    Both options follow transformers: with `sliding_window` W, the query at position p sees key k
+    The options follow transformers: with `sliding_window` W, the query at position p sees key k
     when k <= p and p - k < W (its last W positions, itself included); with `logit_softcap` c, the
-    scores become c * tanh(scores / c) after the scale, before the mask and the softmax."""
+    scores become c * tanh(scores / c) after the scale, before the mask and the softmax; with
+    `sinks` [H] (gpt-oss), head h's softmax has one more logit, sinks[h], in its denominator and
+    none in the output (attention that may rest on nothing). Every backend applies all three."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None, logit_softcap: float | None = None) -> None:
+                 sliding_window: int | None = None, logit_softcap: float | None = None,
+                 sinks: torch.Tensor | None = None) -> None:
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
         self.num_heads = num_heads
@@ -65,6 +68,7 @@ class PagedAttention:
         self.scale = scale
         self.sliding_window = sliding_window
         self.logit_softcap = logit_softcap
+        self.sinks = sinks
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
                  meta: AttentionMetadata) -> torch.Tensor:

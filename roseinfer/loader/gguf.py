@@ -42,7 +42,8 @@ KEPT_TYPES: tuple[str, ...] = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")  # kept a
 QUANTIZATION_FILE = "roseinfer_quantization.json"
 _GGUF_MAGIC = b"GGUF"
 _SHARD_BYTES = 2 * 2**30  # big models are written in shards of this size
-_NO_TRANSFORMERS_GGUF_CONFIG = frozenset({"smollm3", "gemma4", "olmoe"})  # transformers reads no config of these
+# transformers reads no config of these (or, for gpt-oss, fails on its rope scaling fields)
+_NO_TRANSFORMERS_GGUF_CONFIG = frozenset({"smollm3", "gemma4", "olmoe", "gpt-oss"})
 
 
 def default_cache_root() -> Path:

@@ -17,7 +17,7 @@ from roseinfer.loader.gguf_gemma import (GEMMA_ARCHITECTURES, gemma_block_names,
 logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "phi3",
-                                           "smollm3", "qwen2moe", "qwen3moe", "olmoe") + GEMMA_ARCHITECTURES
+                                           "smollm3", "qwen2moe", "qwen3moe", "olmoe", "gpt-oss") + GEMMA_ARCHITECTURES
 
 # GGUF per-block tensor name -> HF name inside `model.layers.N.` (llama-like families).
 _LLAMA_BLOCK_NAMES: dict[str, str] = {
@@ -33,6 +33,14 @@ _MOE_BLOCK_NAMES: dict[str, str] = {
     "ffn_down_exps": "mlp.experts.down_proj", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
     "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}  # fmt: skip
+# gpt-oss: a norm after attention, the sinks (which transformers names without .weight), the router
+# with its bias, and the experts' projections and biases stacked [E, out, in] / [E, out] (loaded by
+# models/gpt_oss.py); its MXFP4 experts are dequantized like any other type.
+_GPT_OSS_BLOCK_NAMES: dict[str, str] = {
+    **_LLAMA_BLOCK_NAMES, "post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks",
+    "ffn_gate_inp": "mlp.router", "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }  # fmt: skip
 # Phi-3 keeps its checkpoint's fused q/k/v and gate/up (ffn_up holds gate then up).
 _PHI3_BLOCK_NAMES: dict[str, str] = {**_LLAMA_BLOCK_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
@@ -62,9 +70,9 @@ _HF_CLASSES: dict[str, str] = dict(llama="LlamaForCausalLM", mistral="MistralFor
                                     gemma2="Gemma2ForCausalLM", gemma3="Gemma3ForCausalLM",
                                     gemma4="Gemma4ForCausalLM", qwen2moe="Qwen2MoeForCausalLM",
                                     qwen3moe="Qwen3MoeForCausalLM", olmoe="OlmoeForCausalLM",
-                                    mixtral="MixtralForCausalLM")
+                                    mixtral="MixtralForCausalLM", **{"gpt-oss": "GptOssForCausalLM"})
 _HF_MODEL_TYPES: dict[str, str] = {"gemma3": "gemma3_text", "gemma4": "gemma4_text", "qwen2moe": "qwen2_moe",
-                                   "qwen3moe": "qwen3_moe"}
+                                   "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss"}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^([a-z0-9_]+)\.(weight|bias)$")
 
@@ -144,12 +152,16 @@ def build_config(arch: str, meta: dict[str, Any], shapes: dict[str, tuple[int, .
         config["attention_bias"] = "blk.0.attn_q.bias" in shapes
     elif arch == "phi3":
         config.update(_phi3_fields(get, config, rope_factors or {}))
-    if get("expert_count"):
+    if arch == "gpt-oss":
+        config.update(_gpt_oss_fields(get))
+    elif get("expert_count"):
         config.update(_moe_fields(arch, get, shapes, n_layers))
     # qwen2 always has q/k/v biases in HF; nothing to set. smollm3's NoPE layers are every 4th, as
     # llama.cpp hardcodes them and as transformers derives them when config.json does not list them.
     if arch != "phi3" and (rope_scaling := _rope_scaling(get)) is not None:
         config["rope_scaling"] = rope_scaling
+        if arch == "gpt-oss":  # gpt-oss's YaRN, as its config.json has it: the correction range untruncated
+            config["rope_scaling"].update(beta_fast=32.0, beta_slow=1.0, truncate=False)
     if arch in GEMMA_ARCHITECTURES:
         def get_float(key: str) -> float | None:
             return None if (value := get(key)) is None else _f32(value)
@@ -194,6 +206,15 @@ def _moe_fields(arch: str, get: Callable[..., Any], shapes: dict[str, tuple[int,
     if arch == "olmoe" and (clip := get("attention.clamp_kqv")) is not None:
         fields["clip_qkv"] = _f32(clip)
     return fields
+
+
+def _gpt_oss_fields(get: Callable[..., Any]) -> dict[str, Any]:
+    """What llama.cpp's gpt-oss graph fixes: biases everywhere, sliding layers alternating from the
+    first, the clamped SwiGLU's alpha 1.702 and limit 7.0 (transformers' defaults, left unset)."""
+    return {"num_local_experts": int(get("expert_count", required=True)),
+            "num_experts_per_tok": int(get("expert_used_count", required=True)),
+            "intermediate_size": int(get("expert_feed_forward_length", required=True)),
+            "sliding_window": int(get("attention.sliding_window", required=True)), "attention_bias": True}
 
 
 def _f32(value: Any) -> float:
@@ -244,7 +265,8 @@ def plan_tensors(arch: str, config: dict[str, Any], shapes: dict[str, tuple[int,
         block_names = gemma_block_names(arch, _LLAMA_BLOCK_NAMES)
         global_names = gemma_global_names(arch, _LLAMA_GLOBAL_NAMES)
     else:
-        block_names = _PHI3_BLOCK_NAMES if arch == "phi3" else _LLAMA_BLOCK_NAMES | _MOE_BLOCK_NAMES
+        block_names = {"phi3": _PHI3_BLOCK_NAMES, "gpt-oss": _GPT_OSS_BLOCK_NAMES}.get(
+            arch, _LLAMA_BLOCK_NAMES | _MOE_BLOCK_NAMES)
         global_names = _LLAMA_GLOBAL_NAMES
     block_prefix = "transformer.h" if is_gpt2 else "model.layers"
     # Only the llama family is stored permuted (SmolLM3 converts as llama does): qwen2/qwen3 and
@@ -261,7 +283,7 @@ def plan_tensors(arch: str, config: dict[str, Any], shapes: dict[str, tuple[int,
             layer, kind, suffix = m.groups()
             if kind not in block_names:
                 raise ValueError(f"unexpected tensor {name!r} for architecture {arch!r}")
-            hf = f"{block_prefix}.{layer}.{block_names[kind]}.{suffix}"
+            hf = f"{block_prefix}.{layer}.{block_names[kind]}" + ("" if kind == "attn_sinks" else f".{suffix}")
             if permuted and kind == "attn_q":
                 transform = _unpermute_rotary(config["num_attention_heads"])
             elif permuted and kind == "attn_k":

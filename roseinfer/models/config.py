@@ -8,6 +8,7 @@ from roseinfer.layers.rope_parameters import long_rope_original_positions
 from roseinfer.models.deepseek_config import (DEEPSEEK_DEFAULTS, DEEPSEEK_FAMILY, DeepseekMoeLayout, MlaLayout,
                                               deepseek_layouts)
 from roseinfer.models.gemma_config import GEMMA_DEFAULTS, Gemma4Layout, gemma4_head_shapes, gemma_layer_types, gemma_rope
+from roseinfer.models.gpt_oss_config import GPT_OSS_DEFAULTS, GPT_OSS_FAMILY, ClampedSwiglu, gpt_oss_fields
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3")
 GEMMA_FAMILY = ("gemma2", "gemma3_text", "gemma4_text")
@@ -17,7 +18,8 @@ MOE_FAMILY = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe")
 HYBRID_FAMILY = ("qwen3_5_text",)
 # multimodal checkpoints whose text model is read from their `text_config`
 MULTIMODAL_WRAPPERS = {"gemma3": "gemma3_text", "gemma4": "gemma4_text", "qwen3_5": "qwen3_5_text"}
-SUPPORTED_MODEL_TYPES = ("gpt2",) + LLAMA_FAMILY + MOE_FAMILY + GEMMA_FAMILY + DEEPSEEK_FAMILY + HYBRID_FAMILY + tuple(MULTIMODAL_WRAPPERS)
+SUPPORTED_MODEL_TYPES = (("gpt2",) + LLAMA_FAMILY + MOE_FAMILY + GEMMA_FAMILY + DEEPSEEK_FAMILY + HYBRID_FAMILY
+                         + GPT_OSS_FAMILY + tuple(MULTIMODAL_WRAPPERS))
 
 
 @dataclass
@@ -77,6 +79,10 @@ class ModelConfig:
     clip_qkv: float | None = None
     # the attention output projection has a bias (Llama's attention_bias; Qwen2's covers q/k/v only)
     o_proj_bias: bool = False
+    # gpt-oss: a learned logit per query head in every softmax's denominator (layers/attention.py),
+    # and its experts' activation
+    attention_sinks: bool = False
+    clamped_swiglu: ClampedSwiglu | None = None
 
     @property
     def kv_cache_planes(self) -> int:
@@ -130,6 +136,11 @@ class ModelConfig:
             return _deepseek_config(cls, raw, get)
         if model_type in HYBRID_FAMILY:
             return _hybrid_config(cls, raw, get)
+        if model_type in GPT_OSS_FAMILY:  # every layer's MLP the mixture, softmax over the top-k logits
+            moe = MoeLayout(num_experts=get("num_local_experts"), top_k=get("num_experts_per_tok"),
+                            expert_width=get("intermediate_size"), norm_topk_prob=True, shared_expert_width=0,
+                            sparse_layers=tuple(range(get("num_hidden_layers"))))
+            return cls(**gpt_oss_fields(raw, get), moe=moe)
         num_heads = get("num_attention_heads")
         head_dim = get("head_dim") or get("hidden_size") // num_heads
         attention_bias = bool(get("qkv_bias") if model_type == "qwen2_moe" else get("attention_bias"))
@@ -247,6 +258,7 @@ _DEFAULTS["qwen3_5_text"] = {
     "linear_num_key_heads": 16, "linear_num_value_heads": 32}
 _DEFAULTS.update(GEMMA_DEFAULTS)
 _DEFAULTS.update(DEEPSEEK_DEFAULTS)
+_DEFAULTS.update(GPT_OSS_DEFAULTS)
 def _text_config(raw: dict[str, Any], text_type: str, ties_by_default: bool) -> dict[str, Any]:
     """A multimodal checkpoint's text model config, with the wrapper's tying (HF ties at the top;
     Gemma's wrappers by default, Qwen3.5's not)."""

@@ -89,10 +89,14 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.tp = tp
         self.rotates = layer not in cfg.nope_layers  # a NoPE layer's forward gets rotations that change nothing
-        self.self_attn = LlamaAttention(cfg, tp, layer)
+        self.self_attn = self.build_attention(cfg, tp, layer)
         self.mlp = self.build_mlp(cfg, tp, layer)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+
+    def build_attention(self, cfg: ModelConfig, tp: TensorParallel, layer: int) -> LlamaAttention:
+        """The layer's attention (with sinks in models/gpt_oss.py)."""
+        return LlamaAttention(cfg, tp, layer)
 
     def build_mlp(self, cfg: ModelConfig, tp: TensorParallel, layer: int) -> nn.Module:
         """The layer's MLP, called as mlp.forward(h, meta) (a mixture of experts in models/moe_llama.py)."""

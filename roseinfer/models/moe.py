@@ -44,17 +44,24 @@ def select_experts(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple
 
 class StackedExperts(nn.Module):
     """Every expert's gate/up [E, 2 w, H] and down [E, H, w], w being this rank's share of the expert
-    width; run only on the rows routed to each."""
+    width; run only on the rows routed to each. With `bias` (gpt-oss) each projection adds its
+    expert's bias after the matmul; `act_and_mul` maps gate/up to the down projection's input
+    (act(gate) * up of `hidden_act` where not given)."""
 
     def __init__(self, num_experts: int, hidden_size: int, expert_width: int, hidden_act: str,
-                 tp: TensorParallel) -> None:
+                 tp: TensorParallel, bias: bool = False, act_and_mul: nn.Module | None = None) -> None:
         super().__init__()
         self.width = tp.even(expert_width)
+        self.rank = tp.rank
         self.num_experts = num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * self.width.rows, hidden_size),
                                          requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, self.width.rows), requires_grad=False)
-        self.act_and_mul = ActivationAndMul(hidden_act)
+        self.gate_up_proj_bias = self.down_proj_bias = None
+        if bias:
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * self.width.rows), requires_grad=False)
+            self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        self.act_and_mul = act_and_mul if act_and_mul is not None else ActivationAndMul(hidden_act)
         self._filled: dict[str, set[tuple[int | None, int | None]]] = {"gate_up_proj": set(), "down_proj": set()}
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
@@ -73,8 +80,13 @@ class StackedExperts(nn.Module):
                 continue
             pairs = order[start:start + count]
             start += count
-            h = self.act_and_mul.forward(F.linear(x[pairs % tokens], self.gate_up_proj[expert]))
-            per_pair[pairs] = F.linear(h, self.down_proj[expert]) * flat_weights[pairs, None]
+            gate_up = F.linear(x[pairs % tokens], self.gate_up_proj[expert])
+            if self.gate_up_proj_bias is not None:
+                gate_up += self.gate_up_proj_bias[expert]
+            down = F.linear(self.act_and_mul.forward(gate_up), self.down_proj[expert])
+            if self.down_proj_bias is not None:
+                down += self.down_proj_bias[expert]
+            per_pair[pairs] = down * flat_weights[pairs, None]
         per_slot = per_pair.view(top_k, tokens, -1)
         by_expert = experts.argsort(dim=1, stable=True)  # each token's slots in ascending expert order
         rows = torch.arange(tokens, device=x.device)
@@ -103,6 +115,30 @@ class StackedExperts(nn.Module):
         filled = self._filled[target]
         filled.update((e, half) for e in (range(self.num_experts) if expert is None else [expert]))
         return len(filled) == self.num_experts * (1 if half is None else 2)
+
+
+    def load_bias(self, projection: str, tensor: torch.Tensor) -> bool:
+        """Every expert's bias of `projection`: gate_up_proj [E, 2 w] (gate's then up's), gate_proj or
+        up_proj [E, w], this rank's share of each; down_proj [E, H] on rank 0 alone, zeros elsewhere
+        (the layer's all-reduce adds the ranks' partial sums). True once the parameter it fills is whole."""
+        part = self.width
+        halves = {"gate_up_proj": (0, 1), "gate_proj": (0,), "up_proj": (1,)}.get(projection, ())
+        param = self.down_proj_bias if not halves else self.gate_up_proj_bias
+        if param is None:
+            raise ValueError(f"expert bias {projection} fits no parameter of this model")
+        if not halves:
+            destinations, sources = [param.data], [tensor if self.rank == 0 else torch.zeros_like(tensor)]
+        else:
+            destinations = [param.data.narrow(-1, half * part.rows, part.rows) for half in halves]
+            sources = [piece.narrow(-1, part.start, part.rows) for piece in tensor.chunk(len(halves), dim=-1)]
+        for destination, source in zip(destinations, sources):
+            if destination.shape != source.shape:
+                raise ValueError(f"expert bias {projection} has shape {tuple(tensor.shape)}, which does not fit "
+                                 f"{tuple(param.shape)}")
+            destination.copy_(source)
+        filled = self._filled.setdefault(f"{'down' if not halves else 'gate_up'}_proj_bias", set())
+        filled.update((None, half) for half in halves or (None,))
+        return len(filled) == (1 if not halves else 2)
 
 
 class SharedExpert(nn.Module):

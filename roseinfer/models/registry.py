@@ -9,6 +9,8 @@ from roseinfer.models.deepseek import DeepseekForCausalLM
 from roseinfer.models.deepseek_config import DEEPSEEK_FAMILY
 from roseinfer.models.gemma import GemmaForCausalLM
 from roseinfer.models.gpt2 import GPT2LMHeadModel
+from roseinfer.models.gpt_oss import GptOssForCausalLM
+from roseinfer.models.gpt_oss_config import GPT_OSS_FAMILY
 from roseinfer.models.llama import LlamaForCausalLM
 from roseinfer.models.moe_llama import MoeForCausalLM
 from roseinfer.models.qwen3_5 import Qwen3_5ForCausalLM
@@ -19,6 +21,7 @@ MODEL_CLASSES.update({name: MoeForCausalLM for name in MOE_FAMILY})
 MODEL_CLASSES.update({name: GemmaForCausalLM for name in GEMMA_FAMILY})
 MODEL_CLASSES.update({name: DeepseekForCausalLM for name in DEEPSEEK_FAMILY})
 MODEL_CLASSES.update({name: Qwen3_5ForCausalLM for name in HYBRID_FAMILY})
+MODEL_CLASSES.update({name: GptOssForCausalLM for name in GPT_OSS_FAMILY})
 
 
 def build_model(cfg: ModelConfig, tp: TensorParallel = SINGLE) -> nn.Module:

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from roseinfer.server.messages_protocol import CountTokensRequest, MessagesRequest, chat_request, error_body
 from roseinfer.server.protocol import APIError, ChatCompletionRequest
-from roseinfer.reasoning import ReasoningParser
+from roseinfer.reasoning import Reasoner
 from roseinfer.engine_client.request_stream import RequestStream
 from roseinfer.server.request_params import check_request, sampling_params
 from roseinfer.server.responses import EventStream
@@ -33,7 +33,7 @@ class MessageRun:
     stream: RequestStream
     input_tokens: int
     parser: ToolParser | None
-    reasoner: ReasoningParser | None
+    reasoner: Reasoner | None
 
     def stop_reason(self, finish_reason: str | None, ended_by: str | int | None) -> tuple[str | None, str | None]:
         """(stop_reason, stop_sequence); `ended_by` is the output's stop string or stop token id."""

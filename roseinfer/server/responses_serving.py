@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from roseinfer.server.protocol import APIError, ChatCompletionRequest
-from roseinfer.reasoning import ReasoningParser
+from roseinfer.reasoning import Reasoner
 from roseinfer.server.request_params import check_chat_fields, check_request, sampling_params
 from roseinfer.engine_client.request_stream import RequestStream
 from roseinfer.server.responses import EventStream
@@ -37,7 +37,7 @@ class ResponseRun:
     stream: RequestStream
     input_tokens: int
     parser: ToolParser | None
-    reasoner: ReasoningParser | None
+    reasoner: Reasoner | None
     echoed: dict[str, Any]
 
     def response(self, status: str, output: list[dict[str, Any]], output_tokens: int | None,

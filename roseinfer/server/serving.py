@@ -30,7 +30,7 @@ from roseinfer.engine_client.client import EngineClient, OverloadedError, Shutti
 from roseinfer.engine_client.request_stream import RequestStream
 from roseinfer.server.logprobs import LogprobsFormatter
 from roseinfer.server.protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest, error_body
-from roseinfer.reasoning import ReasoningParser, after_reasoning, pick_reasoning_parser
+from roseinfer.reasoning import Reasoner, after_reasoning, pick_reasoning_parser
 from roseinfer.server.request_body import BodyLimits, parse_body
 from roseinfer.server.request_params import (bad_value, check_chat_fields, check_completion_fields, check_request,
                                              sampling_params)
@@ -188,7 +188,7 @@ class OpenAIServing:
         except (ValueError, TemplateError) as exc:
             raise APIError(400, f"could not apply the chat template: {exc}", "messages") from None
 
-    def reasoning_parser(self, prompt_ids: list[int]) -> ReasoningParser | None:
+    def reasoning_parser(self, prompt_ids: list[int]) -> Reasoner | None:
         return self.think_tags.parser(prompt_ids, self.tokenizer) if self.think_tags is not None else None
 
     def answer_constraint(self, prompt_ids: list[int], constraint: Constraint | None) -> Constraint | None:
@@ -277,7 +277,7 @@ class OpenAIServing:
 
     async def _stream_chat(self, streams: list[RequestStream], reply: Reply, want_logprobs: bool,
                            parsers: list[ToolParser | None],
-                           reasoners: list[ReasoningParser | None]) -> AsyncIterator[str]:
+                           reasoners: list[Reasoner | None]) -> AsyncIterator[str]:
         """Content as it comes, after the reasoning (delta.reasoning_content and delta.reasoning)
         when a reasoning parser splits it off; with a tool parser, each call in OpenAI's
         delta.tool_calls chunks (its id and name first, then its arguments), one chunk per entry."""
@@ -357,7 +357,7 @@ class OpenAIServing:
                 self.manager.abort(stream.request_id)
 
 
-def split_reply(text: str, token_ids: list[int], reasoner: ReasoningParser | None,
+def split_reply(text: str, token_ids: list[int], reasoner: Reasoner | None,
                 parser: ToolParser | None) -> tuple[str | None, str | None, list[ToolCall]]:
     """A whole reply's (reasoning, answer, tool calls): the reasoning split off first, then the
     answer's calls (the reasoning may mention calls it did not make)."""
@@ -366,11 +366,13 @@ def split_reply(text: str, token_ids: list[int], reasoner: ReasoningParser | Non
         reasoning, text = reasoner.parse(text, token_ids)
     if parser is None:
         return reasoning, text, []
+    for name, arguments in reasoner.calls if reasoner is not None else ():  # harmony's, read from the ids
+        parser.called(name, arguments)
     content, calls = parser.parse(text or "")
     return reasoning, content, calls
 
 
-def split_delta(delta: StreamDelta, reasoner: ReasoningParser | None,
+def split_delta(delta: StreamDelta, reasoner: Reasoner | None,
                 parser: ToolParser | None) -> tuple[str, str, list[dict[str, Any]]]:
     """A streamed delta's (reasoning, answer text, OpenAI delta.tool_calls entries), as split_reply
     splits a whole reply; the parsers' held-back text comes out with the final delta."""
@@ -382,6 +384,8 @@ def split_delta(delta: StreamDelta, reasoner: ReasoningParser | None,
         reasoning, content = split.reasoning, split.content
     if parser is not None:
         parsed = parser.feed(content)
+        for name, arguments in split.calls if reasoner is not None else ():  # harmony's, read from the ids
+            parsed.extend(parser.called(name, arguments))
         if delta.finished:
             parsed.extend(parser.finish())
         content, calls = parsed.content, parsed.tool_calls

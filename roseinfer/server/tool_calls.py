@@ -42,6 +42,8 @@ def pick_parser(template: str | None, flag: str = "auto") -> str:
     if flag != "auto":
         return flag
     template = template or ""
+    if "<|channel|>" in template:
+        return "harmony"
     if "<tool_call>" in template:
         return "hermes"
     if "<|python_tag|>" in template or "ipython" in template:

@@ -11,6 +11,9 @@ a call is dropped: it separates calls, it is not something the model said.
   number, text around them.
 - llama3_json (Llama 3.1+): the output starts with `{"name": ..., "parameters": {...}}` (optionally
   after `<|python_tag|>`), several separated by `;`.
+- harmony (gpt-oss): calls come on the commentary channel, which the harmony reasoning parser
+  (roseinfer/harmony.py) reads out of the token ids and hands on whole (`called`); the text it
+  passes on is all answer.
 - required / named: the output constrained by tool_choice (server/tool_calls.py): a JSON array of
   `{"name", "parameters"}` objects, or the named function's arguments themselves, which the
   constraint keeps valid and so are streamed as they come.
@@ -25,7 +28,7 @@ from typing import Any
 
 from roseinfer.stop_strings import held_length
 
-PARSERS = ("hermes", "llama3_json")
+PARSERS = ("hermes", "llama3_json", "harmony")
 PYTHON_TAG = "<|python_tag|>"
 
 
@@ -73,6 +76,12 @@ class ToolParser(ABC):
         self.feed(text)
         self.finish()
         return (self.content if self.content.strip() else None), self.calls
+
+    def called(self, name: str, arguments: str) -> ParsedDelta:
+        """A call another parser found whole (harmony's commentary channel)."""
+        out = ParsedDelta()
+        self._call(name, arguments, out)
+        return out
 
     def _text(self, text: str, out: ParsedDelta) -> None:
         if self._after_call:
@@ -300,12 +309,26 @@ class NamedCallParser(ToolParser):
         return self.feed("") if not self.calls else ParsedDelta()
 
 
+class ChannelCallParser(ToolParser):
+    """harmony: the text is all answer; the calls arrive through `called`."""
+
+    def feed(self, text: str) -> ParsedDelta:
+        out = ParsedDelta()
+        self._text(text, out)
+        return out
+
+    def finish(self) -> ParsedDelta:
+        return ParsedDelta()
+
+
 def make_parser(kind: str, max_calls: int | None = None) -> ToolParser:
     """A parser for free output ("hermes", "llama3_json") or for tool_choice "required" output."""
     if kind == "hermes":
         return HermesParser(max_calls)
     if kind == "llama3_json":
         return JsonCallsParser(";", prefix=PYTHON_TAG, max_calls=max_calls)
+    if kind == "harmony":
+        return ChannelCallParser(max_calls)
     if kind == "required":
         return JsonCallsParser(",", opener="[", closer="]", max_calls=max_calls)
     raise ValueError(f"unknown tool-call parser {kind!r} (choose from {', '.join(PARSERS)})")

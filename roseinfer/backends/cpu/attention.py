@@ -27,7 +27,7 @@ class NativeDecodeGroup:
                kv_cache: KVCache) -> torch.Tensor:
         queries = q if self.whole_batch else q[self.output_rows]
         return ops.paged_decode_attention(queries, *kv_cache, self.block_tables, self.kv_lens, self.block_size,
-                                          layer.scale, layer.sliding_window, layer.logit_softcap)
+                                          layer.scale, layer.sliding_window, layer.logit_softcap, layer.sinks)
 
     def attend_into(self, out: torch.Tensor, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor,
                     v: torch.Tensor, kv_cache: KVCache) -> None:
@@ -54,7 +54,8 @@ class NativePrefillGroup:
     def attend_into(self, out: torch.Tensor, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor,
                     v: torch.Tensor, kv_cache: KVCache) -> None:
         ops.paged_prefill_attention(q, *kv_cache, self.block_tables, self.q_starts, self.q_lens, self.kv_lens,
-                                    self.block_size, layer.scale, out, layer.sliding_window, layer.logit_softcap)
+                                    self.block_size, layer.scale, out, layer.sliding_window, layer.logit_softcap,
+                                    layer.sinks)
 
 
 @dataclass
@@ -83,4 +84,4 @@ class CPUMetadata(AttentionMetadata):
         group = self.groups[0]  # the same numbers as rotate, attend and flatten, in one C call
         return ops.decode_attention_qkv(qkv, rope, self.slot_mapping, *kv_cache, group.block_tables, group.kv_lens,
                                         group.block_size, layer.num_heads, layer.scale, layer.sliding_window,
-                                        layer.logit_softcap)
+                                        layer.logit_softcap, layer.sinks)

@@ -31,23 +31,28 @@ def _address(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _sinks(sinks: torch.Tensor | None) -> torch.Tensor | None:
+    """The kernels read one fp32 per query head, contiguous."""
+    return None if sinks is None else sinks.detach().float().contiguous()
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            kv_lens: torch.Tensor, block_size: int, scale: float, sliding_window: int | None = None,
-                           logit_softcap: float | None = None) -> torch.Tensor:
+                           logit_softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [n, H, D], one query per sequence; caches: [slots, Hkv, D]; block_tables: [n, max_blocks];
     kv_lens: [n] tokens of each query's context, of which it attends to the last sliding_window (all
-    where None); logit_softcap as PagedAttention's. Returns [n, H, D]."""
+    where None); logit_softcap and sinks ([H] fp32) as PagedAttention's. Returns [n, H, D]."""
     q = _rows(q)
     n, num_heads, head_dim = q.shape
     out = _decode_attention(q, None, None, k_cache, v_cache, block_tables, kv_lens, block_size, num_heads, scale,
-                            sliding_window, logit_softcap)
+                            sliding_window, logit_softcap, sinks)
     return out.view(n, num_heads, head_dim)
 
 
 def decode_attention_qkv(qkv: torch.Tensor, rotations: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
                          v_cache: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor, block_size: int,
                          num_heads: int, scale: float, sliding_window: int | None = None,
-                         logit_softcap: float | None = None) -> torch.Tensor:
+                         logit_softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Rotary on q and k, the KV write and decode attention in one call, for a batch where every row
     decodes. qkv: the projection's output [n, (H + 2 * Hkv) * D], rotated in place (where its rows
     are dense; otherwise a dense copy is); rotations: [n, 1, D / 2] complex64 (layers/rotary.py);
@@ -55,24 +60,25 @@ def decode_attention_qkv(qkv: torch.Tensor, rotations: torch.Tensor, slots: torc
     paged_decode_attention give one after another."""
     angles = torch.view_as_real(rotations).contiguous()
     return _decode_attention(_rows(qkv), angles, slots, k_cache, v_cache, block_tables, kv_lens, block_size,
-                             num_heads, scale, sliding_window, logit_softcap)
+                             num_heads, scale, sliding_window, logit_softcap, sinks)
 
 
 def _decode_attention(q_rows: torch.Tensor, angles: torch.Tensor | None, slots: torch.Tensor | None,
                       k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor,
                       block_size: int, num_heads: int, scale: float, sliding_window: int | None,
-                      logit_softcap: float | None) -> torch.Tensor:
+                      logit_softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
     """The kernel over q_rows [n, ...] whose first H * D floats per row are the query; with angles
     and slots, the row is a whole qkv row, rotated and stored first. Returns [n, H * D]."""
     n, num_kv_heads, head_dim = q_rows.shape[0], k_cache.shape[1], k_cache.shape[2]
     out = torch.empty(n, num_heads * head_dim, dtype=q_rows.dtype)
+    sink_rows = _sinks(sinks)
     failed = native_library().paged_decode_attention_f32(
         q=q_rows.data_ptr(), q_row_stride=q_rows.stride(0), rope=_address(angles), new_slots=_address(slots),
         k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(), out=out.data_ptr(),
         block_tables=block_tables.data_ptr(), kv_lens=kv_lens.data_ptr(), n=n, num_heads=num_heads,
         num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, max_blocks=block_tables.shape[1],
         scale=scale, sliding_window=sliding_window or 0, logit_softcap=logit_softcap or 0.0,
-        num_threads=torch.get_num_threads())
+        sinks=_address(sink_rows), num_threads=torch.get_num_threads())
     if failed:
         raise MemoryError("paged attention could not allocate its scratch buffers")
     return out
@@ -87,7 +93,7 @@ def prefill_attention_supported(head_dim: int, group: int) -> bool:
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                             q_starts: torch.Tensor, q_lens: torch.Tensor, kv_lens: torch.Tensor, block_size: int,
                             scale: float, out: torch.Tensor, sliding_window: int | None = None,
-                            logit_softcap: float | None = None) -> None:
+                            logit_softcap: float | None = None, sinks: torch.Tensor | None = None) -> None:
     """Causal attention for prompt chunks: sequence i's queries are rows q_starts[i] .. + q_lens[i] - 1
     of q [rows, H, D], at the last q_lens[i] of its kv_lens[i] cached positions (this chunk's K/V
     already written), within sliding_window (as paged_decode_attention's). Writes those rows of out [rows, H, D] (contiguous); other rows are left alone."""
@@ -98,13 +104,14 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         raise ValueError(f"paged_prefill_attention needs a head dim that is a multiple of 16 up to 128 "
                          f"(got {head_dim}), at most {PREFILL_LANES} query heads per KV head (got {group}) "
                          f"and a contiguous out")
+    sink_rows = _sinks(sinks)
     failed = native_library().paged_prefill_attention_f32(
         q=q.data_ptr(), q_row_stride=q.stride(0), k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(),
         out=out.data_ptr(), block_tables=block_tables.data_ptr(), q_starts=q_starts.data_ptr(),
         q_lens=q_lens.data_ptr(), kv_lens=kv_lens.data_ptr(), n=q_lens.shape[0], num_heads=num_heads,
         num_kv_heads=k_cache.shape[1], head_dim=head_dim, block_size=block_size, max_blocks=block_tables.shape[1],
         scale=scale, sliding_window=sliding_window or 0, logit_softcap=logit_softcap or 0.0,
-        num_threads=torch.get_num_threads())
+        sinks=_address(sink_rows), num_threads=torch.get_num_threads())
     if failed:
         raise MemoryError("prefill attention could not allocate its scratch buffers")
 

@@ -49,7 +49,8 @@ class TritonMetadata(AttentionMetadata):
 
         kernels.store_kv(k, v, self.slot_mapping, *kv_cache)
         decode, prefill = self.decode, self.prefill
-        options = {"sliding_window": layer.sliding_window, "logit_softcap": layer.logit_softcap}
+        options = {"sliding_window": layer.sliding_window, "logit_softcap": layer.logit_softcap,
+                   "sinks": layer.sinks}
         if prefill is None and decode.rows is None:
             return kernels.paged_decode_attention(q, *kv_cache, decode.block_tables, decode.kv_lens, self.block_size,
                                                   layer.scale, **options)

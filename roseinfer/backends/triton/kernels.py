@@ -11,7 +11,9 @@ with the tail masked off. Softmax is computed in base 2 (exp2 of scores pre-scal
 with fp32 statistics and accumulators; outputs are written in their tensor's dtype.
 A layer's sliding window W (layers/attention.py: the query at position p sees p - W < t <= p) is a
 kernel argument (ALL_KEYS where none), so no tile wholly before a window is read; its logit soft-cap
-(cap * tanh(scores / cap), after the scale) is a compile-time branch of the score tile.
+(cap * tanh(scores / cap), after the scale) is a compile-time branch of the score tile. Its sinks
+(one logit per query head, counted in the softmax's denominator only) start each row's online
+softmax: the running max at the sink and the sum at 1, in the first split of a decode only.
 """
 from __future__ import annotations
 
@@ -94,10 +96,11 @@ def _attend_tile(q, k_ptrs, v_ptrs, kv_mask, score_mask, m, row_sum, acc, qk_sca
 
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, kv_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-                   qk_scale, window, softcap, stride_q_row, stride_q_head, stride_c_slot, stride_c_head, stride_bt_row,
-                   stride_o_row, stride_o_head, num_heads, head_dim, num_splits,
+                   qk_scale, window, softcap, sinks_ptr, stride_q_row, stride_q_head, stride_c_slot, stride_c_head,
+                   stride_bt_row, stride_o_row, stride_o_head, num_heads, head_dim, num_splits,
                    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_G: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
     # Program (sequence, KV head, split): the G query heads that share the KV head, over this
     # split's slice of the context. The heads are the M side of tl.dot, padded to BLOCK_G >= 16
     # (the smallest dot tile): each K/V tile is loaded once for the whole group, and the padding
@@ -122,6 +125,10 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, kv_lens_pt
 
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_G], tl.float32)
+    if SINKS:  # in the first split only: the merge then counts each sink once
+        sink_heads = g < tl.where(split == 0, GROUP, 0)
+        m = tl.load(sinks_ptr + heads, mask=sink_heads, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+        row_sum = tl.where(sink_heads, 1.0, 0.0)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     block_table = block_tables_ptr + seq * stride_bt_row
     # an empty split (start >= end: a short or zero-length context) reads nothing, not even its block table
@@ -170,10 +177,10 @@ def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_o_row, stri
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, q_starts_ptr, q_lens_ptr, kv_lens_ptr, out_ptr,
-                    qk_scale, window, softcap, stride_q_row, stride_q_head, stride_c_slot, stride_c_head, stride_bt_row,
-                    stride_o_row, stride_o_head, head_dim,
+                    qk_scale, window, softcap, sinks_ptr, stride_q_row, stride_q_head, stride_c_slot, stride_c_head,
+                    stride_bt_row, stride_o_row, stride_o_head, head_dim,
                     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                    BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr):
     # Program (query tile, query head, sequence): BLOCK_M consecutive queries of one sequence's
     # chunk and one head, flash-attention style over the cached keys in BLOCK_N tiles. The chunk
     # sits at the end of the context (earlier chunks and prefix-cache hits before it), so query
@@ -201,6 +208,9 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, q_starts_
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
+    if SINKS:
+        m = tl.zeros([BLOCK_M], tl.float32) + tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        row_sum = row_sum + 1.0
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     block_table = block_tables_ptr + seq * stride_bt_row
     # Each row sees its own key, so no row's max stays -inf.
@@ -281,20 +291,23 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _score_args(scale: float, sliding_window: int | None, logit_softcap: float | None) -> dict:
-    """The kernels' scale, window and soft-cap arguments for a layer's options (module docstring)."""
+def _score_args(scale: float, sliding_window: int | None, logit_softcap: float | None, sinks: torch.Tensor | None,
+                q: torch.Tensor) -> dict:
+    """The kernels' scale, window, soft-cap and sinks arguments for a layer's options (module
+    docstring); without sinks, q stands in for their pointer, never read."""
     return {"qk_scale": scale if logit_softcap else scale * LOG2E, "window": sliding_window or ALL_KEYS,
-            "softcap": logit_softcap or 0.0, "SOFTCAP": bool(logit_softcap)}
+            "softcap": logit_softcap or 0.0, "SOFTCAP": bool(logit_softcap),
+            "sinks_ptr": q if sinks is None else sinks, "SINKS": sinks is not None}
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            kv_lens: torch.Tensor, block_size: int, scale: float, out: torch.Tensor | None = None,
                            num_splits: int | None = None, sliding_window: int | None = None,
-                           logit_softcap: float | None = None) -> torch.Tensor:
+                           logit_softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence, q [B, H, D]: sequence i attends to its first kv_lens[i] cached tokens
     (its new token already stored), or the last sliding_window of them, through block_tables
-    [B, max_blocks]; logit_softcap as PagedAttention's. Rows with kv_lens 0 give
-    zeros. Writes and returns out [B, H, D] (allocated when None). num_splits (default: from the
+    [B, max_blocks]; logit_softcap and sinks ([H], contiguous) as PagedAttention's. Rows with kv_lens
+    0 give zeros (without sinks). Writes and returns out [B, H, D] (allocated when None). num_splits (default: from the
     batch, the block-table width and the GPU) cuts each context into that many slices run by
     separate programs and merged after; it depends on shapes only, never on kv_lens' values, so
     the launch needs no device sync and can be captured in a CUDA graph."""
@@ -324,7 +337,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         stride_o_head=out.stride(1), num_heads=num_heads, head_dim=head_dim, num_splits=num_splits,
         GROUP=group, BLOCK_SIZE=block_size, SPLIT=split, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_N=DECODE_BLOCK_N, BLOCK_D=block_d, DOT_PRECISION=_dot_precision(q.dtype),
-        **_score_args(scale, sliding_window, logit_softcap))
+        **_score_args(scale, sliding_window, logit_softcap, sinks, q))
     if split:
         _merge_splits_kernel[(batch, num_heads)](
             part_out, part_lse, out, out.stride(0), out.stride(1), num_heads, head_dim, num_splits,
@@ -335,10 +348,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                             q_starts: torch.Tensor, q_lens: torch.Tensor, kv_lens: torch.Tensor, block_size: int,
                             scale: float, out: torch.Tensor, max_q_len: int | None = None,
-                            sliding_window: int | None = None, logit_softcap: float | None = None) -> None:
+                            sliding_window: int | None = None, logit_softcap: float | None = None,
+                            sinks: torch.Tensor | None = None) -> None:
     """Causal attention for prompt chunks: sequence i's queries are rows q_starts[i] .. + q_lens[i] - 1
     of q [T, H, D], at the last q_lens[i] of its kv_lens[i] cached positions (this chunk's K/V
-    already stored), within sliding_window, soft-capped by logit_softcap. Writes those rows of out [T, H, D]; other rows are left alone. max_q_len, an
+    already stored), within sliding_window, soft-capped by logit_softcap, with sinks ([H]). Writes those rows of out [T, H, D]; other rows are left alone. max_q_len, an
     upper bound on q_lens known to the caller, trims the grid; without it the grid assumes T."""
     group = _check_attention_args(q, k_cache, v_cache)
     _check_rows(out=out)
@@ -354,4 +368,4 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         stride_o_head=out.stride(1), head_dim=head_dim,
         GROUP=group, BLOCK_SIZE=block_size, BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N,
         BLOCK_D=_block_d(head_dim), DOT_PRECISION=_dot_precision(q.dtype),
-        **_score_args(scale, sliding_window, logit_softcap))
+        **_score_args(scale, sliding_window, logit_softcap, sinks, q))

@@ -46,7 +46,7 @@ int decode_layers_f32(const decode_layer_t *layers, int64_t num_layers, float *x
         failed |= paged_decode_attention_f32(qkv, qkv_size, layer->no_rope ? unrotated : rope, new_slots,
                                              layer->k_cache, layer->v_cache, attn,
                                              block_tables, kv_lens, n, num_heads, num_kv_heads, head_dim, block_size,
-                                             max_blocks, scale, layer->sliding_window, layer->logit_softcap,
+                                             max_blocks, scale, layer->sliding_window, layer->logit_softcap, NULL,
                                              num_threads);
         failed |= weight_matmul_f32(attn, q_size, layer->o, layer->o_type, layer->o_bias, attn_out, n, hidden, q_size,
                                     num_threads);

@@ -48,12 +48,13 @@ int paged_decode_attention_f32(float *q, int64_t q_row_stride, const float *rope
                                float *k_cache, float *v_cache, float *out, const int64_t *block_tables,
                                const int64_t *kv_lens, int64_t n, int64_t num_heads, int64_t num_kv_heads,
                                int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale,
-                               int64_t sliding_window, float logit_softcap, int num_threads);
+                               int64_t sliding_window, float logit_softcap, const float *sinks, int num_threads);
 int paged_prefill_attention_f32(const float *q, int64_t q_row_stride, const float *k_cache, const float *v_cache,
                                 float *out, const int64_t *block_tables, const int64_t *q_starts,
                                 const int64_t *q_lens, const int64_t *kv_lens, int64_t n, int64_t num_heads,
                                 int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
-                                float scale, int64_t sliding_window, float logit_softcap, int num_threads);
+                                float scale, int64_t sliding_window, float logit_softcap, const float *sinks,
+                                int num_threads);
 int decode_layers_f32(const decode_layer_t *layers, int64_t num_layers, float *x, float *out, const float *rope,
                       const int64_t *new_slots, const int64_t *block_tables, const int64_t *kv_lens, int64_t n,
                       int64_t hidden, int64_t intermediate, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,

@@ -16,6 +16,8 @@
  *                    sliding_window W > 0 to the last W of them (transformers' window: the query at
  *                    position p sees p - W < t <= p); blocks before those are never read
  * logit_softcap:     > 0: scores become cap * tanh(scores / cap) after the scale (Gemma 2); 0: none
+ * sinks:             [num_heads] or NULL: head h's softmax has one more logit, sinks[h], in its
+ *                    denominator and none in the output (gpt-oss)
  * Query head h reads KV head h / (num_heads / num_kv_heads), as HF's repeat_kv does.
  * Returns 0, or 1 when a thread could not allocate its scratch (out is then incomplete).
  */
@@ -43,9 +45,14 @@ static inline void prefetch_floats(const float *p, int64_t n) {
     for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i, 0, 1); /* 16 floats: one 64-byte line */
 }
 
-static void softmax_inplace(float *s, int64_t len) {
+/* sink: NULL, or one more logit counted in the denominator only */
+static void softmax_inplace(float *s, int64_t len, const float *sink) {
     float peak = s[0], total = 0.0f;
     for (int64_t t = 1; t < len; t++) peak = s[t] > peak ? s[t] : peak;
+    if (sink != NULL) {
+        peak = *sink > peak ? *sink : peak;
+        total = exp_f32(*sink - peak);
+    }
 #pragma omp simd reduction(+ : total)
     for (int64_t t = 0; t < len; t++) {
         s[t] = exp_f32(s[t] - peak);
@@ -64,7 +71,7 @@ static void softmax_inplace(float *s, int64_t len) {
 static inline __attribute__((always_inline)) void attend_heads(
     const float *qs, const float *k_cache, const float *v_cache, float *o, float *scores, int64_t *slots,
     const int64_t *table, int64_t first, int64_t len, int64_t num_kv_heads, int64_t group, int64_t h0, int64_t h1,
-    const int64_t head_dim, int64_t block_size, float scale, float logit_softcap) {
+    const int64_t head_dim, int64_t block_size, float scale, float logit_softcap, const float *sinks) {
     const int64_t slot_stride = num_kv_heads * head_dim, kv0 = h0 / group, kv1 = (h1 - 1) / group + 1;
     const int64_t row_floats = (kv1 - kv0) * head_dim; /* of a token's row, the KV heads read here */
     k_cache += kv0 * head_dim;
@@ -80,7 +87,7 @@ static inline __attribute__((always_inline)) void attend_heads(
     }
     for (int64_t t = 0; t < len && t < PREFETCH_TOKENS; t++) prefetch_floats(v_cache + slots[t], row_floats);
     if (logit_softcap > 0.0f) soft_cap(scores + h0 * len, (h1 - h0) * len, logit_softcap);
-    for (int64_t h = h0; h < h1; h++) softmax_inplace(scores + h * len, len);
+    for (int64_t h = h0; h < h1; h++) softmax_inplace(scores + h * len, len, sinks == NULL ? NULL : sinks + h);
     memset(o + h0 * head_dim, 0, sizeof(float) * (size_t)((h1 - h0) * head_dim));
     for (int64_t t = 0; t < len; t++) {
         const float *v = v_cache + slots[t];
@@ -106,7 +113,7 @@ int paged_decode_attention_f32(float *q, int64_t q_row_stride, const float *rope
                                float *k_cache, float *v_cache, float *out, const int64_t *block_tables,
                                const int64_t *kv_lens, int64_t n, int64_t num_heads, int64_t num_kv_heads,
                                int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale,
-                               int64_t sliding_window, float logit_softcap, int num_threads) {
+                               int64_t sliding_window, float logit_softcap, const float *sinks, int num_threads) {
     const int64_t group = num_heads / num_kv_heads, kv_floats = num_kv_heads * head_dim;
     const int64_t max_len = max_blocks * block_size;
     /* tasks a row: enough for every thread, whole heads each; a thread with no task is not woken */
@@ -140,7 +147,7 @@ int paged_decode_attention_f32(float *q, int64_t q_row_stride, const float *rope
             const int64_t first = sliding_window > 0 && kv_lens[seq] > sliding_window ? kv_lens[seq] - sliding_window : 0;
 #define ATTEND(dim) \
     attend_heads(qs, k_cache, v_cache, o, scores, slots, table, first, kv_lens[seq] - first, num_kv_heads, group, h0, \
-                 h1, dim, block_size, scale, logit_softcap)
+                 h1, dim, block_size, scale, logit_softcap, sinks)
             if (head_dim == 64)
                 ATTEND(64);
             else if (head_dim == 128)

@@ -22,6 +22,8 @@
  *                    with a sliding_window W > 0 to the last W of them (p - W < t <= p); keys before
  *                    any of a tile's windows are never read
  * logit_softcap:     > 0: scores become cap * tanh(scores / cap) after the scale (Gemma 2); 0: none
+ * sinks:             [num_heads] or NULL: head h's softmax has one more logit, sinks[h], in its
+ *                    denominator and none in the output (gpt-oss)
  * Query head h reads KV head h / (num_heads / num_kv_heads), as HF's repeat_kv does.
  * Returns 0, or 1 when a thread could not allocate its scratch (out is then incomplete).
  */
@@ -84,11 +86,12 @@ static inline __attribute__((always_inline)) void score_keys(const float *qt, co
 
 /* Causal softmax down each lane: key t counts for a lane when first[lane] <= t <= last[lane] (first
  * NULL: from key 0). Masked scores become 0; inv[lane] gets 1 / the lane's sum (applied to the output,
- * once per value, not per key). Inlined, so that a NULL `first` costs the loops nothing. */
+ * once per value, not per key); a lane's sink (sink NULL: none) counts in that sum only. Inlined, so
+ * that a NULL `first` costs the loops nothing. */
 static inline __attribute__((always_inline)) void softmax_lanes(float *scores, int64_t len, const int64_t *first,
-                                                                const int64_t *last, float *inv) {
+                                                                const int64_t *last, const float *sink, float *inv) {
     float peak[LANES], total[LANES];
-    for (int l = 0; l < LANES; l++) peak[l] = -INFINITY, total[l] = 0.0f;
+    for (int l = 0; l < LANES; l++) peak[l] = sink == NULL ? -INFINITY : sink[l], total[l] = 0.0f;
     for (int64_t t = 0; t < len; t++) {
         const float *s = scores + t * LANES;
 #pragma omp simd
@@ -104,6 +107,8 @@ static inline __attribute__((always_inline)) void softmax_lanes(float *scores, i
             total[l] += p;
         }
     }
+    if (sink != NULL)
+        for (int l = 0; l < LANES; l++) total[l] += exp_f32(sink[l] - peak[l]);
     for (int l = 0; l < LANES; l++) inv[l] = 1.0f / total[l];
 }
 
@@ -145,11 +150,12 @@ static inline __attribute__((always_inline)) void weigh_lanes(const float *p, co
 static void attend_tile(const float *q, int64_t q_row_stride, const float *k_cache, const float *v_cache,
                         float *out, const int64_t *rows, int64_t rows_first, int64_t row0, int64_t n_rows, int64_t pos0,
                         int64_t kv, int64_t group, int64_t num_heads, int64_t head_dim, float scale,
-                        int64_t sliding_window, float logit_softcap, float *qt, float *scores) {
+                        int64_t sliding_window, float logit_softcap, const float *sinks, float *qt, float *scores) {
     /* the tile's keys from key0 (the first in its first row's window) to its last row's position;
      * first/last: each lane's window, counted from key0 */
     const int64_t key0 = sliding_window > 0 && pos0 >= sliding_window ? pos0 - sliding_window + 1 : 0;
     int64_t first[LANES], last[LANES];
+    float sink[LANES];
     /* a last block of lanes may reach past LANES: those lanes have no output row */
     float inv[LANES + 8];
     float *out_rows[LANES + 8] = {NULL};
@@ -162,14 +168,16 @@ static void attend_tile(const float *q, int64_t q_row_stride, const float *k_cac
         last[l] = pos0 + r - key0;
         first[l] = sliding_window > 0 && last[l] >= sliding_window ? last[l] - sliding_window + 1 : 0;
         out_rows[l] = l < lanes ? out + ((row0 + r) * num_heads + h) * head_dim : NULL;
+        sink[l] = sinks == NULL ? 0.0f : sinks[h];
     }
     rows += key0 - rows_first;
     score_keys(qt, k_cache + kv * head_dim, rows, len, head_dim, scores);
     if (logit_softcap > 0.0f) soft_cap(scores, len * LANES, logit_softcap);
+    const float *lane_sinks = sinks == NULL ? NULL : sink;
     if (sliding_window > 0)
-        softmax_lanes(scores, len, first, last, inv);
+        softmax_lanes(scores, len, first, last, lane_sinks, inv);
     else
-        softmax_lanes(scores, len, NULL, last, inv);
+        softmax_lanes(scores, len, NULL, last, lane_sinks, inv);
     const float *v_base = v_cache + kv * head_dim;
     /* 24 sums in registers on AVX-512: six lanes of head_dim 64 (5-7 % faster than four at 256-2048
      * tokens), three of 128; on AVX2 12: three lanes by 32 floats */
@@ -195,7 +203,8 @@ int paged_prefill_attention_f32(const float *q, int64_t q_row_stride, const floa
                                 float *out, const int64_t *block_tables, const int64_t *q_starts,
                                 const int64_t *q_lens, const int64_t *kv_lens, int64_t n, int64_t num_heads,
                                 int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
-                                float scale, int64_t sliding_window, float logit_softcap, int num_threads) {
+                                float scale, int64_t sliding_window, float logit_softcap, const float *sinks,
+                                int num_threads) {
     const int64_t group = num_heads / num_kv_heads, tile_rows = group < LANES ? LANES / group : 1;
     const int64_t slot_floats = num_kv_heads * head_dim, max_len = max_blocks * block_size;
     /* tasks in order of sequence, then tile, then KV head: neighbours share a sequence's keys */
@@ -231,7 +240,8 @@ int paged_prefill_attention_f32(const float *q, int64_t q_row_stride, const floa
                 rows_of = seq;
             }
             attend_tile(q, q_row_stride, k_cache, v_cache, out, rows, rows_first, q_starts[seq] + first, n_rows,
-                        pos0 + first, kv, group, num_heads, head_dim, scale, sliding_window, logit_softcap, qt, scores);
+                        pos0 + first, kv, group, num_heads, head_dim, scale, sliding_window, logit_softcap, sinks, qt,
+                        scores);
         }
         free(qt);
         free(scores);
