@@ -26,7 +26,7 @@ int main(void) {
         for (int64_t blocks_per_row = 1; blocks_per_row <= 3; blocks_per_row += 2) {
             const int64_t k = blocks_per_row * per_block, n = 37;
             uint8_t *w = blocks(n * blocks_per_row, bytes);
-            for (int64_t m = 1; m <= 37; m += 18) {
+            for (int64_t m = 1; m <= 73; m += 18) { /* 37 and 73: partial vectors of x^T in the tiles */
                 float *x = malloc(sizeof(float) * (size_t)(m * k)), *out = malloc(sizeof(float) * (size_t)(m * n));
                 float *bias = malloc(sizeof(float) * (size_t)n);
                 for (int64_t i = 0; i < m * k; i++) x[i] = (float)rand() / RAND_MAX - 0.5f;

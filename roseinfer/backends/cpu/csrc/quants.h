@@ -67,6 +67,11 @@ int quant_tiled_tasks(const float *x, int64_t x_stride, const uint8_t *weight, i
 int kquant_matmul_tasks(const float *x, int64_t x_stride, const uint8_t *weight, int64_t type, const float *bias,
                         float *out, int64_t m, int64_t n, int64_t k);
 
+/* out[0..32 count) = 32-weight chunks first .. first + count - 1 of a Q4_K or Q6_K row, dequantized by
+ * csrc/kquant_avx512.c where this target has it and the chunks are whole blocks; returns 0 (nothing
+ * done) otherwise */
+int kquant_dequantize_chunks(int64_t type, const uint8_t *row, int64_t first, int64_t count, float *out);
+
 static inline float fp16_to_f32(const uint8_t *p) {
 #if defined(__F16C__)
     return _cvtsh_ss((unsigned short)(p[0] | p[1] << 8));
@@ -210,9 +215,10 @@ static inline __attribute__((always_inline)) void dequant_chunk(int type, const 
     }
 }
 
-/* out[0..k) = a row of k weights of a type, dequantized (the switch outside the loop) */
-static inline void dequantize_row(int64_t type, const uint8_t *row, int64_t k, float *out) {
-    for (int64_t c = 0; c < k / 32; c++) {
+/* out[0..32 count) = weights 32 first .. 32 (first + count) - 1 of a row of a type, dequantized (the
+ * switch outside the loop) */
+static inline void dequantize_chunks(int64_t type, const uint8_t *row, int64_t first, int64_t count, float *out) {
+    for (int64_t c = first; c < first + count; c++) {
         vec8 w[4];
         switch (type) {
         case Q4_0: dequant_chunk(Q4_0, row, c, w); break;
@@ -221,8 +227,13 @@ static inline void dequantize_row(int64_t type, const uint8_t *row, int64_t k, f
         case Q4_K: dequant_chunk(Q4_K, row, c, w); break;
         default: dequant_chunk(Q6_K, row, c, w); break;
         }
-        memcpy(out + 32 * c, w, sizeof w);
+        memcpy(out + 32 * (c - first), w, sizeof w);
     }
+}
+
+/* out[0..k) = a row of k weights of a type, dequantized */
+static inline void dequantize_row(int64_t type, const uint8_t *row, int64_t k, float *out) {
+    dequantize_chunks(type, row, 0, k / 32, out);
 }
 
 #endif
