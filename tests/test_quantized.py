@@ -20,7 +20,7 @@ from roseinfer.loader.gguf import convert_gguf
 from test_native_kernels import needs_kernels
 from tiny_models import hf_greedy
 
-QTYPES = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q4_K, QT.Q6_K]
+QTYPES = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q4_K, QT.Q5_K, QT.Q6_K]
 
 
 def random_blocks(qtype: QT, rows: int, cols: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,7 +107,7 @@ def test_engine_with_blocks_matches_hf_on_the_dequantized_weights(tmp_path: Path
     generates from the dequantized weights (the fp32 conversion of the same file), token for token."""
     monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(tmp_path / "cache"))
     tok = make_tiny_tokenizer(300)
-    hidden = 256 if qtype in ("Q4_K", "Q6_K") else 64  # K-quant rows are whole 256-blocks
+    hidden = 256 if qtype in ("Q4_K", "Q5_K", "Q6_K") else 64  # K-quant rows are whole 256-blocks
     extra = dict(llama=dict(tie_word_embeddings=False), qwen3=dict(head_dim=32, tie_word_embeddings=True), gpt2={})
     src = write_tiny_gguf(tmp_path / "tiny.gguf", _tiny_hf(model_type, hidden, len(tok), **extra[model_type]), tok,
                           qtype)

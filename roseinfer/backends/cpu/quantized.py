@@ -13,7 +13,7 @@ from roseinfer.backends.cpu.layers import NativeRowsLinear
 from roseinfer.layers.linear import Linear
 
 # the types csrc/quants.h dequantizes
-QUANTIZED_TYPES = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"})
+QUANTIZED_TYPES = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"})
 
 
 def holds_blocks(module: nn.Module) -> bool:
@@ -24,7 +24,7 @@ def holds_blocks(module: nn.Module) -> bool:
 class QuantizedLinear(NativeRowsLinear):
     """y = x W^T (+ bias) with W in GGUF blocks; in_features stays the dense width. Every row count runs
     the C kernel (with the norm or SiLU before it where the model asks: NativeRowsLinear), which from
-    32 rows multiplies tiles of W dequantized once (csrc/quant_tiled_matmul.c)."""
+    32 rows (17 on AVX-512) multiplies tiles of W dequantized once (csrc/quant_tiled_matmul.c)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.quant_matmul(x, self.weight, self.weight.ggml_type, self.bias)

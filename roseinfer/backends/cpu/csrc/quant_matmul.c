@@ -25,8 +25,14 @@
 #define GROUP 8
 #define TILE 16
 /* from this many rows of x, W dequantized once into fp32 tiles (csrc/quant_tiled_matmul.c) beats
- * decoding it again for every group of rows; below it the tiles' one-vector passes ran slower */
+ * decoding it again for every group of rows. On AVX-512 that is from two vectors of rows (17: at 16
+ * the tiles' one-vector kernel only tied the block kernel; at 24, 1.1-1.3x); elsewhere not measured
+ * below 32. */
+#if defined(__AVX512F__)
+#define TILED_MIN_ROWS 17
+#else
 #define TILED_MIN_ROWS 32
+#endif
 #define MAX_SCALED_CHUNKS 2048 /* the one-row path's x chunk sums live on the stack: k <= 65536 */
 
 static inline vec8 load8(const float *p) {
@@ -136,6 +142,7 @@ void quant_matmul_tasks(const float *x, int64_t x_stride, const uint8_t *weight,
     case Q4_1: matmul_tasks(Q4_1, x, x_stride, weight, bias, out, m, n, k); break;
     case Q8_0: matmul_tasks(Q8_0, x, x_stride, weight, bias, out, m, n, k); break;
     case Q4_K: matmul_tasks(Q4_K, x, x_stride, weight, bias, out, m, n, k); break;
+    case Q5_K: matmul_tasks(Q5_K, x, x_stride, weight, bias, out, m, n, k); break;
     default: matmul_tasks(Q6_K, x, x_stride, weight, bias, out, m, n, k); break;
     }
 }
