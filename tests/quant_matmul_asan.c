@@ -8,7 +8,7 @@
 
 #include "kernels.h"
 
-static const int64_t TYPES[][3] = {{2, 18, 32}, {3, 20, 32}, {8, 34, 32}, {12, 144, 256}, {14, 210, 256}};
+static const int64_t TYPES[][3] = {{2, 18, 32}, {3, 20, 32}, {8, 34, 32}, {12, 144, 256}, {13, 176, 256}, {14, 210, 256}};
 
 static uint8_t *blocks(int64_t count, int64_t bytes) {
     uint8_t *p = malloc((size_t)(count * bytes));
@@ -21,12 +21,12 @@ static uint8_t *blocks(int64_t count, int64_t bytes) {
 }
 
 int main(void) {
-    for (int t = 0; t < 5; t++) {
+    for (int t = 0; t < 6; t++) {
         const int64_t type = TYPES[t][0], bytes = TYPES[t][1], per_block = TYPES[t][2];
         for (int64_t blocks_per_row = 1; blocks_per_row <= 3; blocks_per_row += 2) {
             const int64_t k = blocks_per_row * per_block, n = 37;
             uint8_t *w = blocks(n * blocks_per_row, bytes);
-            for (int64_t m = 1; m <= 37; m += 18) {
+            for (int64_t m = 1; m <= 73; m += 18) { /* 37 and 73: partial vectors of x^T in the tiles */
                 float *x = malloc(sizeof(float) * (size_t)(m * k)), *out = malloc(sizeof(float) * (size_t)(m * n));
                 float *bias = malloc(sizeof(float) * (size_t)n);
                 for (int64_t i = 0; i < m * k; i++) x[i] = (float)rand() / RAND_MAX - 0.5f;

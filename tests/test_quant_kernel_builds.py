@@ -1,9 +1,10 @@
 """The GGUF-block matmul's kernels against gguf-py's dequantize and a torch matmul, in every build this
-CPU can run: native, AVX2 only and portable. K-quants below 32 rows take csrc/kquant_avx512.c on
+CPU can run: native, AVX2 only and portable. K-quants below 17 rows take csrc/kquant_avx512.c on
 AVX-512 (quant_matmul.c's generic kernel elsewhere): one and two rows (four FMA chains), partial and
-full groups of 4, several groups; from 32 rows csrc/quant_tiled_matmul.c: 37 and 70 rows leave partial
-passes of rows of x, and 37 outputs a partial tile and pass. The other types at 1 and 37 rows (the
-generic kernel); 1 or 3 blocks a row."""
+full groups of 4, several groups; from 32 rows (17 on AVX-512) csrc/quant_tiled_matmul.c: 17, 37 and 70 rows leave partial
+passes of rows of x, and 37 outputs a partial tile and pass. The other types at 1, 37 and 70 rows (the
+generic kernel, then the tiles); 1 or 3 blocks a row. From 32 rows the tiles sum as the packed fp32
+kernel does on the dequantized weights, bit for bit."""
 from __future__ import annotations
 
 import platform
@@ -30,6 +31,13 @@ def _flags(build: str) -> tuple[str, ...]:
     return kernels.CFLAGS
 
 
+def _packed(dense: torch.Tensor) -> torch.Tensor:
+    """W [n, k] in csrc/packed_matmul.c's layout: 64-row blocks, each column's 64 values side by side."""
+    n, k = dense.shape
+    padded = torch.nn.functional.pad(dense, (0, 0, 0, -n % 64))
+    return padded.view(-1, 64, k).transpose(1, 2).contiguous()
+
+
 @needs_kernels
 @pytest.mark.parametrize("build", BUILDS)
 def test_quant_matmul_equals_dequantize_then_matmul_in_every_build(build: str, tmp_path: Path,
@@ -47,7 +55,7 @@ def test_quant_matmul_equals_dequantize_then_matmul_in_every_build(build: str, t
                 blocks, dense = random_blocks(qtype, 37, gguf.GGML_QUANT_SIZES[qtype][0] * blocks_per_row,
                                               seed=blocks_per_row)
                 bias = torch.randn(37)
-                for rows in (1, 2, 3, 8, 13, 17, 37, 70) if qtype in (QT.Q4_K, QT.Q6_K) else (1, 37):
+                for rows in (1, 2, 3, 8, 13, 17, 37, 70) if qtype in (QT.Q4_K, QT.Q5_K, QT.Q6_K) else (1, 37, 70):
                     x = torch.randn(rows, dense.shape[1])
                     got = ops.quant_matmul(x, blocks, int(qtype), bias)
                     torch.testing.assert_close(got, x @ dense.T + bias, rtol=1e-5,
@@ -55,5 +63,7 @@ def test_quant_matmul_equals_dequantize_then_matmul_in_every_build(build: str, t
                     wide = torch.randn(rows, dense.shape[1] + 16)  # rows of x a stride apart
                     wide[:, :dense.shape[1]] = x
                     assert torch.equal(ops.quant_matmul(wide[:, :dense.shape[1]], blocks, int(qtype), bias), got)
+                    if rows >= 32:
+                        assert torch.equal(got, ops.packed_matmul(x, _packed(dense).data_ptr(), 37, bias))
     finally:
         kernels.native_library.cache_clear()  # later tests load the real build again

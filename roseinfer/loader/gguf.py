@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 # Bump whenever the output of the conversion changes, so stale caches are ignored.
 _CONVERTER_VERSION = 1
-KEPT_TYPES: tuple[str, ...] = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")  # kept as blocks with keep_blocks
+KEPT_TYPES: tuple[str, ...] = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")  # kept as blocks with keep_blocks
 QUANTIZATION_FILE = "roseinfer_quantization.json"
 _GGUF_MAGIC = b"GGUF"
 _SHARD_BYTES = 2 * 2**30  # big models are written in shards of this size

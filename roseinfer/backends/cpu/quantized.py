@@ -1,11 +1,11 @@
 """The CPU backend's layers for weights kept as GGUF blocks (loader/quantized.py: a uint8 weight
 [rows, bytes per row] carrying its `ggml_type`), swapped in at load (`install`): the linear runs
-csrc/quant_matmul.c, which dequantizes each block in registers (fp32 sums), and the embedding
-dequantizes only the rows it looks up, from the same blocks a tied LM head reads."""
+csrc/quant_matmul.c, which dequantizes each block in registers for few rows of x and into fp32 tiles
+once for many (fp32 sums), and the embedding dequantizes only the rows it looks up, from the same
+blocks a tied LM head reads."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from roseinfer.backends.cpu import ops
@@ -13,7 +13,7 @@ from roseinfer.backends.cpu.layers import NativeRowsLinear
 from roseinfer.layers.linear import Linear
 
 # the types csrc/quants.h dequantizes
-QUANTIZED_TYPES = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"})
+QUANTIZED_TYPES = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"})
 
 
 def holds_blocks(module: nn.Module) -> bool:
@@ -21,37 +21,13 @@ def holds_blocks(module: nn.Module) -> bool:
     return weight is not None and hasattr(weight, "ggml_type")
 
 
-# From this many rows a slice of W dequantized into fp32 and torch's matmul (MKL) beat the block
-# kernel, which decodes every weight again for each group of 8 rows: single-thread CPU time for the
-# default model's gate/up (3072 x 576, Q4_1) at 32 rows 2.12 ms against 2.18, at 512 21 against 37.
-DEQUANTIZED_MATMUL_ROWS = 32
-SLICE_BYTES = 4 << 20  # fp32 bytes of W dequantized at once (the tied LM head whole would be 113 MB)
-
-
 class QuantizedLinear(NativeRowsLinear):
-    """y = x W^T (+ bias) with W in GGUF blocks; in_features stays the dense width. Few rows run the
-    block kernel (with the norm or SiLU before it where the model asks: NativeRowsLinear); more
-    multiply slices of W dequantized to fp32 (the same values)."""
+    """y = x W^T (+ bias) with W in GGUF blocks; in_features stays the dense width. Every row count runs
+    the C kernel (with the norm or SiLU before it where the model asks: NativeRowsLinear), which from
+    32 rows (17 on AVX-512) multiplies tiles of W dequantized once (csrc/quant_tiled_matmul.c)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] < DEQUANTIZED_MATMUL_ROWS:
-            return ops.quant_matmul(x, self.weight, self.weight.ggml_type, self.bias)
-        n = self.out_features
-        step = max(1, SLICE_BYTES // (4 * self.in_features))
-        if step >= n:
-            return F.linear(x, self._dequantized(0, n), self.bias)
-        out = torch.empty(x.shape[0], n, dtype=x.dtype)
-        for start in range(0, n, step):
-            end = min(start + step, n)
-            bias = None if self.bias is None else self.bias[start:end]
-            out[:, start:end] = F.linear(x, self._dequantized(start, end), bias)
-        return out
-
-    def native_max_rows(self) -> int:
-        return DEQUANTIZED_MATMUL_ROWS - 1
-
-    def _dequantized(self, start: int, end: int) -> torch.Tensor:
-        return ops.dequantize_rows(self.weight, self.weight.ggml_type, torch.arange(start, end), self.in_features)
+        return ops.quant_matmul(x, self.weight, self.weight.ggml_type, self.bias)
 
 
 class QuantizedEmbedding(nn.Embedding):

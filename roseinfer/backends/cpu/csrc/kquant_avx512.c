@@ -13,7 +13,8 @@
  *         2 high bits with masks and 16-bit-lane shifts, minus 32) instead of in 64-bit words,
  *         then widened, converted and scaled 16 at a time, with the block's 16 scales converted
  *         together once.
- * The entry takes one 2-D weight (rows back to back), so a 3-D tensor runs one slice at a time. */
+ * The entry takes one 2-D weight (rows back to back), so a 3-D tensor runs one slice at a time. The
+ * same vectors, stored, dequantize the tiles of csrc/quant_tiled_matmul.c. */
 #include <stdint.h>
 #include <string.h>
 
@@ -45,26 +46,36 @@ static inline __m512 q4_k_scales_mins(const uint8_t *b) {
     return _mm512_mul_ps(ints, factors);
 }
 
+/* the 16 weights a nibble can stand for (scale * q - min, q = 0..15) in sub-blocks 2p (low nibbles)
+ * and 2p + 1 (high nibbles) */
+static inline void q4_k_tables(__m512 scales_mins, int p, __m512 *low_table, __m512 *high_table) {
+    const __m512 nibble_values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    *low_table = _mm512_fmsub_ps(_mm512_permutexvar_ps(_mm512_set1_epi32(2 * p), scales_mins), nibble_values,
+                                 _mm512_permutexvar_ps(_mm512_set1_epi32(8 + 2 * p), scales_mins));
+    *high_table = _mm512_fmsub_ps(_mm512_permutexvar_ps(_mm512_set1_epi32(2 * p + 1), scales_mins), nibble_values,
+                                  _mm512_permutexvar_ps(_mm512_set1_epi32(9 + 2 * p), scales_mins));
+}
+
+/* weights 64 p + 16 h .. + 15 (low) and 64 p + 32 + 16 h .. + 15 (high) of the Q4_K block at b */
+static inline void q4_k_vectors(const uint8_t *b, int p, int h, __m512 low_table, __m512 high_table, __m512 *low,
+                                __m512 *high) {
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 16 + 32 * p + 16 * h)));
+    *low = _mm512_permutexvar_ps(bytes, low_table);
+    *high = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), high_table);
+}
+
 /* acc[r][*] += dequantized weight row `w` (Q4_K, k weights) times row r of x, r < rows */
 static inline __attribute__((always_inline)) void q4_k_rows(const uint8_t *w, const float *x, int64_t x_stride,
                                                            int64_t k, const int rows, __m512 acc[][KQ_CHAINS]) {
-    const __m512 nibble_values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (int64_t blk = 0; blk < k / 256; blk++) {
         const uint8_t *b = w + blk * 144;
         const __m512 scales_mins = q4_k_scales_mins(b);
         for (int p = 0; p < 4; p++) {
-            /* the 16 weights a nibble can stand for in sub-blocks 2p and 2p + 1: scale * q - min */
-            const __m512 low_table = _mm512_fmsub_ps(_mm512_permutexvar_ps(_mm512_set1_epi32(2 * p), scales_mins),
-                                                     nibble_values,
-                                                     _mm512_permutexvar_ps(_mm512_set1_epi32(8 + 2 * p), scales_mins));
-            const __m512 high_table = _mm512_fmsub_ps(
-                _mm512_permutexvar_ps(_mm512_set1_epi32(2 * p + 1), scales_mins), nibble_values,
-                _mm512_permutexvar_ps(_mm512_set1_epi32(9 + 2 * p), scales_mins));
-            const uint8_t *q = b + 16 + 32 * p;
+            __m512 low_table, high_table;
+            q4_k_tables(scales_mins, p, &low_table, &high_table);
             for (int h = 0; h < 2; h++) {
-                const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16 * h)));
-                const __m512 low = _mm512_permutexvar_ps(bytes, low_table);
-                const __m512 high = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), high_table);
+                __m512 low, high;
+                q4_k_vectors(b, p, h, low_table, high_table, &low, &high);
                 const int64_t col = 256 * blk + 64 * p + 16 * h;
                 for (int r = 0; r < rows; r++) {
                     const float *xr = x + r * x_stride + col;
@@ -77,38 +88,80 @@ static inline __attribute__((always_inline)) void q4_k_rows(const uint8_t *w, co
     }
 }
 
-/* acc[r][*] += dequantized weight row `w` (Q6_K, k weights) times row r of x, r < rows */
-static inline __attribute__((always_inline)) void q6_k_rows(const uint8_t *w, const float *x, int64_t x_stride,
-                                                           int64_t k, const int rows, __m512 acc[][KQ_CHAINS]) {
+/* A Q6_K block's 16 scales times d, as floats */
+static inline __m512 q6_k_scales(const uint8_t *b) {
+    return _mm512_mul_ps(_mm512_set1_ps(fp16_to_f32(b + 208)),
+                         _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192)))));
+}
+
+/* q[0..128) = the 6-bit integers minus 32 of half `half` of the Q6_K block at b, in weight order */
+static inline void q6_k_half_ints(const uint8_t *b, int half, int8_t q[128]) {
     const __m512i low4 = _mm512_set1_epi8(0x0f), top2 = _mm512_set1_epi8(0x30), bias = _mm512_set1_epi8(32);
     /* the 2 high bits of t = 0, 1 (first, second 32 bytes) sit at bits 0-1, 2-3 of qh: shifted up to
      * bits 4-5; those of t = 2, 3 at bits 4-5, 6-7 */
     const __m512i up01 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
     const __m512i down23 = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
+    const __m512i ql = _mm512_loadu_si512((const void *)(b + 64 * half));
+    const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * half)));
+    const __m512i q01 = _mm512_or_si512(_mm512_and_si512(ql, low4), _mm512_and_si512(_mm512_sllv_epi16(qh, up01), top2));
+    const __m512i q23 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4),
+                                        _mm512_and_si512(_mm512_srlv_epi16(qh, down23), top2));
+    _mm512_store_si512((void *)q, _mm512_sub_epi8(q01, bias));
+    _mm512_store_si512((void *)(q + 64), _mm512_sub_epi8(q23, bias));
+}
+
+/* weights 128 half + 16 i .. + 15 of a Q6_K block, from its half's integers q and its scales */
+static inline __m512 q6_k_vector(const int8_t q[128], __m512 scales, int half, int i) {
+    const __m512 scale = _mm512_permutexvar_ps(_mm512_set1_epi32(8 * half + i), scales);
+    return _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128((const __m128i *)(q + 16 * i)))));
+}
+
+/* acc[r][*] += dequantized weight row `w` (Q6_K, k weights) times row r of x, r < rows */
+static inline __attribute__((always_inline)) void q6_k_rows(const uint8_t *w, const float *x, int64_t x_stride,
+                                                           int64_t k, const int rows, __m512 acc[][KQ_CHAINS]) {
     int8_t q[128] __attribute__((aligned(64)));
     for (int64_t blk = 0; blk < k / 256; blk++) {
         const uint8_t *b = w + blk * 210;
-        const __m512 scales = _mm512_mul_ps(_mm512_set1_ps(fp16_to_f32(b + 208)),
-                                            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                                _mm_loadu_si128((const __m128i *)(b + 192)))));
+        const __m512 scales = q6_k_scales(b);
         for (int half = 0; half < 2; half++) {
-            const __m512i ql = _mm512_loadu_si512((const void *)(b + 64 * half));
-            const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * half)));
-            const __m512i q01 = _mm512_or_si512(_mm512_and_si512(ql, low4),
-                                                _mm512_and_si512(_mm512_sllv_epi16(qh, up01), top2));
-            const __m512i q23 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4),
-                                                _mm512_and_si512(_mm512_srlv_epi16(qh, down23), top2));
-            _mm512_store_si512((void *)q, _mm512_sub_epi8(q01, bias));
-            _mm512_store_si512((void *)(q + 64), _mm512_sub_epi8(q23, bias));
+            q6_k_half_ints(b, half, q);
             for (int i = 0; i < 8; i++) {
-                const __m512 scale = _mm512_permutexvar_ps(_mm512_set1_epi32(8 * half + i), scales);
-                const __m512 wv = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(
-                                                           _mm512_cvtepi8_epi32(_mm_load_si128((const __m128i *)(q + 16 * i)))));
+                const __m512 wv = q6_k_vector(q, scales, half, i);
                 const int64_t col = 256 * blk + 128 * half + 16 * i;
                 for (int r = 0; r < rows; r++)
                     acc[r][i % CHAINS(rows)] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + r * x_stride + col),
                                                                acc[r][i % CHAINS(rows)]);
             }
+        }
+    }
+}
+
+/* out[0..256 blocks) = blocks first .. first + blocks - 1 of a Q4_K or Q6_K row, dequantized: the
+ * vectors the matmul above multiplies, the values of quants.h's dequant_chunk */
+static void kquant_dequantize(int64_t type, const uint8_t *row, int64_t first, int64_t blocks, float *out) {
+    int8_t q[128] __attribute__((aligned(64)));
+    for (int64_t blk = 0; blk < blocks; blk++) {
+        float *o = out + 256 * blk;
+        if (type == Q4_K) {
+            const uint8_t *b = row + (first + blk) * 144;
+            const __m512 scales_mins = q4_k_scales_mins(b);
+            for (int p = 0; p < 4; p++) {
+                __m512 low_table, high_table;
+                q4_k_tables(scales_mins, p, &low_table, &high_table);
+                for (int h = 0; h < 2; h++) {
+                    __m512 low, high;
+                    q4_k_vectors(b, p, h, low_table, high_table, &low, &high);
+                    _mm512_storeu_ps(o + 64 * p + 16 * h, low);
+                    _mm512_storeu_ps(o + 64 * p + 32 + 16 * h, high);
+                }
+            }
+            continue;
+        }
+        const uint8_t *b = row + (first + blk) * 210;
+        const __m512 scales = q6_k_scales(b);
+        for (int half = 0; half < 2; half++) {
+            q6_k_half_ints(b, half, q);
+            for (int i = 0; i < 8; i++) _mm512_storeu_ps(o + 128 * half + 16 * i, q6_k_vector(q, scales, half, i));
         }
     }
 }
@@ -165,12 +218,23 @@ int kquant_matmul_tasks(const float *x, int64_t x_stride, const uint8_t *weight,
     return 1;
 }
 
+int kquant_dequantize_chunks(int64_t type, const uint8_t *row, int64_t first, int64_t count, float *out) {
+    if ((type != Q4_K && type != Q6_K) || first % 8 != 0 || count % 8 != 0) return 0;
+    kquant_dequantize(type, row, first / 8, count / 8, out);
+    return 1;
+}
+
 #else
 
 /* Without AVX-512 (with BW) the generic kernels in quant_matmul.c run every type. */
 int kquant_matmul_tasks(const float *x, int64_t x_stride, const uint8_t *weight, int64_t type, const float *bias,
                         float *out, int64_t m, int64_t n, int64_t k) {
     (void)x, (void)x_stride, (void)weight, (void)type, (void)bias, (void)out, (void)m, (void)n, (void)k;
+    return 0;
+}
+
+int kquant_dequantize_chunks(int64_t type, const uint8_t *row, int64_t first, int64_t count, float *out) {
+    (void)type, (void)row, (void)first, (void)count, (void)out;
     return 0;
 }
 

@@ -14,8 +14,7 @@
  * sum instead, d * sum(q x) + m * sum(x) with x's chunk sums taken once: the same real weights and
  * fp32 sums, in another order, and 6 multiplies a chunk in place of 8 (the one-row kernel is bound
  * by its instructions, not by memory). Q4_K and Q6_K on AVX-512 take csrc/kquant_avx512.c instead,
- * and from TILED_MIN_ROWS rows both take csrc/quant_tiled_matmul.c on every target (the 32-weight
- * types stay here: on the default model's 576-wide rows the tiles' lane sums cost more than they saved). */
+ * and from TILED_MIN_ROWS rows every type takes csrc/quant_tiled_matmul.c on every target. */
 #include <stdint.h>
 #include <string.h>
 
@@ -25,9 +24,15 @@
 
 #define GROUP 8
 #define TILE 16
-/* from this many rows of x, a K-quant W dequantized once into fp32 tiles (csrc/quant_tiled_matmul.c)
- * beats decoding it again for every group of rows */
+/* from this many rows of x, W dequantized once into fp32 tiles (csrc/quant_tiled_matmul.c) beats
+ * decoding it again for every group of rows. On AVX-512 that is from two vectors of rows (17: at 16
+ * the tiles' one-vector kernel only tied the block kernel; at 24, 1.1-1.3x); elsewhere not measured
+ * below 32. */
+#if defined(__AVX512F__)
+#define TILED_MIN_ROWS 17
+#else
 #define TILED_MIN_ROWS 32
+#endif
 #define MAX_SCALED_CHUNKS 2048 /* the one-row path's x chunk sums live on the stack: k <= 65536 */
 
 static inline vec8 load8(const float *p) {
@@ -130,13 +135,14 @@ static inline __attribute__((always_inline)) void matmul_tasks(int type, const f
 
 void quant_matmul_tasks(const float *x, int64_t x_stride, const uint8_t *weight, int64_t type, const float *bias,
                         float *out, int64_t m, int64_t n, int64_t k) {
-    if ((type == Q4_K || type == Q6_K) && m >= TILED_MIN_ROWS && quant_tiled_tasks(x, x_stride, weight, type, bias, out, m, n, k)) return;
+    if (m >= TILED_MIN_ROWS && quant_tiled_tasks(x, x_stride, weight, type, bias, out, m, n, k)) return;
     if (kquant_matmul_tasks(x, x_stride, weight, type, bias, out, m, n, k)) return;
     switch (type) {
     case Q4_0: matmul_tasks(Q4_0, x, x_stride, weight, bias, out, m, n, k); break;
     case Q4_1: matmul_tasks(Q4_1, x, x_stride, weight, bias, out, m, n, k); break;
     case Q8_0: matmul_tasks(Q8_0, x, x_stride, weight, bias, out, m, n, k); break;
     case Q4_K: matmul_tasks(Q4_K, x, x_stride, weight, bias, out, m, n, k); break;
+    case Q5_K: matmul_tasks(Q5_K, x, x_stride, weight, bias, out, m, n, k); break;
     default: matmul_tasks(Q6_K, x, x_stride, weight, bias, out, m, n, k); break;
     }
 }

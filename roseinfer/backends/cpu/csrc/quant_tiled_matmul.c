@@ -1,9 +1,12 @@
-/* y = x W^T (+ bias) for many rows of x, W in GGUF blocks: a thread dequantizes TILE_ROWS rows of W at
- * a time into its own fp32 buffer (rows as dequantize_rows_f32 writes them, the same values) and
- * multiplies every row of x by that tile, XR rows of x by WR rows of the tile a pass: vectors along k,
- * XR x WR accumulators, each summed across its lanes at the end. A weight is decoded once per call,
- * where the block kernel decodes it again for every group of rows; the tile stays in L2 while the
- * rows of x pass over it. */
+/* y = x W^T (+ bias) for many rows of x, W in GGUF blocks, as a GEMM. x is transposed once per call
+ * (x^T [k][m rounded up to a vector], the padding 0); a thread takes TILE_ROWS rows of W at a time,
+ * dequantizes PANEL_COLUMNS of their columns into a row-major tile (the values dequantize_rows_f32
+ * writes) and multiplies it into every row of x: per column, V vectors of x^T times R weights
+ * broadcast from the tile into R x V accumulators (outputs of R rows of W for V x 16 rows of x),
+ * carrying each output's running sum from one panel to the next. A weight is decoded once per call,
+ * never transposed, and each output's products are summed in column order from 0: the sums of
+ * packed_matmul_f32 on the dequantized W, bit for bit. The tile (96 KB) and the panel of x^T stay in
+ * L2 while they pass over each other. */
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -12,68 +15,100 @@
 #include "quants.h"
 #include "simd.h"
 
+#define PANEL_COLUMNS 512 /* whole 256-weight blocks */
+/* floats from one tile row to the next: a cache line more than a panel, because rows 2 KB apart all
+ * fell in the same L1 sets (a kernel reading 24 of them thrashed) */
+#define TILE_STRIDE (PANEL_COLUMNS + 16)
+#define TILE_ROWS 48      /* a multiple of every R below */
 #if defined(__AVX512F__)
-#define XR 4
-#define WR 6 /* 24 accumulators and 4 loads of 32 registers */
+#define ACCUMULATORS 24 /* of 32 registers, the rest for x^T's vectors and a broadcast weight */
 #else
-#define XR 2
-#define WR 4 /* AVX2's 16 registers: 8 accumulators */
+#define ACCUMULATORS 12 /* AVX2's 16 registers, and the portable build */
 #endif
-#define TILE_ROWS 24 /* a multiple of WR; 24 rows of k = 8192 are 768 KB */
 
-/* sums[a][b] = row a of x times tile row b, over k, for a full XR x WR pass */
-static inline void tile_pass(const float *x, int64_t x_stride, const float *tile, int64_t k, float sums[XR][WR]) {
-    vec_t acc[XR][WR];
-    for (int a = 0; a < XR; a++)
-        for (int b = 0; b < WR; b++) acc[a][b] = (vec_t){0};
-    int64_t c = 0;
-    for (; c + VEC_FLOATS <= k; c += VEC_FLOATS) {
-        vec_t w[WR];
-        for (int b = 0; b < WR; b++) w[b] = load_vec(tile + b * k + c);
-        for (int a = 0; a < XR; a++) {
-            const vec_t xv = load_vec(x + a * x_stride + c);
-            for (int b = 0; b < WR; b++) acc[a][b] += xv * w[b];
+/* acc[j][v] += tile rows j < R (rows TILE_STRIDE apart) times x^T's vectors v < V (x^T rows m_pad
+ * apart), over `width` columns */
+static inline __attribute__((always_inline)) void tile_times_columns(const float *tile, const float *xt,
+                                                                     int64_t m_pad, int64_t width,
+                                                                     vec_t acc[][4], const int R, const int V) {
+    for (int64_t c = 0; c < width; c++) {
+        vec_t xv[4];
+        for (int v = 0; v < V; v++) xv[v] = load_vec(xt + c * m_pad + v * VEC_FLOATS);
+        for (int j = 0; j < R; j++) {
+            const float w = tile[j * TILE_STRIDE + c];
+            for (int v = 0; v < V; v++) acc[j][v] += w * xv[v];
         }
     }
-    for (int a = 0; a < XR; a++)
-        for (int b = 0; b < WR; b++) {
-            float sum = 0.0f;
-            for (int l = 0; l < VEC_FLOATS; l++) sum += acc[a][b][l];
-            for (int64_t d = c; d < k; d++) sum += x[a * x_stride + d] * tile[b * k + d];
-            sums[a][b] = sum;
-        }
 }
 
-/* Whether it ran: 0 (nothing written) where the threads' buffers could not be allocated; every
- * thread of the enclosing region sees the same answer. */
+/* sums [R][m_pad] (rows m_pad apart) += R tile rows times V vectors of x^T, from sums (0 at the
+ * first panel) through registers */
+static inline __attribute__((always_inline)) void register_tile(const float *tile, const float *xt, int64_t m_pad,
+                                                                int64_t width, float *sums, int first_panel,
+                                                                const int R, const int V) {
+    vec_t acc[ACCUMULATORS][4];
+    for (int j = 0; j < R; j++)
+        for (int v = 0; v < V; v++) acc[j][v] = first_panel ? (vec_t){0} : load_vec(sums + j * m_pad + v * VEC_FLOATS);
+    tile_times_columns(tile, xt, m_pad, width, acc, R, V);
+    for (int j = 0; j < R; j++)
+        for (int v = 0; v < V; v++) store_vec(sums + j * m_pad + v * VEC_FLOATS, acc[j][v]);
+}
+
+/* sums [TILE_ROWS][m_pad] += the tile times every vector of x^T's panel */
+static void tile_times_panel(const float *tile, const float *xt, int64_t m_pad, int64_t width, float *sums,
+                             int first_panel) {
+    for (int64_t v0 = 0; v0 < m_pad; ) {
+        const int64_t left = (m_pad - v0) / VEC_FLOATS;
+        const int V = left >= 4 ? 4 : left >= 2 ? 2 : 1;
+        for (int j = 0; j < TILE_ROWS; j += ACCUMULATORS / V) {
+            const float *t = tile + j * TILE_STRIDE, *x = xt + v0;
+            float *s = sums + j * m_pad + v0;
+            /* constant shapes, so the accumulators stay in registers */
+            if (V == 4)
+                register_tile(t, x, m_pad, width, s, first_panel, ACCUMULATORS / 4, 4);
+            else if (V == 2)
+                register_tile(t, x, m_pad, width, s, first_panel, ACCUMULATORS / 2, 2);
+            else
+                register_tile(t, x, m_pad, width, s, first_panel, ACCUMULATORS, 1);
+        }
+        v0 += V * VEC_FLOATS;
+    }
+}
+
+/* Whether it ran: 0 (nothing written) where the buffers could not be allocated; every thread of the
+ * enclosing region sees the same answer. */
 int quant_tiled_tasks(const float *x, int64_t x_stride, const uint8_t *weight, int64_t type, const float *bias,
                       float *out, int64_t m, int64_t n, int64_t k) {
     const int64_t row_bytes = quant_row_bytes(type, k), tiles = (n + TILE_ROWS - 1) / TILE_ROWS;
+    const int64_t m_pad = (m + VEC_FLOATS - 1) / VEC_FLOATS * VEC_FLOATS;
+    /* x^T, then each thread's tile [TILE_ROWS][PANEL_COLUMNS] and running sums [TILE_ROWS][m_pad] */
+    const size_t thread_floats = (size_t)(TILE_ROWS * TILE_STRIDE + TILE_ROWS * m_pad);
     float *buffers = NULL;
 #pragma omp single copyprivate(buffers)
-    buffers = malloc((size_t)omp_get_num_threads() * TILE_ROWS * (size_t)k * sizeof(float));
+    buffers = aligned_alloc(64, ((size_t)(k * m_pad) + (size_t)omp_get_num_threads() * thread_floats) * sizeof(float));
     if (buffers == NULL) return 0;
-    float *tile = buffers + (size_t)omp_get_thread_num() * TILE_ROWS * (size_t)k;
+    float *xt = buffers, *tile = buffers + k * m_pad + (size_t)omp_get_thread_num() * thread_floats;
+    float *sums = tile + TILE_ROWS * TILE_STRIDE;
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < k; c++)
+        for (int64_t i = 0; i < m_pad; i++) xt[c * m_pad + i] = i < m ? x[i * x_stride + c] : 0.0f;
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
-        const int64_t first = t * TILE_ROWS, rows = n - first < TILE_ROWS ? n - first : TILE_ROWS;
-        for (int64_t r = 0; r < rows; r++) dequantize_row(type, weight + (first + r) * row_bytes, k, tile + r * k);
-        for (int64_t i = 0; i < m; i += XR) {
-            for (int64_t j = 0; j < rows; j += WR) {
-                if (i + XR <= m && j + WR <= rows) {
-                    float sums[XR][WR];
-                    tile_pass(x + i * x_stride, x_stride, tile + j * k, k, sums);
-                    for (int a = 0; a < XR; a++)
-                        for (int b = 0; b < WR; b++)
-                            out[(i + a) * n + first + j + b] = sums[a][b] + (bias != NULL ? bias[first + j + b] : 0.0f);
-                    continue;
-                }
-                for (int64_t a = i; a < m && a < i + XR; a++) /* the edges, one dot product each */
-                    for (int64_t b = j; b < rows && b < j + WR; b++)
-                        out[a * n + first + b] = dot(x + a * x_stride, tile + b * k, k) +
-                                                 (bias != NULL ? bias[first + b] : 0.0f);
+        const int64_t first_row = t * TILE_ROWS, rows = n - first_row < TILE_ROWS ? n - first_row : TILE_ROWS;
+        for (int64_t first = 0; first < k; first += PANEL_COLUMNS) {
+            const int64_t width = k - first < PANEL_COLUMNS ? k - first : PANEL_COLUMNS;
+            for (int64_t r = 0; r < TILE_ROWS; r++) {
+                const uint8_t *row = weight + (first_row + r) * row_bytes;
+                if (r < rows && !kquant_dequantize_chunks(type, row, first / 32, width / 32, tile + r * TILE_STRIDE))
+                    dequantize_chunks(type, row, first / 32, width / 32, tile + r * TILE_STRIDE);
+                else if (r >= rows)
+                    memset(tile + r * TILE_STRIDE, 0, (size_t)width * sizeof(float));
             }
+            tile_times_panel(tile, xt + first * m_pad, m_pad, width, sums, first == 0);
         }
+        for (int64_t i = 0; i < m; i++)
+            for (int64_t j = 0; j < rows; j++)
+                out[i * n + first_row + j] = sums[j * m_pad + i] + (bias != NULL ? bias[first_row + j] : 0.0f);
     }
 #pragma omp single
     free(buffers);

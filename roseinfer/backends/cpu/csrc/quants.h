@@ -7,6 +7,8 @@
  *   Q4_1  20 B / 32:  d, m, q[16] as Q4_0                  w = d * q + m
  *   Q4_K  144 B / 256: d, dmin, 12 B of 6-bit scales/mins, q[128]; chunk s of 32 reads bytes
  *         32 (s / 2) .. + 31, low nibbles for even s, high for odd   w = (d * sc[s]) * q - dmin * mn[s]
+ *   Q5_K  176 B / 256: d, dmin, 12 B of scales/mins as Q4_K, qh[32], q[128] as Q4_K's; weight l of chunk
+ *         s takes bit s of qh[l] as its fifth bit      w = (d * sc[s]) * (q + 16 h) - dmin * mn[s]
  *   Q6_K  210 B / 256: ql[128], qh[64], int8 scales[16], d; chunk s of half h = s / 4, t = s % 4:
  *         ql[64 h + 32 (t & 1) + l] nibble t / 2, qh[32 h + l] bits 2t, 2t+1 on top; 16 values a scale
  *         w = (d * scale) * (q - 32)
@@ -22,7 +24,7 @@
 #include "simd.h"
 
 /* GGML type ids (gguf.GGMLQuantizationType) */
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
@@ -35,12 +37,13 @@ static inline int64_t quant_block_bytes(int64_t type) {
     case Q4_1: return 20;
     case Q8_0: return 34;
     case Q4_K: return 144;
+    case Q5_K: return 176;
     case Q6_K: return 210;
     default: return 0;
     }
 }
 
-static inline int64_t quant_block_weights(int64_t type) { return type == Q4_K || type == Q6_K ? 256 : 32; }
+static inline int64_t quant_block_weights(int64_t type) { return type == Q4_K || type == Q5_K || type == Q6_K ? 256 : 32; }
 
 /* Whether `type` is handled and k is a whole number of its blocks. */
 static inline int quant_shape_ok(int64_t type, int64_t k) {
@@ -66,6 +69,11 @@ int quant_tiled_tasks(const float *x, int64_t x_stride, const uint8_t *weight, i
  * done) for the others, which quant_matmul_tasks then runs itself */
 int kquant_matmul_tasks(const float *x, int64_t x_stride, const uint8_t *weight, int64_t type, const float *bias,
                         float *out, int64_t m, int64_t n, int64_t k);
+
+/* out[0..32 count) = 32-weight chunks first .. first + count - 1 of a Q4_K or Q6_K row, dequantized by
+ * csrc/kquant_avx512.c where this target has it and the chunks are whole blocks; returns 0 (nothing
+ * done) otherwise */
+int kquant_dequantize_chunks(int64_t type, const uint8_t *row, int64_t first, int64_t count, float *out);
 
 static inline float fp16_to_f32(const uint8_t *p) {
 #if defined(__F16C__)
@@ -198,6 +206,17 @@ static inline __attribute__((always_inline)) void dequant_chunk(int type, const 
         for (int i = 0; i < 4; i++) w[i] = scale * nibbles8(q + 8 * i, s & 1) - min;
         return;
     }
+    if (type == Q5_K) {
+        int sc, mn;
+        q4_k_scale_min(b + 4, s, &sc, &mn);
+        const float scale = fp16_to_f32(b) * (float)sc, min = fp16_to_f32(b + 2) * (float)mn;
+        const uint8_t *q = b + 48 + 32 * (s / 2), *qh = b + 16;
+        for (int i = 0; i < 4; i++) {
+            const vec8 fifth = u8_lanes(load64(qh + 8 * i) >> s & 0x0101010101010101ull);
+            w[i] = scale * (nibbles8(q + 8 * i, s & 1) + 16.0f * fifth) - min;
+        }
+        return;
+    }
     /* Q6_K */
     const int h = s / 4, t = s % 4;
     const uint8_t *ql = b + 64 * h + 32 * (t & 1), *qh = b + 128 + 32 * h;
@@ -210,19 +229,26 @@ static inline __attribute__((always_inline)) void dequant_chunk(int type, const 
     }
 }
 
-/* out[0..k) = a row of k weights of a type, dequantized (the switch outside the loop) */
-static inline void dequantize_row(int64_t type, const uint8_t *row, int64_t k, float *out) {
-    for (int64_t c = 0; c < k / 32; c++) {
+/* out[0..32 count) = weights 32 first .. 32 (first + count) - 1 of a row of a type, dequantized (the
+ * switch outside the loop) */
+static inline void dequantize_chunks(int64_t type, const uint8_t *row, int64_t first, int64_t count, float *out) {
+    for (int64_t c = first; c < first + count; c++) {
         vec8 w[4];
         switch (type) {
         case Q4_0: dequant_chunk(Q4_0, row, c, w); break;
         case Q4_1: dequant_chunk(Q4_1, row, c, w); break;
         case Q8_0: dequant_chunk(Q8_0, row, c, w); break;
         case Q4_K: dequant_chunk(Q4_K, row, c, w); break;
+        case Q5_K: dequant_chunk(Q5_K, row, c, w); break;
         default: dequant_chunk(Q6_K, row, c, w); break;
         }
-        memcpy(out + 32 * c, w, sizeof w);
+        memcpy(out + 32 * (c - first), w, sizeof w);
     }
+}
+
+/* out[0..k) = a row of k weights of a type, dequantized */
+static inline void dequantize_row(int64_t type, const uint8_t *row, int64_t k, float *out) {
+    dequantize_chunks(type, row, 0, k / 32, out);
 }
 
 #endif
