@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+from collections import deque
 from typing import AsyncIterator
 
 from roseinfer.output_processor import StreamDelta
@@ -26,7 +27,10 @@ class RequestStream:
             self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
             self._loop = None
-        self._queue: asyncio.Queue | queue.SimpleQueue = asyncio.Queue() if self._loop else queue.SimpleQueue()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()  # a thread consumer's
+        # an async consumer's: a deque and a future to wake it, cheaper than asyncio.Queue per token
+        self._pending: deque[StreamDelta] = deque()
+        self._waiter: asyncio.Future | None = None
 
     def get(self, timeout: float | None = None) -> StreamDelta:
         """Block for the next delta; TimeoutError after `timeout` seconds."""
@@ -42,8 +46,12 @@ class RequestStream:
     async def __aiter__(self) -> AsyncIterator[StreamDelta]:
         if self._loop is None:
             raise RuntimeError("this stream was submitted outside an event loop; read it with get()")
+        pending = self._pending
         while not self.finished:
-            delta = await self._queue.get()
+            if not pending:
+                self._waiter = self._loop.create_future()
+                await self._waiter
+            delta = pending.popleft()
             self.finished = delta.finished
             yield delta
 
@@ -51,12 +59,12 @@ class RequestStream:
 def deliver(deltas: list[tuple[RequestStream, StreamDelta]]) -> None:
     """Hand a step's deltas over: to an async consumer through one `call_soon_threadsafe` per event
     loop however many streams it has, to a thread consumer through its queue."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, StreamDelta]]] = {}
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, StreamDelta]]] = {}
     for stream, delta in deltas:
         if stream._loop is None:
             stream._queue.put(delta)
         else:
-            by_loop.setdefault(stream._loop, []).append((stream._queue, delta))
+            by_loop.setdefault(stream._loop, []).append((stream, delta))
     for loop, items in by_loop.items():
         try:
             loop.call_soon_threadsafe(_put_all, items)
@@ -64,6 +72,9 @@ def deliver(deltas: list[tuple[RequestStream, StreamDelta]]) -> None:
             pass
 
 
-def _put_all(items: list[tuple[asyncio.Queue, StreamDelta]]) -> None:
-    for q, delta in items:
-        q.put_nowait(delta)
+def _put_all(items: list[tuple[RequestStream, StreamDelta]]) -> None:
+    for stream, delta in items:
+        stream._pending.append(delta)
+        waiter = stream._waiter
+        if waiter is not None and not waiter.done():  # done: woken already, or its reader was cancelled
+            waiter.set_result(None)
