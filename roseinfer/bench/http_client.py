@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 from urllib.parse import urlsplit
@@ -118,7 +118,7 @@ class HTTPClient:
         async with self._exchange("POST", path, payload) as reply:
             return Reply(reply.status, await reply.read())
 
-    def stream(self, path: str, payload: Any) -> Any:
+    def stream(self, path: str, payload: Any) -> AbstractAsyncContextManager[StreamedReply]:
         """`async with client.stream(path, payload) as reply:` a POST whose body is read as it comes."""
         return self._exchange("POST", path, payload)
 
