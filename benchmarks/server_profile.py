@@ -5,7 +5,9 @@ load (256 requests × 32 / 128 tokens at once) runs against it. The engine core 
 process (--engine-process on) and is not profiled here.
 
 Usage: python benchmarks/server_profile.py [--stream] [--rounds 2] [--top 30] [--port 18700]
-Writes loop.prof and outputs.prof to --out (pstats files) and prints the top functions of each.
+Writes loop.prof and outputs.prof to --out (pstats files) and prints the top functions of each. The
+loop's profile covers the server's whole life, start-up (imports, building the app) included: read
+its per-function rows, and its total over more rounds.
 """
 from __future__ import annotations
 
