@@ -1,6 +1,6 @@
 """What the server costs over the engine (issue 36's targets), one workload, one run: `LLM.generate`
 in this process, then `roseinfer serve` on the same model answering the same requests all at once,
-non-streaming and streaming, from a light asyncio client. For each: output tok/s, CPU µs per output
+non-streaming and streaming, from a light asyncio client (roseinfer/bench/http_client.py). For each: output tok/s, CPU µs per output
 token (the offline process; the server's whole process tree; the client itself), and /health's p50 /
 p99 polled beside the server runs.
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import http.client
 import json
 import os
 import random
@@ -30,10 +31,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import torch
 from random_model import write_model  # beside this script
 
+from roseinfer.bench.http_client import HTTPClient
 from roseinfer.bench.metrics import percentile
 
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -101,46 +102,52 @@ def offline_run(model: str, prompts: list[list[int]], output_len: int) -> Run:
     return Run("offline", sum(len(o.token_ids) for o in outputs), wall, cpu)
 
 
-def poll_health(base: str, out: list[float], stop: threading.Event) -> None:
-    with httpx.Client(base_url=base, trust_env=False) as client:
-        while not stop.is_set():
-            start = time.perf_counter()
-            client.get("/health").raise_for_status()
-            out.append((time.perf_counter() - start) * 1000)
-            stop.wait(0.05)
+def poll_health(port: int, out: list[float], stop: threading.Event) -> None:
+    """/health every 50 ms from a thread of its own: what it measures is the server's answer, not this
+    process's event loop."""
+    connection = http.client.HTTPConnection("127.0.0.1", port)
+    while not stop.is_set():
+        start = time.perf_counter()
+        connection.request("GET", "/health")
+        response = connection.getresponse()
+        response.read()
+        if response.status != 200:
+            raise RuntimeError(f"/health answered {response.status}")
+        out.append((time.perf_counter() - start) * 1000)
+        stop.wait(0.05)
+    connection.close()
 
 
-async def one_request(client: httpx.AsyncClient, prompt: list[int], output_len: int, stream: bool) -> int:
+async def one_request(client: HTTPClient, prompt: list[int], output_len: int, stream: bool) -> int:
     body = {"prompt": prompt, "max_tokens": output_len, "ignore_eos": True, "temperature": 0.0, "stream": stream}
     if not stream:
-        response = await client.post("/v1/completions", json=body)
-        response.raise_for_status()
-        return response.json()["usage"]["completion_tokens"]
+        reply = await client.post("/v1/completions", body)
+        reply.raise_for_status()
+        return reply.json()["usage"]["completion_tokens"]
     body["stream_options"] = {"include_usage": True}
     tokens = 0
-    async with client.stream("POST", "/v1/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if line.startswith('data: {"') and '"usage":{' in line.replace(" ", ""):
-                usage = json.loads(line[6:]).get("usage")
-                tokens = usage["completion_tokens"] if usage else tokens
+    async with client.stream("/v1/completions", body) as reply:
+        if reply.status != 200:
+            raise RuntimeError(f"HTTP {reply.status}: {(await reply.read())[:500]!r}")
+        async for line in reply.lines():
+            if line.startswith(b'data: {"') and b'"usage":{' in line:
+                tokens = json.loads(line[6:])["usage"]["completion_tokens"]
     return tokens
 
 
 async def all_at_once(base: str, prompts: list[list[int]], output_len: int, stream: bool) -> int:
-    limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=len(prompts))
-    async with httpx.AsyncClient(base_url=base, trust_env=False, timeout=None, limits=limits) as client:
+    async with HTTPClient(base) as client:
         counts = await asyncio.gather(*(one_request(client, p, output_len, stream) for p in prompts))
     return sum(counts)
 
 
-def server_run(name: str, base: str, server_pid: int, prompts: list[list[int]], output_len: int, stream: bool) -> Run:
+def server_run(name: str, port: int, server_pid: int, prompts: list[list[int]], output_len: int, stream: bool) -> Run:
     health: list[float] = []
     stop = threading.Event()
-    poller = threading.Thread(target=poll_health, args=(base, health, stop))
+    poller = threading.Thread(target=poll_health, args=(port, health, stop))
     cpu, client_cpu, start = tree_cpu_seconds(server_pid), own_cpu_seconds(), time.perf_counter()
     poller.start()
-    tokens = asyncio.run(all_at_once(base, prompts, output_len, stream))
+    tokens = asyncio.run(all_at_once(f"http://127.0.0.1:{port}", prompts, output_len, stream))
     wall = time.perf_counter() - start
     cpu, client_cpu = tree_cpu_seconds(server_pid) - cpu, own_cpu_seconds() - client_cpu
     stop.set()
@@ -153,7 +160,6 @@ def start_server(model: str, port: int, num_requests: int, extra: list[str], log
                "--max-num-seqs", str(num_requests), "--no-enable-prefix-caching", *extra]
     # its log to a file: a pipe nobody reads would fill and stall the server
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log.open("w"))
-    base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600  # a guard against a hang, not a bound on start-up
     while True:
         if server.poll() is not None:
@@ -161,11 +167,15 @@ def start_server(model: str, port: int, num_requests: int, extra: list[str], log
         if time.monotonic() > deadline:
             server.kill()
             raise SystemExit("the server did not answer /health within 600 s")
+        connection = http.client.HTTPConnection("127.0.0.1", port)
         try:
-            if httpx.get(f"{base}/health", trust_env=False).status_code == 200:
+            connection.request("GET", "/health")
+            if connection.getresponse().status == 200:
                 return server
-        except httpx.TransportError:
+        except OSError:
             time.sleep(0.5)
+        finally:
+            connection.close()
 
 
 def main() -> None:
@@ -192,18 +202,18 @@ def main() -> None:
               f"once; model {model}")
         offline = offline_run(model, prompts, args.output_len)
         print(offline.line(None), flush=True)
-        servers: dict[str, tuple[subprocess.Popen, str]] = {}
+        servers: dict[str, tuple[subprocess.Popen, int]] = {}
         try:
             for i, mode in enumerate(args.engine_process.split(",")):
                 port = args.port + i
                 flags = ["--engine-process", mode, *shlex.split(args.serve_args)]
                 server = start_server(model, port, args.num_requests, flags, Path(tmp) / f"serve-{mode}.log")
-                servers[mode] = server, f"http://127.0.0.1:{port}"
-                asyncio.run(all_at_once(servers[mode][1], prompts, args.output_len, stream=True))  # warm-up
+                servers[mode] = server, port
+                asyncio.run(all_at_once(f"http://127.0.0.1:{port}", prompts, args.output_len, stream=True))  # warm-up
             for _ in range(args.rounds):
                 for name, stream in (("non-streaming", False), ("streaming", True)):
-                    for mode, (server, base) in servers.items():
-                        run = server_run(f"{name} [{mode}]", base, server.pid, prompts, args.output_len, stream)
+                    for mode, (server, port) in servers.items():
+                        run = server_run(f"{name} [{mode}]", port, server.pid, prompts, args.output_len, stream)
                         print(run.line(offline), flush=True)
         finally:
             for server, _ in servers.values():

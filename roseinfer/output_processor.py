@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from roseinfer.engine.outputs import EngineCoreOutput, RequestTimes
 from roseinfer.engine.request import TokenLogprobs
-from roseinfer.sampling_params import SamplingParams
+from roseinfer.sampling_params import RequestOutputKind, SamplingParams
 from roseinfer.stop_strings import StopStringMatcher
 from roseinfer.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -46,6 +46,7 @@ class _RequestState:
     detok: IncrementalDetokenizer | None
     stop: StopStringMatcher | None
     final_only: bool
+    text_at_end: bool  # detok decodes every token once, when the request ends: no stop string reads it before
     # produced since the last flush
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
@@ -74,10 +75,14 @@ class OutputProcessor:
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     final_only: bool = False) -> None:
-        """final_only: one delta at the end, with everything (the offline API's way)."""
+        """final_only: one delta at the end, with everything, its text the output ids decoded alone (the
+        offline API's way). params.output_kind FINAL_ONLY: one delta at the end too, its text the one
+        the streamed deltas would have made (decoded after the prompt's last tokens)."""
         stop = StopStringMatcher(params.stop, params.include_stop_str_in_output) if params.stop else None
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids) if stop is not None or not final_only else None
-        self._states[request_id] = _RequestState(params, len(prompt_ids), detok, stop, final_only)
+        whole = params.output_kind is RequestOutputKind.FINAL_ONLY
+        self._states[request_id] = _RequestState(params, len(prompt_ids), detok, stop, final_only or whole,
+                                                 whole and stop is None and not final_only)
 
     def has_requests(self) -> bool:
         return bool(self._states)
@@ -124,7 +129,7 @@ class OutputProcessor:
         if out.times is not None:
             state.times = out.times
         state.embedding = out.embedding
-        if state.detok is None:
+        if state.detok is None or state.text_at_end:
             return False
         text = state.detok.add(out.new_token_ids)
         if out.finished:
@@ -142,6 +147,8 @@ class OutputProcessor:
         state = self._states.pop(request_id)
         if state.detok is None:
             state.text = self.tokenizer.decode(state.token_ids)
+        elif state.text_at_end:
+            state.text = state.detok.add(state.token_ids) + state.detok.flush()
         delta = self._flush(state, now, reason, error, status)
         delta.stop_reason = stop_reason
         return delta

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 SAMPLING_EPS = 1e-5  # a temperature below this samples greedily, as in vLLM (logits / 1e-6 is noise)
@@ -80,6 +81,13 @@ class StructuredOutputsParams:
                     if getattr(self, name) not in (None, False))
 
 
+class RequestOutputKind(Enum):
+    """How a request's output reaches its reader (vLLM's name)."""
+
+    DELTA = "delta"  # the new text as it comes, every stream_interval tokens
+    FINAL_ONLY = "final_only"  # everything at once when it ends: nothing decoded or delivered before
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 1.0  # below SAMPLING_EPS: greedy
@@ -101,6 +109,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; N >= 0: chosen token plus N alternatives
     prompt_logprobs: int | None = None  # the same for every prompt token (the first gets None)
     structured_outputs: StructuredOutputsParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.DELTA
 
     def __post_init__(self) -> None:
         self.stop_token_ids = list(self.stop_token_ids or [])

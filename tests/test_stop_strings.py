@@ -8,6 +8,7 @@ import pytest
 from roseinfer import LLM, SamplingParams
 from roseinfer.engine.outputs import EngineCoreOutput
 from roseinfer.output_processor import OutputProcessor
+from roseinfer.sampling_params import RequestOutputKind
 from roseinfer.stop_strings import StopStringMatcher
 from roseinfer.tokenizer import Tokenizer
 
@@ -147,6 +148,21 @@ def test_multibyte_characters_split_across_tokens(tokenizer: Tokenizer, final_on
     # a stop right after a character whose bytes span tokens: the character comes out whole
     after, _ = _feed(tokenizer, greedy(stop=[" and"]), prompt, ids, final_only)
     assert after == " caf\u00e9 \u732b"
+
+
+def test_final_only_output_is_one_delta_with_the_streamed_text(tokenizer: Tokenizer) -> None:
+    """A FINAL_ONLY request (the server's non-streaming ones) is decoded once at the end, to the text its
+    deltas would have streamed; with a stop string it is still matched token by token."""
+    prompt = tokenizer.encode("A note:")
+    ids = tokenizer.encode(" caf\u00e9 \u732b and \u732b\u732b end")
+    final = RequestOutputKind.FINAL_ONLY
+    streamed, deltas = _feed(tokenizer, greedy(), prompt, ids)
+    assert len(deltas) == len(ids)
+    whole, deltas = _feed(tokenizer, greedy(output_kind=final), prompt, ids)
+    assert whole == streamed and len(deltas) == 1
+    assert (deltas[0].token_ids, deltas[0].num_output_tokens, deltas[0].finish_reason) == (ids, len(ids), "length")
+    cut, deltas = _feed(tokenizer, greedy(stop=["\u732b\u732b"], output_kind=final), prompt, ids)
+    assert cut == " caf\u00e9 \u732b and " and len(deltas) == 1 and deltas[0].stop_reason == "\u732b\u732b"
 
 
 def test_matcher_with_include_keeps_the_stop_and_holds_nothing_back() -> None:

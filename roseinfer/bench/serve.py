@@ -18,18 +18,17 @@ import json
 import math
 import sys
 import time
-from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
+from typing import Any
 
+import msgspec
 from tqdm import tqdm
 
 from .datasets import DATASETS, BenchRequest, Tokenizer, load_requests
+from .http_client import HTTPClient, HTTPStatusError
 from .metrics import parse_goodput
 from .schedules import request_arrival_offsets
 from .serve_report import ENDPOINTS, RequestResult, compute_summary, format_table, write_plot
 
-if TYPE_CHECKING:
-    import httpx
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """Register the ``bench serve`` flags on ``parser``."""
@@ -99,22 +98,22 @@ def _chunk_text(obj: dict[str, Any], chat: bool) -> str:
     return "".join(parts)
 
 
-async def _stream_one(client: httpx.AsyncClient, path: str, payload: dict[str, Any],
+async def _stream_one(client: HTTPClient, path: str, payload: dict[str, Any],
                       chat: bool, res: RequestResult) -> None:
     res.submit_start = time.perf_counter()
-    async with client.stream("POST", path, json=payload) as resp:
-        if resp.status_code != 200:
-            body = (await resp.aread()).decode("utf-8", errors="replace")
-            raise _ServerError(f"HTTP {resp.status_code}: {body[:500]}")
-        async for line in resp.aiter_lines():
+    async with client.stream(path, payload) as resp:
+        if resp.status != 200:
+            body = (await resp.read()).decode("utf-8", errors="replace")
+            raise _ServerError(f"HTTP {resp.status}: {body[:500]}")
+        async for line in resp.lines():
             # Stamp before parsing so JSON decoding does not count as latency.
             now = time.perf_counter()
-            if not line.startswith("data:"):
+            if not line.startswith(b"data:"):
                 continue  # blank separators, comments, event: lines
             data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            obj = json.loads(data)
+            if data == b"[DONE]":
+                continue  # the body ends here: read to its end, the connection is reused
+            obj = msgspec.json.decode(data)
             if obj.get("error"):
                 raise _ServerError(f"error in stream: {json.dumps(obj['error'])[:500]}")
             if _chunk_text(obj, chat):
@@ -128,7 +127,7 @@ async def _stream_one(client: httpx.AsyncClient, path: str, payload: dict[str, A
     res.success = True
 
 
-async def _run_one(client: httpx.AsyncClient, args: argparse.Namespace, model: str,
+async def _run_one(client: HTTPClient, args: argparse.Namespace, model: str,
                    res: RequestResult) -> None:
     chat = args.endpoint == "chat"
     payload = _build_payload(args, model, res.request)
@@ -143,14 +142,12 @@ async def _run_one(client: httpx.AsyncClient, args: argparse.Namespace, model: s
         res.end = time.perf_counter()
 
 
-async def _first_model(client: httpx.AsyncClient, timeout: float) -> str:
-    import httpx
-
+async def _first_model(client: HTTPClient, timeout: float) -> str:
     try:
         resp = await asyncio.wait_for(client.get("/v1/models"), timeout)
         resp.raise_for_status()
         data = resp.json().get("data") or []
-    except (httpx.HTTPError, ValueError, asyncio.TimeoutError) as e:  # down, wrong URL, not JSON
+    except (OSError, EOFError, HTTPStatusError, ValueError, asyncio.TimeoutError) as e:  # down, wrong URL, not JSON
         raise RuntimeError(f"GET {client.base_url}/v1/models failed ({type(e).__name__}: {e}); "
                            "is the server up? (or pass --model)") from e
     if not data:
@@ -158,30 +155,14 @@ async def _first_model(client: httpx.AsyncClient, timeout: float) -> str:
     return str(data[0]["id"])
 
 
-def _is_loopback(url: str) -> bool:
-    return (urlsplit(url).hostname or "") in ("127.0.0.1", "localhost", "::1")
-
-
 async def _run(args: argparse.Namespace, requests: list[BenchRequest]
                ) -> tuple[str, list[RequestResult], float, float]:
-    # imported here: httpx brings click, rich and pygments (~8 MiB resident), and every `roseinfer`
-    # command builds this module's parser
-    import httpx
-
     offsets = request_arrival_offsets(len(requests), args.request_rate, args.burstiness, args.seed)
     limit = args.max_concurrency
     sem = asyncio.Semaphore(limit) if limit else None
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
-    async with httpx.AsyncClient(
-        base_url=args.base_url.rstrip("/"), headers=headers,
-        # No per-operation limits: asyncio.wait_for bounds each whole request instead,
-        # so --timeout means one thing (and one error message) however it runs out.
-        timeout=httpx.Timeout(None),
-        # The default pool (100) would silently cap concurrency; the cap is ours to set.
-        limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit),
-        # An HTTP(S)_PROXY from the environment must not sit between us and a local server.
-        trust_env=not _is_loopback(args.base_url),
-    ) as client:
+    # asyncio.wait_for bounds each whole request, so --timeout means one thing however it runs out
+    async with HTTPClient(args.base_url, headers) as client:
         model = args.model or await _first_model(client, args.timeout)
         bar = tqdm(total=len(requests), desc="bench serve", unit="req", file=sys.stderr,
                    disable=args.no_progress or not sys.stderr.isatty())

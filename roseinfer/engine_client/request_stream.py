@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import weakref
+from collections import deque
 from typing import AsyncIterator
 
 from roseinfer.output_processor import StreamDelta
@@ -26,7 +28,10 @@ class RequestStream:
             self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
             self._loop = None
-        self._queue: asyncio.Queue | queue.SimpleQueue = asyncio.Queue() if self._loop else queue.SimpleQueue()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()  # a thread consumer's
+        # an async consumer's: a deque and a future to wake it, cheaper than asyncio.Queue per token
+        self._pending: deque[StreamDelta] = deque()
+        self._waiter: asyncio.Future | None = None
 
     def get(self, timeout: float | None = None) -> StreamDelta:
         """Block for the next delta; TimeoutError after `timeout` seconds."""
@@ -42,28 +47,50 @@ class RequestStream:
     async def __aiter__(self) -> AsyncIterator[StreamDelta]:
         if self._loop is None:
             raise RuntimeError("this stream was submitted outside an event loop; read it with get()")
+        pending = self._pending
         while not self.finished:
-            delta = await self._queue.get()
+            if not pending:
+                self._waiter = self._loop.create_future()
+                await self._waiter
+            delta = pending.popleft()
             self.finished = delta.finished
             yield delta
 
 
 def deliver(deltas: list[tuple[RequestStream, StreamDelta]]) -> None:
-    """Hand a step's deltas over: to an async consumer through one `call_soon_threadsafe` per event
-    loop however many streams it has, to a thread consumer through its queue."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, StreamDelta]]] = {}
+    """Hand a step's deltas over: to an async consumer through its loop's inbox, which one
+    `call_soon_threadsafe` per loop drains, to a thread consumer through its queue."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, StreamDelta]]] = {}
     for stream, delta in deltas:
         if stream._loop is None:
             stream._queue.put(delta)
         else:
-            by_loop.setdefault(stream._loop, []).append((stream._queue, delta))
+            by_loop.setdefault(stream._loop, []).append((stream, delta))
     for loop, items in by_loop.items():
+        inbox = _inboxes.setdefault(loop, deque())
+        inbox.extend(items)
         try:
-            loop.call_soon_threadsafe(_put_all, items)
+            loop.call_soon_threadsafe(_drain, loop, inbox)
         except RuntimeError:  # the loop is closed: nobody is reading these streams any more
-            pass
+            _inboxes.pop(loop, None)
 
 
-def _put_all(items: list[tuple[asyncio.Queue, StreamDelta]]) -> None:
-    for q, delta in items:
-        q.put_nowait(delta)
+# What the engine's thread has handed each event loop, oldest first. One turn of a loop runs every
+# task woken in the turn before, so a step that ends 256 requests at once would hold everything else
+# (/health) back for all their responses: each turn wakes at most WAKE_PER_TURN readers.
+_inboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, deque[tuple[RequestStream, StreamDelta]]] = \
+    weakref.WeakKeyDictionary()
+WAKE_PER_TURN = 32
+
+
+def _drain(loop: asyncio.AbstractEventLoop, inbox: deque[tuple[RequestStream, StreamDelta]]) -> None:
+    woken = 0
+    while inbox and woken < WAKE_PER_TURN:
+        stream, delta = inbox.popleft()
+        stream._pending.append(delta)
+        waiter = stream._waiter
+        if waiter is not None and not waiter.done():  # done: woken already, or its reader was cancelled
+            waiter.set_result(None)
+            woken += 1
+    if inbox:
+        loop.call_soon(_drain, loop, inbox)  # the rest next turn, after the sockets are read

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from roseinfer.sampling_params import SEED_MAX, SamplingParams, StructuredOutputsParams
+from roseinfer.sampling_params import SEED_MAX, RequestOutputKind, SamplingParams, StructuredOutputsParams
 from roseinfer.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest
 
 
@@ -59,7 +59,9 @@ def sampling_params(body: SamplingRequest, defaults: dict[str, Any], max_tokens:
               "ignore_eos": body.ignore_eos, "min_tokens": body.min_tokens, "stop_token_ids": body.stop_token_ids,
               "stop": [body.stop] if isinstance(body.stop, str) else body.stop,
               "include_stop_str_in_output": body.include_stop_str_in_output,
-              "logprobs": logprobs, "prompt_logprobs": prompt_logprobs, "structured_outputs": structured_outputs}
+              "logprobs": logprobs, "prompt_logprobs": prompt_logprobs, "structured_outputs": structured_outputs,
+              # a response sent whole needs no text before the end, nor a delta per token
+              "output_kind": RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY}
     try:
         return SamplingParams(**{**defaults, **{k: v for k, v in values.items() if v is not None}})
     except ValueError as exc:
