@@ -20,7 +20,8 @@ from roseinfer.reasoning import after_reasoning, pick_reasoning_parser
 from roseinfer.sampling_params import SamplingParams, StructuredOutputsParams
 from roseinfer.server.app import build_app
 from roseinfer.server.args import ServerOptions
-from roseinfer.server.serving import JSON_WHITESPACE, split_delta, split_reply
+from roseinfer.engine.structured_output import JSON_WHITESPACE
+from roseinfer.server.reply_parts import split_delta, split_reply
 from roseinfer.server.tool_parsers import ChannelCallParser
 from roseinfer.server.tool_calls import pick_parser
 from roseinfer.tokenizer import Tokenizer

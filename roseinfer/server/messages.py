@@ -20,7 +20,8 @@ from roseinfer.reasoning import Reasoner
 from roseinfer.engine_client.request_stream import RequestStream
 from roseinfer.server.request_params import check_request, sampling_params
 from roseinfer.server.responses import EventStream
-from roseinfer.server.serving import CLIENT_CLOSED, OpenAIServing, split_delta, split_reply
+from roseinfer.server.reply_parts import split_delta, split_reply
+from roseinfer.server.serving import CLIENT_CLOSED, OpenAIServing
 from roseinfer.server.tool_calls import plan_tools
 from roseinfer.server.tool_parsers import ToolParser
 
@@ -54,12 +55,9 @@ class AnthropicServing:
         run = await self._start(body)
         if body.stream:
             return EventStream(self._events(run), lambda: self.serving.abort_unfinished([run.stream]))
-        choices = await self.serving.collect([run.stream], raw)
-        if choices is None:
+        choice = await self.serving.collect_one(run.stream, raw)
+        if choice is None:
             return Response(status_code=CLIENT_CLOSED)
-        choice = choices[0]
-        if choice.error:
-            raise APIError(choice.error_status, choice.error)
         content: list[dict[str, Any]] = []
         reasoning, text, calls = split_reply(choice.text, choice.token_ids, run.reasoner, run.parser)
         if reasoning:  # Anthropic's thinking block, first; it has no signature to verify

@@ -21,7 +21,8 @@ from roseinfer.server.request_params import check_chat_fields, check_request, sa
 from roseinfer.engine_client.request_stream import RequestStream
 from roseinfer.server.responses import EventStream
 from roseinfer.server.responses_protocol import ResponsesRequest, chat_request
-from roseinfer.server.serving import CLIENT_CLOSED, OpenAIServing, split_delta, split_reply
+from roseinfer.server.reply_parts import split_delta, split_reply
+from roseinfer.server.serving import CLIENT_CLOSED, OpenAIServing
 from roseinfer.server.structured import requested_constraint
 from roseinfer.server.tool_calls import plan_tools
 from roseinfer.server.tool_parsers import ToolParser
@@ -61,12 +62,9 @@ class ResponsesServing:
         run = await self._start(body)
         if body.stream:
             return EventStream(self._events(run), lambda: self.serving.abort_unfinished([run.stream]))
-        choices = await self.serving.collect([run.stream], raw)
-        if choices is None:
+        choice = await self.serving.collect_one(run.stream, raw)
+        if choice is None:
             return Response(status_code=CLIENT_CLOSED)
-        choice = choices[0]
-        if choice.error:
-            raise APIError(choice.error_status, choice.error)
         reasoning, text, calls = split_reply(choice.text, choice.token_ids, run.reasoner, run.parser)
         output = []
         if reasoning:

@@ -38,7 +38,8 @@ from roseinfer.server.responses import (Choice, EventStream, Reply, prompt_entri
                                         without_output)
 from roseinfer.server.structured import Constraint, ConstraintLimits, compile_constraint, requested_constraint
 from roseinfer.server.tool_calls import chat_inputs, pick_parser, plan_tools, takes_system_role
-from roseinfer.server.tool_parsers import NamedCallParser, ToolCall, ToolParser
+from roseinfer.server.reply_parts import finish_reason, split_delta, split_reply
+from roseinfer.server.tool_parsers import ToolParser
 
 if TYPE_CHECKING:  # Ray is imported only when replicas are asked for
     from roseinfer.server.replicas import ReplicaSet
@@ -351,49 +352,15 @@ class OpenAIServing:
         work.result()  # a bug in gather surfaces as a 500, not as a silent disconnect
         return choices
 
+    async def collect_one(self, stream: RequestStream, raw: Request) -> Choice | None:
+        """One choice run to the end (collect's None if the client went away); its error as an APIError."""
+        choices = await self.collect([stream], raw)
+        if choices is not None and choices[0].error:
+            raise APIError(choices[0].error_status, choices[0].error)
+        return None if choices is None else choices[0]
+
     def abort_unfinished(self, streams: list[RequestStream]) -> None:
         for stream in streams:
             if not stream.finished:
                 self.manager.abort(stream.request_id)
 
-
-def split_reply(text: str, token_ids: list[int], reasoner: Reasoner | None,
-                parser: ToolParser | None) -> tuple[str | None, str | None, list[ToolCall]]:
-    """A whole reply's (reasoning, answer, tool calls): the reasoning split off first, then the
-    answer's calls (the reasoning may mention calls it did not make)."""
-    reasoning = None
-    if reasoner is not None:
-        reasoning, text = reasoner.parse(text, token_ids)
-    if parser is None:
-        return reasoning, text, []
-    for name, arguments in reasoner.calls if reasoner is not None else ():  # harmony's, read from the ids
-        parser.called(name, arguments)
-    content, calls = parser.parse(text or "")
-    return reasoning, content, calls
-
-
-def split_delta(delta: StreamDelta, reasoner: Reasoner | None,
-                parser: ToolParser | None) -> tuple[str, str, list[dict[str, Any]]]:
-    """A streamed delta's (reasoning, answer text, OpenAI delta.tool_calls entries), as split_reply
-    splits a whole reply; the parsers' held-back text comes out with the final delta."""
-    reasoning, content, calls = "", delta.text, []
-    if reasoner is not None:
-        split = reasoner.feed(delta.text, delta.token_ids)
-        if delta.finished:
-            split.extend(reasoner.finish())
-        reasoning, content = split.reasoning, split.content
-    if parser is not None:
-        parsed = parser.feed(content)
-        for name, arguments in split.calls if reasoner is not None else ():  # harmony's, read from the ids
-            parsed.extend(parser.called(name, arguments))
-        if delta.finished:
-            parsed.extend(parser.finish())
-        content, calls = parsed.content, parsed.tool_calls
-    return reasoning, content, calls
-
-
-def finish_reason(reason: str | None, parser: ToolParser | None) -> str | None:
-    """OpenAI's "tool_calls" when the output ended by itself with calls the model chose to make; a
-    call forced by naming its function ends with "stop", as OpenAI's and vLLM's do."""
-    chose = parser is not None and parser.calls and not isinstance(parser, NamedCallParser)
-    return "tool_calls" if reason == "stop" and chose else reason
