@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from roseinfer.distributed.parallel import SINGLE, Part, TensorParallel, column_parallel, row_parallel
 from roseinfer.layers.attention import AttentionMetadata, KVCache, PagedAttention
 from roseinfer.layers.linear import Linear
 from roseinfer.layers.norm import RMSNorm
@@ -23,14 +24,16 @@ from roseinfer.layers.deepseek_layouts import MlaLayout
 
 
 class LatentUpProjection(nn.Module):
-    """kv_b_proj's weight, [H * (qk_nope + v), kv_lora_rank] as the checkpoint has it, never run as a
-    matmul on the latent: a plain parameter, so no backend swaps it for a prepacked linear."""
+    """kv_b_proj's weight, [H * (qk_nope + v), kv_lora_rank] as the checkpoint has it (this rank's
+    heads' rows: `tp_parts`, as the weight loader reads them), never run as a matmul on the latent: a
+    plain parameter, so no backend swaps it for a prepacked linear."""
 
-    def __init__(self, num_heads: int, mla: MlaLayout) -> None:
+    def __init__(self, heads: Part, mla: MlaLayout) -> None:
         super().__init__()
-        self.num_heads, self.mla = num_heads, mla
-        self.weight = nn.Parameter(torch.empty(num_heads * (mla.qk_nope_head_dim + mla.v_head_dim),
-                                               mla.kv_lora_rank))
+        self.num_heads, self.mla = heads.rows, mla
+        per_head = mla.qk_nope_head_dim + mla.v_head_dim
+        self.tp_parts = [Part(heads.size * per_head, heads.start * per_head, heads.rows * per_head)]
+        self.weight = nn.Parameter(torch.empty(heads.rows * per_head, mla.kv_lora_rank))
 
     def _per_head(self) -> tuple[torch.Tensor, torch.Tensor]:
         per_head = self.weight.view(self.num_heads, -1, self.mla.kv_lora_rank)
@@ -48,24 +51,28 @@ class LatentUpProjection(nn.Module):
 class MultiHeadLatentAttention(nn.Module):
     """The checkpoint's names: q_proj (or q_a_proj, q_a_layernorm, q_b_proj), kv_a_proj_with_mqa,
     kv_a_layernorm, kv_b_proj, o_proj. Rotary pairs are adjacent, as DeepSeek lays them out
-    (layers/rotary.py); the model reorders a halves-layout checkpoint's rows at load."""
+    (layers/rotary.py); the model reorders a halves-layout checkpoint's rows at load. Under tensor
+    parallelism a rank holds its heads' rows of q and kv_b and their columns of o (an all-reduce
+    after it), and the latent's projections whole: each rank caches the same latent row."""
 
     def __init__(self, hidden_size: int, num_heads: int, mla: MlaLayout, scale: float, eps: float,
-                 bias: bool) -> None:
+                 bias: bool, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.num_heads, self.mla = num_heads, mla
-        q_width = num_heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim)
+        self.tp, self.mla = tp, mla
+        heads = tp.even(num_heads)
+        self.num_heads = heads.rows
+        q_width = tp.even(num_heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim))
         if mla.q_lora_rank is None:
-            self.q_proj = Linear(hidden_size, q_width, bias=False)
+            self.q_proj = column_parallel(hidden_size, [q_width], bias=False)
         else:
             self.q_a_proj = Linear(hidden_size, mla.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, eps)
-            self.q_b_proj = Linear(mla.q_lora_rank, q_width, bias=False)
+            self.q_b_proj = column_parallel(mla.q_lora_rank, [q_width], bias=False)
         self.kv_a_proj_with_mqa = Linear(hidden_size, mla.cache_width, bias=bias)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, eps)
-        self.kv_b_proj = LatentUpProjection(num_heads, mla)
-        self.o_proj = Linear(num_heads * mla.v_head_dim, hidden_size, bias=bias)
-        self.attn = PagedAttention(num_heads, 1, mla.cache_width, scale)
+        self.kv_b_proj = LatentUpProjection(heads, mla)
+        self.o_proj = row_parallel(num_heads * mla.v_head_dim, hidden_size, tp, bias=bias)
+        self.attn = PagedAttention(self.num_heads, 1, mla.cache_width, scale)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
                 ) -> torch.Tensor:
@@ -84,4 +91,4 @@ class MultiHeadLatentAttention(nn.Module):
         row = torch.cat([latent.view(tokens, 1, mla.kv_lora_rank), k_pe], dim=-1)
         out = self.attn(query, row, row, kv_cache, meta)  # K and V are the one cached row
         values = self.kv_b_proj.values(out[..., :mla.kv_lora_rank])
-        return self.o_proj.forward(values.reshape(tokens, self.num_heads * mla.v_head_dim))
+        return self.tp.all_reduce(self.o_proj.forward(values.reshape(tokens, self.num_heads * mla.v_head_dim)))

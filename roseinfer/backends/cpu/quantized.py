@@ -34,24 +34,27 @@ class QuantizedLinear(NativeRowsLinear):
     multiply slices of W dequantized to fp32 (the same values)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] < DEQUANTIZED_MATMUL_ROWS:
-            return ops.quant_matmul(x, self.weight, self.weight.ggml_type, self.bias)
-        n = self.out_features
-        step = max(1, SLICE_BYTES // (4 * self.in_features))
-        if step >= n:
-            return F.linear(x, self._dequantized(0, n), self.bias)
-        out = torch.empty(x.shape[0], n, dtype=x.dtype)
-        for start in range(0, n, step):
-            end = min(start + step, n)
-            bias = None if self.bias is None else self.bias[start:end]
-            out[:, start:end] = F.linear(x, self._dequantized(start, end), bias)
-        return out
+        return block_linear(x, self.weight, self.weight.ggml_type, self.bias)
 
     def native_max_rows(self) -> int:
         return DEQUANTIZED_MATMUL_ROWS - 1
 
-    def _dequantized(self, start: int, end: int) -> torch.Tensor:
-        return ops.dequantize_rows(self.weight, self.weight.ggml_type, torch.arange(start, end), self.in_features)
+
+def block_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [m, k] @ W.T (+ bias), W [n, k] held as GGUF blocks (uint8 [n, bytes per row] of GGML type
+    qtype): the block kernel for few rows, slices of W dequantized to fp32 and torch's matmul for more."""
+    if x.shape[0] < DEQUANTIZED_MATMUL_ROWS:
+        return ops.quant_matmul(x, blocks, qtype, bias)
+    n, k = blocks.shape[0], x.shape[1]
+    step = max(1, SLICE_BYTES // (4 * k))
+    if step >= n:
+        return F.linear(x, ops.dequantize_rows(blocks, qtype, torch.arange(n), k), bias)
+    out = torch.empty(x.shape[0], n, dtype=x.dtype)
+    for start in range(0, n, step):
+        end = min(start + step, n)
+        part = None if bias is None else bias[start:end]
+        out[:, start:end] = F.linear(x, ops.dequantize_rows(blocks, qtype, torch.arange(start, end), k), part)
+    return out
 
 
 class QuantizedEmbedding(nn.Embedding):

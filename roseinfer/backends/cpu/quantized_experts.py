@@ -1,0 +1,51 @@
+"""Stacked experts whose weights stay GGUF blocks on the CPU backend (llama.cpp's 3-D
+`ffn_{gate,up,down}_exps`, kept by loader/quantized.py's keep_expert_blocks as uint8
+[experts, rows, bytes per row] carrying their `ggml_type`), swapped in at load (`install`).
+
+StackedExperts groups a step's tokens by expert and runs each routed expert once on its rows; here an
+expert's slice of blocks (its rows are contiguous) goes through the same 2-D block matmul a dense
+GGUF linear uses (backends/cpu/quantized.py's block_linear), so the sums are that linear's: the
+block kernel for few rows (SiLU * up computed inside the down projection's call), slices dequantized
+to fp32 for more. Only the experts the step routes to are read. The other backends dequantize these
+tensors at load."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from roseinfer.backends.cpu import ops
+from roseinfer.backends.cpu.layers import NativeSiluAndMul
+from roseinfer.backends.cpu.quantized import DEQUANTIZED_MATMUL_ROWS, block_linear
+from roseinfer.models.moe import StackedExperts
+
+
+def holds_blocks(weight: torch.Tensor) -> bool:
+    return hasattr(weight, "ggml_type")
+
+
+def expert_projection(weight: torch.Tensor, expert: int, x: torch.Tensor) -> torch.Tensor:
+    """x @ W[expert].T for stacked W, in blocks or fp32."""
+    if holds_blocks(weight):
+        return block_linear(x, weight[expert], weight.ggml_type)
+    return F.linear(x, weight[expert])
+
+
+class QuantizedExperts(StackedExperts):
+    """StackedExperts with gate/up, down or both in GGUF blocks (each whole or not at all)."""
+
+    def expert_mlp(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        gate_up = expert_projection(self.gate_up_proj, expert, rows)
+        down = self.down_proj
+        if (holds_blocks(down) and isinstance(self.act_and_mul, NativeSiluAndMul)
+                and rows.shape[0] < DEQUANTIZED_MATMUL_ROWS):
+            return ops.silu_mul_packed_matmul(gate_up, down[expert].data_ptr(), down.ggml_type, down.shape[1], None)
+        return expert_projection(down, expert, self.act_and_mul.forward(gate_up))
+
+
+@torch.inference_mode()
+def install(model: nn.Module) -> None:
+    """QuantizedExperts in place of the StackedExperts whose weights hold blocks."""
+    for module in model.modules():
+        if type(module) is StackedExperts and (holds_blocks(module.gate_up_proj) or holds_blocks(module.down_proj)):
+            module.__class__ = QuantizedExperts
