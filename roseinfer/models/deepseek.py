@@ -14,7 +14,8 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from roseinfer.distributed.parallel import SINGLE, TensorParallel, vocab_parallel_embedding
+from roseinfer.distributed.parallel import (SINGLE, TensorParallel, column_parallel, row_parallel,
+                                            vocab_parallel_embedding)
 from roseinfer.layers.attention import AttentionMetadata, KVCache
 from roseinfer.layers.deepseek_moe import DeepseekRouter, route
 from roseinfer.layers.mla import MultiHeadLatentAttention
@@ -52,9 +53,12 @@ class DeepseekDecoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel, layer: int) -> None:
         super().__init__()
-        self.self_attn = MultiHeadLatentAttention(cfg.hidden_size, cfg.num_heads, cfg.mla,
-                                                  mla_softmax_scale(cfg.raw_config, cfg.mla), cfg.norm_eps,
-                                                  cfg.attention_bias, tp)
+        self.tp = tp
+        self.self_attn = MultiHeadLatentAttention(
+            cfg.hidden_size, cfg.num_heads, cfg.mla, mla_softmax_scale(cfg.raw_config, cfg.mla), cfg.norm_eps,
+            cfg.attention_bias, heads_out=lambda ins, outs, bias: column_parallel(ins, [tp.even(outs)], bias),
+            heads_in=lambda ins, outs, bias: row_parallel(ins, outs, tp, bias))
+        self.self_attn.kv_b_proj.tp_parts = [tp.even(cfg.num_heads * (cfg.mla.qk_nope_head_dim + cfg.mla.v_head_dim))]
         dense = layer < cfg.deepseek_moe.first_moe_layer
         self.mlp = LlamaMLP(cfg, tp) if dense else DeepseekMoE(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
@@ -63,7 +67,7 @@ class DeepseekDecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         h, residual = self.input_layernorm.add_and_norm(x, residual)
-        h = self.self_attn.forward(h, rope, kv_cache, meta)
+        h = self.tp.all_reduce(self.self_attn.forward(h, rope, kv_cache, meta))
         h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
         return self.mlp.forward(h, meta), residual
 

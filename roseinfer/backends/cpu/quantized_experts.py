@@ -16,17 +16,13 @@ from torch import nn
 
 from roseinfer.backends.cpu import ops
 from roseinfer.backends.cpu.layers import NativeSiluAndMul
-from roseinfer.backends.cpu.quantized import DEQUANTIZED_MATMUL_ROWS, block_linear
+from roseinfer.backends.cpu.quantized import DEQUANTIZED_MATMUL_ROWS, block_linear, is_blocks
 from roseinfer.models.moe import StackedExperts
-
-
-def holds_blocks(weight: torch.Tensor) -> bool:
-    return hasattr(weight, "ggml_type")
 
 
 def expert_projection(weight: torch.Tensor, expert: int, x: torch.Tensor) -> torch.Tensor:
     """x @ W[expert].T for stacked W, in blocks or fp32."""
-    if holds_blocks(weight):
+    if is_blocks(weight):
         return block_linear(x, weight[expert], weight.ggml_type)
     return F.linear(x, weight[expert])
 
@@ -37,7 +33,7 @@ class QuantizedExperts(StackedExperts):
     def expert_mlp(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
         gate_up = expert_projection(self.gate_up_proj, expert, rows)
         down = self.down_proj
-        if (holds_blocks(down) and isinstance(self.act_and_mul, NativeSiluAndMul)
+        if (is_blocks(down) and isinstance(self.act_and_mul, NativeSiluAndMul)
                 and rows.shape[0] < DEQUANTIZED_MATMUL_ROWS):
             return ops.silu_mul_packed_matmul(gate_up, down[expert].data_ptr(), down.ggml_type, down.shape[1], None)
         return expert_projection(down, expert, self.act_and_mul.forward(gate_up))
@@ -47,5 +43,5 @@ class QuantizedExperts(StackedExperts):
 def install(model: nn.Module) -> None:
     """QuantizedExperts in place of the StackedExperts whose weights hold blocks."""
     for module in model.modules():
-        if type(module) is StackedExperts and (holds_blocks(module.gate_up_proj) or holds_blocks(module.down_proj)):
+        if type(module) is StackedExperts and (is_blocks(module.gate_up_proj) or is_blocks(module.down_proj)):
             module.__class__ = QuantizedExperts
