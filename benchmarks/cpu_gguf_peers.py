@@ -39,12 +39,16 @@ from random_model import SHAPES, write_model
 def build_ggufs(shape: str, types: list[str], work_dir: pathlib.Path, bin_dir: pathlib.Path,
                 src: pathlib.Path, num_layers: int | None = None) -> dict[str, pathlib.Path]:
     """The shape's quantized GGUFs, by type, built once into work_dir (num_layers: fewer layers than
-    the shape's, named in the files')."""
+    the shape's, named in the files); the checkpoint and the BF16 file only where a type is missing,
+    so they can be deleted once the quantized files exist."""
     from roseinfer.loader.default_model import default_model_path
 
     name = shape if num_layers is None else f"{shape}-{num_layers}l"
     checkpoint, bf16 = work_dir / name, work_dir / f"{name}.BF16.gguf"
-    if not (checkpoint / "config.json").exists():
+    files = {qtype: work_dir / f"{name}.{qtype}.gguf" for qtype in types}
+    if all(f.exists() for f in files.values()):
+        return files
+    if not bf16.exists() and not (checkpoint / "config.json").exists():
         write_model(shape, checkpoint, torch.bfloat16, num_layers, tokenizer_from=pathlib.Path(default_model_path()))
     if not bf16.exists():
         # the converter imports sentencepiece even for a BPE tokenizer: it must be importable (PYTHONPATH)
@@ -52,9 +56,7 @@ def build_ggufs(shape: str, types: list[str], work_dir: pathlib.Path, bin_dir: p
                                                                           os.environ.get("PYTHONPATH")]))}
         subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(checkpoint), "--outtype", "bf16",
                         "--outfile", str(bf16)], check=True, env=env, capture_output=True)
-    files = {}
     for qtype in types:
-        files[qtype] = work_dir / f"{name}.{qtype}.gguf"
         if not files[qtype].exists():
             subprocess.run([str(bin_dir / "llama-quantize"), str(bf16), str(files[qtype]), qtype], check=True,
                            capture_output=True)
