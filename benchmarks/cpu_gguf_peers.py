@@ -5,14 +5,17 @@ converts it with llama.cpp's own convert_hf_to_gguf.py to BF16 and quantizes tha
 to each type asked for (Q4_K_M, Q8_0), once: the files stay in --work-dir (never in the repository).
 Then, per file, in one run: roseinfer (`bench offline --model FILE --quantization gguf`, the blocks
 kept) and llama-batched-bench on the same file, one batch of B sequences of --prompt-len prompt and
---max-new-tokens output tokens per batch size (output tok/s end to end), and prefill of one
---prefill-len-token prompt (prompt tok/s). The floor is a decode step's weight bytes (every tensor
-but a looked-up embedding that is not also the LM head) over the read bandwidth measured in the same
+--max-new-tokens output tokens per batch size (output tok/s end to end), and prefill of
+--prefill-batch prompts of --prefill-len tokens (prompt tok/s). The floor is a decode step's weight
+bytes (every tensor but a looked-up embedding that is not also the LM head, and of a mixture of
+experts only the routed experts' share) over the read bandwidth measured in the same
 run (a torch sum over a buffer larger than the caches, --threads threads); roseinfer's batch-1 decode
 step is reported as a fraction of it (floor time / step time; 1.0 is at the floor).
 
     python benchmarks/cpu_gguf_peers.py --llama-cpp LLAMA_CPP/build/bin [--shape smollm2-1.7b]
         [--types Q4_K_M,Q8_0] [--batch-sizes 1,16,64] [--threads 2] [--work-dir /tmp/gguf-peers] [--gguf FILE]
+    python benchmarks/cpu_gguf_peers.py --llama-cpp LLAMA_CPP/build/bin --shape qwen3-30b-a3b --num-layers 8 \
+        --types Q4_K_M --prefill-batch 4     (issue 39's mixture-of-experts table)
 
 LLAMA_CPP is the llama.cpp checkout the binaries were built from (its convert_hf_to_gguf.py and gguf-py
 are found two folders above build/bin; --llama-cpp-src overrides). The converter imports sentencepiece
@@ -34,36 +37,52 @@ from random_model import SHAPES, write_model
 
 
 def build_ggufs(shape: str, types: list[str], work_dir: pathlib.Path, bin_dir: pathlib.Path,
-                src: pathlib.Path) -> dict[str, pathlib.Path]:
-    """The shape's quantized GGUFs, by type, built once into work_dir."""
+                src: pathlib.Path, num_layers: int | None = None) -> dict[str, pathlib.Path]:
+    """The shape's quantized GGUFs, by type, built once into work_dir (num_layers: fewer layers than
+    the shape's, named in the files); the checkpoint and the BF16 file only where a type is missing,
+    so they can be deleted once the quantized files exist."""
     from roseinfer.loader.default_model import default_model_path
 
-    checkpoint, bf16 = work_dir / shape, work_dir / f"{shape}.BF16.gguf"
-    if not (checkpoint / "config.json").exists():
-        write_model(shape, checkpoint, torch.bfloat16, tokenizer_from=pathlib.Path(default_model_path()))
+    name = shape if num_layers is None else f"{shape}-{num_layers}l"
+    checkpoint, bf16 = work_dir / name, work_dir / f"{name}.BF16.gguf"
+    files = {qtype: work_dir / f"{name}.{qtype}.gguf" for qtype in types}
+    if all(f.exists() for f in files.values()):
+        return files
+    if not bf16.exists() and not (checkpoint / "config.json").exists():
+        write_model(shape, checkpoint, torch.bfloat16, num_layers, tokenizer_from=pathlib.Path(default_model_path()))
     if not bf16.exists():
         # the converter imports sentencepiece even for a BPE tokenizer: it must be importable (PYTHONPATH)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(src / "gguf-py"),
                                                                           os.environ.get("PYTHONPATH")]))}
         subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(checkpoint), "--outtype", "bf16",
                         "--outfile", str(bf16)], check=True, env=env, capture_output=True)
-    files = {}
     for qtype in types:
-        files[qtype] = work_dir / f"{shape}.{qtype}.gguf"
         if not files[qtype].exists():
             subprocess.run([str(bin_dir / "llama-quantize"), str(bf16), str(files[qtype]), qtype], check=True,
                            capture_output=True)
     return files
 
 
-def weight_bytes_per_token(gguf: pathlib.Path) -> int:
-    """Bytes of weights one decode step reads: every tensor once, but an embedding table that is not
-    also the LM head only for the row it looks up (negligible, left out)."""
+def decode_weight_bytes(gguf: pathlib.Path, batch: int = 1) -> tuple[int, int, int]:
+    """(bytes of weights one decode step of `batch` sequences reads, of which expert weights, and the
+    expert weights in all): every tensor once, but an embedding table that is not also the LM head
+    only for the rows it looks up (negligible, left out), and of a mixture of experts' stacked
+    `ffn_*_exps` only the experts the step routes to: k of E at batch 1, E (1 - (1 - k/E)^B) expected
+    for B sequences routed independently."""
     from gguf import GGUFReader
 
-    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(str(gguf)).tensors}
+    reader = GGUFReader(str(gguf))
+    arch = str(reader.fields["general.architecture"].contents())
+    counts = {key: reader.fields[f"{arch}.{key}"].contents() for key in ("expert_count", "expert_used_count")
+              if f"{arch}.{key}" in reader.fields}
+    tensors = {t.name: int(t.n_bytes) for t in reader.tensors}
     tied = "output.weight" not in tensors
-    return sum(n for name, n in tensors.items() if tied or name != "token_embd.weight")
+    dense = sum(n for name, n in tensors.items() if "_exps." not in name and (tied or name != "token_embd.weight"))
+    experts = sum(n for name, n in tensors.items() if "_exps." in name)
+    if not experts:
+        return dense, 0, 0
+    share = 1 - (1 - counts["expert_used_count"] / counts["expert_count"]) ** batch
+    return dense + round(experts * share), round(experts * share), experts
 
 
 def read_bandwidth(threads: int, nbytes: int = 1 << 30, repeats: int = 5) -> float:
@@ -88,17 +107,24 @@ def compare(gguf: pathlib.Path, args: argparse.Namespace, bandwidth: float) -> N
     shape = (args.prompt_len, args.max_new_tokens, args.threads)
     ours = roseinfer_summaries(gguf, "gguf", sizes, *shape)
     peer = llama_cpp_rows(args.llama_cpp, gguf, sizes, *shape)
-    ours_prefill = roseinfer_summaries(gguf, "gguf", [1], args.prefill_len, 1, args.threads)[1]
-    peer_prefill = llama_cpp_rows(args.llama_cpp, gguf, [1], args.prefill_len, 1, args.threads)[1]
+    ours_prefill = roseinfer_summaries(gguf, "gguf", [args.prefill_batch], args.prefill_len, 1,
+                                       args.threads)[args.prefill_batch]
+    peer_prefill = llama_cpp_rows(args.llama_cpp, gguf, [args.prefill_batch], args.prefill_len, 1,
+                                  args.threads)[args.prefill_batch]
     rows = [(f"batch {b}, output tok/s", ours[b]["throughput_completion_total"], peer[b].e2e) for b in sizes]
-    rows.append((f"prefill, 1 x {args.prefill_len} tokens, tok/s", ours_prefill["throughput_prefill"],
+    rows.append((f"prefill, {args.prefill_batch} x {args.prefill_len} tokens, tok/s", ours_prefill["throughput_prefill"],
                  peer_prefill.prefill_rate))
     print(f"\n{gguf.name}, {args.threads} threads, {args.prompt_len} prompt + {args.max_new_tokens} output tokens "
           f"a sequence, load average {os.getloadavg()[0]:.2f}")
     print("| | roseinfer | llama.cpp | ratio |\n|---|---:|---:|---:|")
     for label, a, b in rows:
         print(f"| {label} | {a:.1f} | {b:.1f} | {a / b:.2f} |")
-    weights = weight_bytes_per_token(gguf)
+    weights, read_experts, all_experts = decode_weight_bytes(gguf)
+    if all_experts:
+        print(f"expert weights: {all_experts / 1e9:.3f} GB in all; a batch-1 decode step reads "
+              f"{read_experts / 1e9:.3f} GB of them ({read_experts / all_experts:.1%}); batch 16 "
+              f"{decode_weight_bytes(gguf, 16)[1] / 1e9:.3f} GB, batch 64 {decode_weight_bytes(gguf, 64)[1] / 1e9:.3f} GB "
+              f"(expected, routing independent)")
     floor = weights / bandwidth
     if 1 in sizes:
         step, peer_step = 1 / ours[1]["throughput_decode_tokens"], 1 / peer[1].decode_rate
@@ -114,11 +140,14 @@ def main() -> None:
     parser.add_argument("--llama-cpp-src", type=pathlib.Path, default=None,
                         help="llama.cpp's source folder (convert_hf_to_gguf.py; default: two above --llama-cpp)")
     parser.add_argument("--shape", default="smollm2-1.7b", choices=sorted(SHAPES))
+    parser.add_argument("--num-layers", type=int, default=None,
+                        help="fewer layers than the shape's (qwen3-30b-a3b: what fits in memory)")
     parser.add_argument("--types", default="Q4_K_M,Q8_0", help="llama-quantize types, comma-separated")
     parser.add_argument("--batch-sizes", default="1,16,64")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--prefill-len", type=int, default=512)
+    parser.add_argument("--prefill-batch", type=int, default=1, help="prompts prefilled together (issue 39's table: 4)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--work-dir", type=pathlib.Path, default=pathlib.Path("/tmp/gguf-peers"),
                         help="where the checkpoint and its GGUFs are built and kept")
@@ -128,7 +157,8 @@ def main() -> None:
     src = args.llama_cpp_src or args.llama_cpp.resolve().parents[1]
     args.work_dir.mkdir(parents=True, exist_ok=True)
     files = ({f.name: f for f in args.gguf} if args.gguf
-             else build_ggufs(args.shape, args.types.split(","), args.work_dir, args.llama_cpp, src))
+             else build_ggufs(args.shape, args.types.split(","), args.work_dir, args.llama_cpp, src,
+                             args.num_layers))
     bandwidth = statistics.median(read_bandwidth(args.threads) for _ in range(3))
     print(f"read bandwidth, {args.threads} threads: {bandwidth / 1e9:.1f} GB/s")
     for gguf in files.values():

@@ -13,15 +13,8 @@ run quantized (benchmarks/cpu_gguf_peers.py): smollm2-1.7b, llama-3.2-3b, qwen3-
 (Qwen3-30B-A3B's layer shape: 128 experts, top-8, expert width 768; pick the layers that fit with
 --num-layers).
 
-The mixture-of-experts comparison against llama.cpp (issue 39's table), on a quiet machine:
-    python benchmarks/random_model.py qwen3-30b-a3b /tmp/moe --num-layers 8 --dtype float32
-    python $LLAMA_CPP/convert_hf_to_gguf.py /tmp/moe --outtype f32 --outfile /tmp/moe/f32.gguf
-    $LLAMA_CPP/build/bin/llama-quantize /tmp/moe/f32.gguf /tmp/moe/q4_k_m.gguf Q4_K_M
-    $LLAMA_CPP/build/bin/llama-batched-bench -m /tmp/moe/q4_k_m.gguf -npp 32 -ntg 64 -npl 1,16,64 -t THREADS
-    roseinfer bench offline --mode offline --model /tmp/moe/q4_k_m.gguf --batch-sizes 1,16,64 \
-        --prompt-len 32 --max-new-tokens 64 --no-stop-on-eos --backend roseinfer  (the same threads)
-(prefill: llama-batched-bench -npp 512 -ntg 1 -npl 4; bench offline --batch-sizes 4 --prompt-len 512
---max-new-tokens 1). Its expert tensors are dequantized to fp32 at load (docs/models.md).
+The mixture-of-experts comparison against llama.cpp (issue 39's table) is benchmarks/cpu_gguf_peers.py
+--shape qwen3-30b-a3b --num-layers N (it builds, converts and quantizes this checkpoint itself).
 """
 from __future__ import annotations
 
@@ -106,7 +99,7 @@ def write_model(shape: str, out: Path, dtype: torch.dtype, num_layers: int | Non
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out))
+    model.save_pretrained(str(out), max_shard_size="1GB")  # serialising a shard holds a copy of it
     if tokenizer_from is None:
         write_tokenizer(out, config.max_position_embeddings)
     else:

@@ -17,9 +17,10 @@ from roseinfer import LLM, SamplingParams
 from roseinfer.backends.base import BatchLayout
 from roseinfer.layers.attention import PagedAttention
 from roseinfer.layers.deepseek_layouts import DeepseekRouting
-from roseinfer.layers.deepseek_moe import DeepseekRouter, RoutedExperts, route
+from roseinfer.distributed.parallel import SINGLE
+from roseinfer.layers.deepseek_moe import DeepseekRouter, route
 from roseinfer.models.config import ModelConfig
-from roseinfer.models.deepseek import Expert
+from roseinfer.models.moe import StackedExperts
 from roseinfer.worker.model_runner import ModelRunner
 from roseinfer.worker.sharding import check_tensor_parallel
 from test_correctness import GREEDY, MODES
@@ -120,10 +121,11 @@ def test_rope_in_halves_checkpoint_matches_hf(tiny_model_factory, tmp_path: Path
     assert [o.token_ids for o in outs] == refs
 
 
-def test_tensor_parallel_and_fp8_checkpoints_are_refused_with_the_reason(tiny_model_factory) -> None:
+def test_uneven_tensor_parallel_and_fp8_checkpoints_are_refused_with_the_reason(tiny_model_factory) -> None:
     raw = json.loads((tiny_model_factory("deepseek_v3") / "config.json").read_text())
-    with pytest.raises(ValueError, match="latent attention"):
-        check_tensor_parallel(ModelConfig.from_dict(raw), 2)
+    check_tensor_parallel(ModelConfig.from_dict(raw), 2)
+    with pytest.raises(ValueError, match="expert width"):
+        check_tensor_parallel(ModelConfig.from_dict({**raw, "moe_intermediate_size": 30}), 4)
     fp8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
     with pytest.raises(ValueError, match="fp8 block-quantized"):
         ModelConfig.from_dict({**raw, "quantization_config": fp8})
@@ -221,9 +223,9 @@ def test_route_matches_transformers_routers(routing: DeepseekRouting) -> None:
     assert torch.equal(weights.gather(1, order), hf_weights.gather(1, hf_order))
 
 
-def _experts(num: int) -> RoutedExperts:
+def _experts(num: int) -> StackedExperts:
     torch.manual_seed(8)
-    experts = RoutedExperts(Expert(16, 8, "silu") for _ in range(num))
+    experts = StackedExperts(num, 16, 8, "silu", SINGLE)
     with torch.no_grad():
         for p in experts.parameters():
             p.copy_(torch.randn_like(p) * 0.3)
@@ -244,7 +246,7 @@ def test_experts_match_a_per_token_reference(case: str) -> None:
     weights = torch.rand(12, 2, generator=g)
     out = experts.forward(hidden, weights, ids)
     for token in range(12):
-        expected = sum(weights[token, k] * experts[int(ids[token, k])].forward(hidden[token:token + 1])[0]
+        expected = sum(weights[token, k] * experts.expert_mlp(int(ids[token, k]), hidden[token:token + 1])[0]
                        for k in range(2))
         torch.testing.assert_close(out[token], expected, rtol=1e-5, atol=1e-6)
 

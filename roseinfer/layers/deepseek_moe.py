@@ -1,11 +1,7 @@
 """DeepSeek's mixture of experts: the router (V2's softmax top-k, greedy or group-limited; V3's sigmoid
-scores with a correction bias and group-limited top-k) and the routed experts computed token group by
-token group, as transformers' DeepseekV2Moe / DeepseekV3MoE (models/deepseek.py adds the shared experts).
-
-The interface the engine's MoE layers share: `route(hidden, router) -> (weights [T, k], ids [T, k])`
-and `RoutedExperts.forward(hidden, weights, ids) -> out`. The experts' compute is the plainest exact
-one: each expert that any token chose runs once, on its tokens' rows, in expert order (transformers'
-order of accumulation, so fp32 sums round as it does).
+scores with a correction bias and group-limited top-k), as transformers' DeepseekV2Moe / DeepseekV3MoE
+choose: `route(hidden, router) -> (weights [T, k], ids [T, k])`, what models/moe.py's StackedExperts
+takes (models/deepseek.py runs the routed experts there and adds the shared ones).
 """
 from __future__ import annotations
 
@@ -54,23 +50,3 @@ def route(hidden: torch.Tensor, router: DeepseekRouter) -> tuple[torch.Tensor, t
 
 def _top(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(scores, dim=-1, descending=True, stable=True)[1][:, :k]
-
-
-class RoutedExperts(nn.ModuleList):
-    """The routed experts, any modules mapping [rows, hidden] to [rows, hidden] (models/deepseek.py Expert)."""
-
-    def forward(self, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """sum over each token's k experts of weight * expert(token), [T, hidden]."""
-        out = torch.zeros_like(hidden)
-        flat_ids = ids.flatten()
-        order = torch.sort(flat_ids, stable=True)[1]  # the (token, slot) pairs grouped by expert
-        counts = torch.bincount(flat_ids, minlength=len(self)).tolist()
-        start = 0
-        for expert, count in enumerate(counts):
-            if count:
-                pairs = order[start:start + count]
-                tokens = pairs // ids.shape[1]
-                rows = self[expert].forward(hidden[tokens]) * weights.flatten()[pairs].unsqueeze(1)
-                out.index_add_(0, tokens, rows.to(out.dtype))
-                start += count
-        return out

@@ -16,15 +16,21 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from typing import Callable
+
 from roseinfer.layers.attention import AttentionMetadata, KVCache, PagedAttention
 from roseinfer.layers.linear import Linear
 from roseinfer.layers.norm import RMSNorm
 from roseinfer.layers.deepseek_layouts import MlaLayout
 
+LinearBuilder = Callable[[int, int, bool], Linear]  # (in_features, out_features, bias) -> the layer held
+
 
 class LatentUpProjection(nn.Module):
-    """kv_b_proj's weight, [H * (qk_nope + v), kv_lora_rank] as the checkpoint has it, never run as a
-    matmul on the latent: a plain parameter, so no backend swaps it for a prepacked linear."""
+    """kv_b_proj's weight, [H * (qk_nope + v), kv_lora_rank] as the checkpoint has it (under tensor
+    parallelism this rank's heads' rows, which the model names in `tp_parts` for the weight loader),
+    never run as a matmul on the latent: a plain parameter, so no backend swaps it for a prepacked
+    linear."""
 
     def __init__(self, num_heads: int, mla: MlaLayout) -> None:
         super().__init__()
@@ -48,24 +54,30 @@ class LatentUpProjection(nn.Module):
 class MultiHeadLatentAttention(nn.Module):
     """The checkpoint's names: q_proj (or q_a_proj, q_a_layernorm, q_b_proj), kv_a_proj_with_mqa,
     kv_a_layernorm, kv_b_proj, o_proj. Rotary pairs are adjacent, as DeepSeek lays them out
-    (layers/rotary.py); the model reorders a halves-layout checkpoint's rows at load."""
+    (layers/rotary.py); the model reorders a halves-layout checkpoint's rows at load.
+
+    `heads_out` and `heads_in` build the projections whose rows (q) or columns (o) are per head, from
+    the whole projection's (in_features, out_features, bias): plain Linears by default; under tensor
+    parallelism the model's builders keep this rank's heads (o's output is then a partial sum for the
+    model's all-reduce), and the latent's projections stay whole, each rank caching the same row."""
 
     def __init__(self, hidden_size: int, num_heads: int, mla: MlaLayout, scale: float, eps: float,
-                 bias: bool) -> None:
+                 bias: bool, heads_out: LinearBuilder = Linear, heads_in: LinearBuilder = Linear) -> None:
         super().__init__()
-        self.num_heads, self.mla = num_heads, mla
-        q_width = num_heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim)
+        self.mla = mla
+        q_head = mla.qk_nope_head_dim + mla.qk_rope_head_dim
         if mla.q_lora_rank is None:
-            self.q_proj = Linear(hidden_size, q_width, bias=False)
+            self.q_proj = q = heads_out(hidden_size, num_heads * q_head, False)
         else:
             self.q_a_proj = Linear(hidden_size, mla.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, eps)
-            self.q_b_proj = Linear(mla.q_lora_rank, q_width, bias=False)
+            self.q_b_proj = q = heads_out(mla.q_lora_rank, num_heads * q_head, False)
+        self.num_heads = q.out_features // q_head  # this rank's
         self.kv_a_proj_with_mqa = Linear(hidden_size, mla.cache_width, bias=bias)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, eps)
-        self.kv_b_proj = LatentUpProjection(num_heads, mla)
-        self.o_proj = Linear(num_heads * mla.v_head_dim, hidden_size, bias=bias)
-        self.attn = PagedAttention(num_heads, 1, mla.cache_width, scale)
+        self.kv_b_proj = LatentUpProjection(self.num_heads, mla)
+        self.o_proj = heads_in(num_heads * mla.v_head_dim, hidden_size, bias)
+        self.attn = PagedAttention(self.num_heads, 1, mla.cache_width, scale)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
                 ) -> torch.Tensor:

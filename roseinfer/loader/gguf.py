@@ -9,7 +9,8 @@ the file's identity, so only the first load pays for the conversion.
 
 With `keep_blocks` (--quantization gguf / auto), matrices of the types in KEPT_TYPES are stored as
 their raw blocks instead: uint8 [rows, bytes per row], each row a whole number of blocks along the
-input dim, so the row reorderings act on them unchanged; QUANTIZATION_FILE names each such tensor's
+input dim, so the row reorderings act on them unchanged (stacked experts' 3-D tensors [E, rows, bytes
+per row] likewise); QUANTIZATION_FILE names each such tensor's
 type and shape (loader/quantized.py reads it). That folder has its own cache key, and Hugging Face
 transformers cannot load it: only the fp32 folder (--quantization none) is an HF checkpoint.
 """
@@ -37,13 +38,13 @@ from roseinfer.loader.gguf_architectures import (ROPE_FACTOR_TENSORS, SUPPORTED_
 logger = logging.getLogger(__name__)
 
 # Bump whenever the output of the conversion changes, so stale caches are ignored.
-_CONVERTER_VERSION = 1
+_CONVERTER_VERSION = 2
 KEPT_TYPES: tuple[str, ...] = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")  # kept as blocks with keep_blocks
 QUANTIZATION_FILE = "roseinfer_quantization.json"
 _GGUF_MAGIC = b"GGUF"
 _SHARD_BYTES = 2 * 2**30  # big models are written in shards of this size
 # transformers reads no config of these (or, for gpt-oss, fails on its rope scaling fields)
-_NO_TRANSFORMERS_GGUF_CONFIG = frozenset({"smollm3", "gemma4", "olmoe", "gpt-oss"})
+_NO_TRANSFORMERS_GGUF_CONFIG = frozenset({"smollm3", "gemma4", "olmoe", "gpt-oss", "deepseek2"})
 
 
 def default_cache_root() -> Path:
@@ -173,8 +174,9 @@ def _convert_into(src: Path, out: Path, keep_blocks: bool) -> None:
 
 def _kept_as_blocks(plan: TensorPlan, tensor: _RawTensor) -> TensorPlan:
     """The plan storing the tensor's raw blocks where it is a matrix of a kept type whose transform,
-    if any, reorders whole rows."""
-    if tensor.qtype.name not in KEPT_TYPES or len(plan.shape) != 2 or plan.transposed:
+    if any, reorders whole rows, or stacked matrices (experts) that no transform touches."""
+    stacked = len(plan.shape) == 3 and plan.transform is None
+    if tensor.qtype.name not in KEPT_TYPES or not (len(plan.shape) == 2 or stacked) or plan.transposed:
         return plan
     return dataclasses.replace(plan, blocks=(tensor.qtype.name, int(tensor.data.shape[-1])))
 

@@ -11,13 +11,16 @@ from typing import Any
 
 import numpy as np
 
+from roseinfer.loader.gguf_deepseek import (DEEPSEEK_ARCHITECTURES, DEEPSEEK_BLOCK_NAMES, deepseek_config,
+                                            deepseek_hf_name, deepseek_transform)
 from roseinfer.loader.gguf_gemma import (GEMMA_ARCHITECTURES, gemma_block_names, gemma_config, gemma_global_names,
                                          gemma_hf_name, gemma_norm_transform)
 
 logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "phi3",
-                                           "smollm3", "qwen2moe", "qwen3moe", "olmoe", "gpt-oss") + GEMMA_ARCHITECTURES
+                                           "smollm3", "qwen2moe", "qwen3moe", "olmoe", "gpt-oss") + GEMMA_ARCHITECTURES + \
+    DEEPSEEK_ARCHITECTURES
 
 # GGUF per-block tensor name -> HF name inside `model.layers.N.` (llama-like families).
 _LLAMA_BLOCK_NAMES: dict[str, str] = {
@@ -70,7 +73,8 @@ _HF_CLASSES: dict[str, str] = dict(llama="LlamaForCausalLM", mistral="MistralFor
                                     gemma2="Gemma2ForCausalLM", gemma3="Gemma3ForCausalLM",
                                     gemma4="Gemma4ForCausalLM", qwen2moe="Qwen2MoeForCausalLM",
                                     qwen3moe="Qwen3MoeForCausalLM", olmoe="OlmoeForCausalLM",
-                                    mixtral="MixtralForCausalLM", **{"gpt-oss": "GptOssForCausalLM"})
+                                    mixtral="MixtralForCausalLM", deepseek2="DeepseekV2ForCausalLM",
+                                    **{"gpt-oss": "GptOssForCausalLM"})
 _HF_MODEL_TYPES: dict[str, str] = {"gemma3": "gemma3_text", "gemma4": "gemma4_text", "qwen2moe": "qwen2_moe",
                                    "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss"}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)$")
@@ -89,7 +93,7 @@ class TensorPlan:
 
     @property
     def stored_shape(self) -> tuple[int, ...]:
-        return self.shape if self.blocks is None else (self.shape[0], self.blocks[1])
+        return self.shape if self.blocks is None else (*self.shape[:-1], self.blocks[1])
 
     @property
     def stored_bytes(self) -> int:
@@ -154,7 +158,7 @@ def build_config(arch: str, meta: dict[str, Any], shapes: dict[str, tuple[int, .
         config.update(_phi3_fields(get, config, rope_factors or {}))
     if arch == "gpt-oss":
         config.update(_gpt_oss_fields(get))
-    elif get("expert_count"):
+    elif get("expert_count") and arch not in DEEPSEEK_ARCHITECTURES:
         config.update(_moe_fields(arch, get, shapes, n_layers))
     # qwen2 always has q/k/v biases in HF; nothing to set. smollm3's NoPE layers are every 4th, as
     # llama.cpp hardcodes them and as transformers derives them when config.json does not list them.
@@ -162,6 +166,8 @@ def build_config(arch: str, meta: dict[str, Any], shapes: dict[str, tuple[int, .
         config["rope_scaling"] = rope_scaling
         if arch == "gpt-oss":  # gpt-oss's YaRN, as its config.json has it: the correction range untruncated
             config["rope_scaling"].update(beta_fast=32.0, beta_slow=1.0, truncate=False)
+    if arch in DEEPSEEK_ARCHITECTURES:
+        return deepseek_config(get, config, shapes, config.get("rope_scaling"))
     if arch in GEMMA_ARCHITECTURES:
         def get_float(key: str) -> float | None:
             return None if (value := get(key)) is None else _f32(value)
@@ -264,6 +270,8 @@ def plan_tensors(arch: str, config: dict[str, Any], shapes: dict[str, tuple[int,
     elif is_gemma:
         block_names = gemma_block_names(arch, _LLAMA_BLOCK_NAMES)
         global_names = gemma_global_names(arch, _LLAMA_GLOBAL_NAMES)
+    elif arch in DEEPSEEK_ARCHITECTURES:
+        block_names, global_names = DEEPSEEK_BLOCK_NAMES, _LLAMA_GLOBAL_NAMES
     else:
         block_names = {"phi3": _PHI3_BLOCK_NAMES, "gpt-oss": _GPT_OSS_BLOCK_NAMES}.get(
             arch, _LLAMA_BLOCK_NAMES | _MOE_BLOCK_NAMES)
@@ -292,6 +300,9 @@ def plan_tensors(arch: str, config: dict[str, Any], shapes: dict[str, tuple[int,
                 transform, shape, transposed = np.transpose, shape[::-1], True
             elif kind == "ffn_gate_inp_shexp":  # HF's [1, hidden], which llama.cpp may store as [hidden]
                 shape, transform = (1, shape[-1]), _as_one_row
+            elif arch in DEEPSEEK_ARCHITECTURES:
+                shape, transform, transposed = deepseek_transform(kind, shape)
+                hf = deepseek_hf_name(hf)
         elif (m := _GLOBAL_RE.match(name)) and m.group(1) in global_names:
             hf = f"{global_names[m.group(1)]}.{m.group(2)}"
         else:

@@ -7,7 +7,8 @@ type (Backend.quantized_types) and the weight is a linear's or an embedding's; a
 (q/k/v, gate/up) only where all its parts share one type, since one matmul reads it. The parameter
 becomes uint8 [rows, bytes per row] with the type on it (`ggml_type`), and the backend's layers
 read it (backends/cpu/quantized.py). Every other stored block tensor is dequantized on the way in,
-exactly as the fp32 conversion would have.
+exactly as the fp32 conversion would have. Stacked experts (models/moe.py) keep theirs the same
+way, [experts, rows, bytes per row] (`keep_expert_blocks`).
 """
 from __future__ import annotations
 
@@ -23,15 +24,17 @@ from torch import nn
 
 from roseinfer.layers.linear import Linear
 from roseinfer.loader.gguf import QUANTIZATION_FILE
+from roseinfer.models.moe import StackedExperts
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class BlockTensor:
-    """A checkpoint tensor stored as GGUF blocks: its type and its dense shape [rows, cols]."""
+    """A checkpoint tensor stored as GGUF blocks: its type and its dense shape ([rows, cols], or
+    [experts, rows, cols] for stacked experts)."""
     qtype: str
-    shape: tuple[int, int]
+    shape: tuple[int, ...]
 
     @property
     def type_id(self) -> int:
@@ -60,7 +63,7 @@ def keep_blocks(model: nn.Module, stored: dict[str, BlockTensor], types: frozens
             target = target.replace(f".{source}.", f".{fused}.")
         sources.setdefault(target, []).append(name)
     modules, params = dict(model.named_modules()), dict(model.named_parameters())
-    kept: set[str] = set()
+    kept = keep_expert_blocks(modules, stored, types)
     for target, names in sources.items():
         if target not in params:  # a name the model renames or skips (GPT-2's, a tied head): fp32
             continue
@@ -86,6 +89,32 @@ def keep_blocks(model: nn.Module, stored: dict[str, BlockTensor], types: frozens
             if getattr(other, "weight", None) is old:
                 other.weight = param
         kept.update(names)
+    return kept
+
+
+def keep_expert_blocks(modules: dict[str, nn.Module], stored: dict[str, BlockTensor], types: frozenset[str]) -> set[str]:
+    """keep_blocks for stacked experts (models/moe.py): gate/up [E, 2 w, bytes] where gate and up
+    share a type, down [E, H, bytes], each expert's rows contiguous; returns the names kept."""
+    kept: set[str] = set()
+    for prefix, module in modules.items():
+        if not isinstance(module, StackedExperts):
+            continue
+        parts = {"gate_up_proj": [f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"],
+                 "down_proj": [f"{prefix}.down_proj.weight"]}
+        for target, names in parts.items():
+            qtypes = {stored[name].qtype for name in names if name in stored}
+            if not all(name in stored for name in names) or len(qtypes) != 1:
+                continue
+            qtype = qtypes.pop()
+            if qtype not in types:
+                continue
+            old = getattr(module, target)
+            experts, rows, cols = old.shape
+            param = nn.Parameter(torch.empty(experts, rows, _row_bytes(qtype, cols), dtype=torch.uint8,
+                                             device=old.device), requires_grad=False)
+            param.ggml_type = stored[names[0]].type_id
+            setattr(module, target, param)
+            kept.update(names)
     return kept
 
 

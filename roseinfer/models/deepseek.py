@@ -1,68 +1,64 @@
 """DeepSeek-V2 (V2-Lite: q straight from the hidden state) and DeepSeek-V3: multi-head latent
 attention (layers/mla.py) and, after `first_k_dense_replace` dense layers, a mixture of experts with
 shared experts (layers/deepseek_moe.py). A decoder layer reads norm -> attention -> norm -> MLP or
-MoE, as Llama's. Tensor parallelism is refused (worker/sharding.py): the latent is not split yet.
+MoE, as Llama's.
+
+Under tensor parallelism each rank computes its share of the heads (q, kv_b's per-head rows, o's
+columns) from the whole latent, which every rank projects and caches (it is one row per token,
+shared by every head), and its share of every expert's width, as models/moe.py says why.
 """
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Iterable
 
 import torch
 from torch import nn
 
 from roseinfer.distributed.parallel import (SINGLE, TensorParallel, column_parallel, row_parallel,
                                             vocab_parallel_embedding)
-from roseinfer.layers.activation import ActivationAndMul
 from roseinfer.layers.attention import AttentionMetadata, KVCache
-from roseinfer.layers.deepseek_moe import DeepseekRouter, RoutedExperts, route
+from roseinfer.layers.deepseek_moe import DeepseekRouter, route
 from roseinfer.layers.mla import MultiHeadLatentAttention
 from roseinfer.layers.norm import RMSNorm
 from roseinfer.layers.rotary import RotaryEmbedding, interleave_rotary_rows
 from roseinfer.models.config import ModelConfig
 from roseinfer.models.deepseek_config import mla_softmax_scale
-from roseinfer.models.llama import PACKED_MODULES, LlamaMLP, lm_head
+from roseinfer.models.llama import PACKED_MODULES, DecoderForCausalLM, LlamaMLP
+from roseinfer.models.moe import StackedExperts
+from roseinfer.models.moe_llama import load_expert_tensor
 from roseinfer.models.weights import WeightLoader
 
 
-class Expert(nn.Module):
-    """One SwiGLU expert; gate and up fused as in LlamaMLP."""
-
-    def __init__(self, hidden_size: int, width: int, act: str) -> None:
-        super().__init__()
-        part = SINGLE.even(width)
-        self.gate_up_proj = column_parallel(hidden_size, [part, part], bias=False)
-        self.down_proj = row_parallel(width, hidden_size, SINGLE, bias=False)
-        self.act_and_mul = ActivationAndMul(act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward(self.act_and_mul.forward(self.gate_up_proj.forward(x)))
-
-
 class DeepseekMoE(nn.Module):
-    """Routed experts plus the shared experts (one MLP as wide as all of them), summed."""
+    """Routed experts (models/moe.py's StackedExperts, each rank its share of every expert's width)
+    plus the shared experts (one MLP as wide as all of them), summed."""
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
         moe = cfg.deepseek_moe
+        self.tp = tp
         self.gate = DeepseekRouter(cfg.hidden_size, moe.routing)
-        self.experts = RoutedExperts(Expert(cfg.hidden_size, moe.expert_size, cfg.hidden_act)
-                                     for _ in range(moe.routing.num_experts))
+        self.experts = StackedExperts(moe.routing.num_experts, cfg.hidden_size, moe.expert_size, cfg.hidden_act, tp)
         self.shared_experts = LlamaMLP(replace(cfg, intermediate_size=moe.shared_size), tp) if moe.shared_size \
             else None
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         weights, ids = route(x, self.gate)
-        out = self.experts.forward(x, weights, ids)
+        out = self.tp.all_reduce(self.experts.forward(x, weights, ids))
         return out if self.shared_experts is None else out + self.shared_experts.forward(x, meta)
 
 
 class DeepseekDecoderLayer(nn.Module):
+    rotates = True  # every layer (DecoderForCausalLM asks)
+
     def __init__(self, cfg: ModelConfig, tp: TensorParallel, layer: int) -> None:
         super().__init__()
-        self.self_attn = MultiHeadLatentAttention(cfg.hidden_size, cfg.num_heads, cfg.mla,
-                                                  mla_softmax_scale(cfg.raw_config, cfg.mla), cfg.norm_eps,
-                                                  cfg.attention_bias)
+        self.tp = tp
+        self.self_attn = MultiHeadLatentAttention(
+            cfg.hidden_size, cfg.num_heads, cfg.mla, mla_softmax_scale(cfg.raw_config, cfg.mla), cfg.norm_eps,
+            cfg.attention_bias, heads_out=lambda ins, outs, bias: column_parallel(ins, [tp.even(outs)], bias),
+            heads_in=lambda ins, outs, bias: row_parallel(ins, outs, tp, bias))
+        self.self_attn.kv_b_proj.tp_parts = [tp.even(cfg.num_heads * (cfg.mla.qk_nope_head_dim + cfg.mla.v_head_dim))]
         dense = layer < cfg.deepseek_moe.first_moe_layer
         self.mlp = LlamaMLP(cfg, tp) if dense else DeepseekMoE(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
@@ -71,7 +67,7 @@ class DeepseekDecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         h, residual = self.input_layernorm.add_and_norm(x, residual)
-        h = self.self_attn.forward(h, rope, kv_cache, meta)
+        h = self.tp.all_reduce(self.self_attn.forward(h, rope, kv_cache, meta))
         h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
         return self.mlp.forward(h, meta), residual
 
@@ -85,40 +81,40 @@ class DeepseekModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
 
 
-class DeepseekForCausalLM(nn.Module):
+class DeepseekForCausalLM(DecoderForCausalLM):
     # gate and up fused, in the dense MLPs and every expert; q stays whole (it has no k or v beside it)
     packed_modules = {name: PACKED_MODULES[name] for name in ("gate_proj", "up_proj")}
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
-        super().__init__()
-        self.cfg, self.tp = cfg, tp
-        self.model = DeepseekModel(cfg, tp)
-        self.lm_head = lm_head(cfg, tp, self.model.embed_tokens)
+        super().__init__(cfg, tp)
+        self._kv_b_halves: dict[tuple[str, str], torch.Tensor] = {}
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata) -> torch.Tensor:
-        x = self.tp.embed(self.model.embed_tokens, input_ids)
-        rope = self.model.rotary.lookup(positions)
-        residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x, residual = layer.forward(x, residual, rope, kv_cache, meta)
-        return self.model.norm.forward(x, residual)[0]
+    def build_model(self, cfg: ModelConfig, tp: TensorParallel) -> nn.Module:
+        return DeepseekModel(cfg, tp)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = self.tp.gather_logits(self.lm_head.forward(hidden), self.cfg.vocab_size)
-        return None if logits is None else logits.float()
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        loader = WeightLoader(self, self.packed_modules)
-        for name, tensor in weights:
-            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
-                continue
-            if ".layers." in name and int(name.split(".layers.")[1].split(".")[0]) >= self.cfg.num_layers:
-                continue  # V3's multi-token-prediction layers, after the model's own
-            if self.cfg.mla.rope_in_halves:
-                tensor = self._rope_pairs_adjacent(name, tensor)
+    def load_weight(self, loader: WeightLoader, name: str, tensor: torch.Tensor) -> None:
+        if ".layers." in name and int(name.split(".layers.")[1].split(".")[0]) >= self.cfg.num_layers:
+            return  # V3's multi-token-prediction layers, after the model's own
+        if name.endswith((".k_b_proj.weight", ".v_b_proj.weight")):
+            self._load_kv_b_half(loader, name, tensor)
+            return
+        if self.cfg.mla.rope_in_halves:
+            tensor = self._rope_pairs_adjacent(name, tensor)
+        if not load_expert_tensor(self.model.layers, loader, name, tensor):
             loader.load(name, tensor)
-        loader.check_complete()
+
+    def _load_kv_b_half(self, loader: WeightLoader, name: str, tensor: torch.Tensor) -> None:
+        """A GGUF file's kv_b_proj comes as its key and value halves (loader/gguf_deepseek.py): held
+        until the other half arrives, then joined back, head by head, into kv_b_proj."""
+        halves = self._kv_b_halves
+        prefix, _, half = name.rpartition(".")[0].rpartition(".")
+        halves[(prefix, half)] = tensor
+        if (prefix, "k_b_proj") not in halves or (prefix, "v_b_proj") not in halves:
+            return
+        mla, heads = self.cfg.mla, self.cfg.num_heads
+        keys = halves.pop((prefix, "k_b_proj")).reshape(heads, mla.qk_nope_head_dim, mla.kv_lora_rank)
+        values = halves.pop((prefix, "v_b_proj")).reshape(heads, mla.v_head_dim, mla.kv_lora_rank)
+        loader.load(f"{prefix}.kv_b_proj.weight", torch.cat([keys, values], dim=1).reshape(-1, mla.kv_lora_rank))
 
     def _rope_pairs_adjacent(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A checkpoint that rotates halves (rope_interleave false): its rope rows to adjacent pairs

@@ -140,7 +140,8 @@ def lm_head(cfg: ModelConfig, tp: TensorParallel, embed_tokens: nn.Module) -> Li
 
 class DecoderForCausalLM(nn.Module):
     """embed -> the decoder layers (`layer_class`) -> norm -> LM head, shared by the dense Llama family
-    (LlamaForCausalLM) and the mixtures of experts built on its layers (models/moe_llama.py)."""
+    (LlamaForCausalLM), the mixtures of experts built on its layers (models/moe_llama.py) and DeepSeek
+    (models/deepseek.py, whose stack `build_model` returns)."""
 
     packed_modules = PACKED_MODULES
     layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer
@@ -148,8 +149,12 @@ class DecoderForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.cfg, self.tp = cfg, tp
-        self.model = LlamaModel(cfg, tp, self.layer_class)
+        self.model = self.build_model(cfg, tp)
         self.lm_head = lm_head(cfg, tp, self.model.embed_tokens)
+
+    def build_model(self, cfg: ModelConfig, tp: TensorParallel) -> nn.Module:
+        """The stack: embed_tokens, rotary, layers (each with `rotates` and Llama's forward), norm."""
+        return LlamaModel(cfg, tp, self.layer_class)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -80,13 +80,7 @@ class StackedExperts(nn.Module):
                 continue
             pairs = order[start:start + count]
             start += count
-            gate_up = F.linear(x[pairs % tokens], self.gate_up_proj[expert])
-            if self.gate_up_proj_bias is not None:
-                gate_up += self.gate_up_proj_bias[expert]
-            down = F.linear(self.act_and_mul.forward(gate_up), self.down_proj[expert])
-            if self.down_proj_bias is not None:
-                down += self.down_proj_bias[expert]
-            per_pair[pairs] = down * flat_weights[pairs, None]
+            per_pair[pairs] = self.expert_mlp(expert, x[pairs % tokens]) * flat_weights[pairs, None]
         per_slot = per_pair.view(top_k, tokens, -1)
         by_expert = experts.argsort(dim=1, stable=True)  # each token's slots in ascending expert order
         rows = torch.arange(tokens, device=x.device)
@@ -95,16 +89,24 @@ class StackedExperts(nn.Module):
             out += per_slot[by_expert[:, rank], rows]
         return out
 
+    def expert_mlp(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        """One expert's gate/up, act * up and down on the rows routed to it [n, H] -> [n, H]."""
+        gate_up = F.linear(rows, self.gate_up_proj[expert])
+        if self.gate_up_proj_bias is not None:
+            gate_up += self.gate_up_proj_bias[expert]
+        down = F.linear(self.act_and_mul.forward(gate_up), self.down_proj[expert])
+        if self.down_proj_bias is not None:
+            down += self.down_proj_bias[expert]
+        return down
+
     def load(self, projection: str, expert: int | None, tensor: torch.Tensor) -> bool:
         """One checkpoint tensor: a projection (EXPERT_PROJECTIONS' names) of one expert [out, in],
         or of all of them stacked [E, out, in] (expert None); this rank takes its share. True once
         the parameter it fills is whole."""
         target, half = EXPERT_PROJECTIONS[projection]
         part = self.width
-        if target == "down_proj":
-            tensor = tensor.narrow(-1, part.start, part.rows)
-        else:
-            tensor = tensor.narrow(-2, part.start, part.rows)
+        if part.rows != part.size:  # whole on one rank: a tensor kept in GGUF blocks is loaded as it is
+            tensor = tensor.narrow(-1 if target == "down_proj" else -2, part.start, part.rows)
         param = getattr(self, target)
         rows = param.data if half is None else param.data.narrow(1, half * part.rows, part.rows)
         destination = rows if expert is None else rows[expert]

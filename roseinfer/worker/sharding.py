@@ -19,8 +19,6 @@ def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
 
 def _uneven(cfg: ModelConfig, size: int) -> list[str]:
     problems = []
-    if cfg.mla is not None and size > 1:
-        problems.append("its latent attention (MLA) keeps one KV row per token, which is not split across ranks yet")
     if cfg.num_heads % size:
         problems.append(f"its {cfg.num_heads} attention heads are not divisible by {size}")
     if cfg.num_kv_heads != cfg.num_heads and cfg.num_kv_heads % size and size % cfg.num_kv_heads:
@@ -29,6 +27,10 @@ def _uneven(cfg: ModelConfig, size: int) -> list[str]:
         problems.append(f"its MLP width ({cfg.intermediate_size}) is not divisible by {size}")
     if cfg.moe is not None:
         for name, width in (("expert", cfg.moe.expert_width), ("shared expert", cfg.moe.shared_expert_width)):
+            if width % size:
+                problems.append(f"its {name} width ({width}) is not divisible by {size}")
+    if cfg.deepseek_moe is not None:
+        for name, width in (("expert", cfg.deepseek_moe.expert_size), ("shared experts'", cfg.deepseek_moe.shared_size)):
             if width % size:
                 problems.append(f"its {name} width ({width}) is not divisible by {size}")
     if cfg.qk_norm_across_heads and size > 1:

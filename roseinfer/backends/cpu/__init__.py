@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from roseinfer.backends.base import Backend, BatchLayout
-from roseinfer.backends.cpu import layers, llama, ops, quantized
+from roseinfer.backends.cpu import layers, llama, ops, quantized, quantized_experts
 from roseinfer.backends.cpu.attention import CPUMetadata, NativeDecodeGroup, NativePrefillGroup
 from roseinfer.backends.cpu.kernels import kernels_available
 from roseinfer.backends.cpu.layers import NativeRowsLinear
@@ -36,6 +36,7 @@ class CPUBackend(Backend):
 
     def prepare_model(self, model: nn.Module) -> None:
         quantized.install(model)  # weights kept as GGUF blocks: their own layers, which layers.install leaves
+        quantized_experts.install(model)
         layers.install(model)
         # the one-call decoder stack computes whole layers in C: no place for a tensor-parallel all-reduce
         llama.install(model, whole_stack=self.world_size == 1)

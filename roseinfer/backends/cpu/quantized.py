@@ -16,9 +16,13 @@ from roseinfer.layers.linear import Linear
 QUANTIZED_TYPES = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"})
 
 
-def holds_blocks(module: nn.Module) -> bool:
-    weight = getattr(module, "weight", None)
+def is_blocks(weight: torch.Tensor | None) -> bool:
+    """Whether a weight is GGUF blocks (the loader sets its `ggml_type`)."""
     return weight is not None and hasattr(weight, "ggml_type")
+
+
+def holds_blocks(module: nn.Module) -> bool:
+    return is_blocks(getattr(module, "weight", None))
 
 
 class QuantizedLinear(NativeRowsLinear):

@@ -1,0 +1,50 @@
+"""Stacked experts whose weights stay GGUF blocks on the CPU backend (llama.cpp's 3-D
+`ffn_{gate,up,down}_exps`, kept by loader/quantized.py's keep_expert_blocks as uint8
+[experts, rows, bytes per row] carrying their `ggml_type`), swapped in at load (`install`).
+
+StackedExperts groups a step's tokens by expert and runs each routed expert once on its rows; here an
+expert's slice of blocks (its rows are contiguous) goes through the same 2-D block matmul a dense
+GGUF linear uses (csrc/quant_matmul.c through ops.quant_matmul), so the sums are that linear's, SiLU
+* up computed inside the down projection's call. Only the experts the step routes to are read. The other backends dequantize these
+tensors at load."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from roseinfer.backends.cpu import ops
+from roseinfer.backends.cpu.layers import NativeSiluAndMul
+from roseinfer.backends.cpu.quantized import is_blocks
+from roseinfer.models.moe import StackedExperts
+
+
+def expert_projection(weight: torch.Tensor, expert: int, x: torch.Tensor) -> torch.Tensor:
+    """x @ W[expert].T for stacked W, in blocks or fp32."""
+    if is_blocks(weight):
+        return ops.quant_matmul(x, weight[expert], weight.ggml_type, None)
+    return F.linear(x, weight[expert])
+
+
+class QuantizedExperts(StackedExperts):
+    """StackedExperts with gate/up, down or both in GGUF blocks (each whole or not at all)."""
+
+    def expert_mlp(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        gate_up = expert_projection(self.gate_up_proj, expert, rows)
+        if self.gate_up_proj_bias is not None:  # gpt-oss's, added after the matmul as StackedExperts does
+            gate_up += self.gate_up_proj_bias[expert]
+        down = self.down_proj
+        if is_blocks(down) and isinstance(self.act_and_mul, NativeSiluAndMul) and self.down_proj_bias is None:
+            return ops.silu_mul_packed_matmul(gate_up, down[expert].data_ptr(), down.ggml_type, down.shape[1], None)
+        out = expert_projection(down, expert, self.act_and_mul.forward(gate_up))
+        if self.down_proj_bias is not None:
+            out += self.down_proj_bias[expert]
+        return out
+
+
+@torch.inference_mode()
+def install(model: nn.Module) -> None:
+    """QuantizedExperts in place of the StackedExperts whose weights hold blocks."""
+    for module in model.modules():
+        if type(module) is StackedExperts and (is_blocks(module.gate_up_proj) or is_blocks(module.down_proj)):
+            module.__class__ = QuantizedExperts
