@@ -28,12 +28,18 @@ from test_quantized import QTYPES, random_blocks
 EXPERTS, HIDDEN, WIDTH = 4, 256, 256  # K-quant rows are whole 256-blocks
 
 
-def _experts(gate_up: QT | None, down: QT | None, seed: int = 0) -> tuple[StackedExperts, StackedExperts]:
+def _experts(gate_up: QT | None, down: QT | None, seed: int = 0,
+             bias: bool = False) -> tuple[StackedExperts, StackedExperts]:
     """(QuantizedExperts with the projections of the given types in blocks (None: fp32), StackedExperts
-    on the same weights dequantized), both with the CPU backend's SiLU * up."""
+    on the same weights dequantized), both with the CPU backend's SiLU * up; with `bias`, the same
+    random biases (gpt-oss's) on both."""
     rng = np.random.default_rng(seed)
-    dense = StackedExperts(EXPERTS, HIDDEN, WIDTH, "silu", SINGLE)
-    blocks = StackedExperts(EXPERTS, HIDDEN, WIDTH, "silu", SINGLE)
+    dense = StackedExperts(EXPERTS, HIDDEN, WIDTH, "silu", SINGLE, bias=bias)
+    blocks = StackedExperts(EXPERTS, HIDDEN, WIDTH, "silu", SINGLE, bias=bias)
+    for name in ("gate_up_proj_bias", "down_proj_bias") if bias else ():
+        values = torch.from_numpy(rng.standard_normal(getattr(dense, name).shape).astype(np.float32))
+        getattr(dense, name).data.copy_(values)
+        getattr(blocks, name).data.copy_(values)
     for name, qtype in (("gate_up_proj", gate_up), ("down_proj", down)):
         rows, cols = getattr(dense, name).shape[1:]
         if qtype is None:
@@ -80,6 +86,22 @@ def test_grouped_experts_equal_each_token_alone(qtype: QT) -> None:
     torch.testing.assert_close(got, alone, rtol=1e-5, atol=1e-5 * alone.abs().max().item())
     want = dense.forward(x, weights, ids)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3 * want.abs().max().item())
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_K], ids=["Q8_0", "Q4_K"])
+def test_each_experts_biases_are_added_on_the_block_path(qtype: QT) -> None:
+    """gpt-oss's expert biases, on weights kept in blocks: the fp32 weights' output, not the unbiased one."""
+    blocks, dense = _experts(qtype, qtype, seed=3, bias=True)
+    assert type(blocks) is QuantizedExperts
+    torch.manual_seed(3)
+    x = torch.randn(6, HIDDEN)
+    ids = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0], [0, 2], [1, 3]])
+    weights = torch.rand(6, 2)
+    got, want = blocks.forward(x, weights, ids), dense.forward(x, weights, ids)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3 * want.abs().max().item())
+    unbiased, _ = _experts(qtype, qtype, seed=3)
+    assert not torch.allclose(unbiased.forward(x, weights, ids), want, rtol=1e-4, atol=1e-3 * want.abs().max().item())
 
 
 @needs_kernels
