@@ -109,7 +109,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel, layer_class: type[LlamaDecoderLayer]) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, layer_class: type[nn.Module]) -> None:
         super().__init__()
         self.embed_tokens = vocab_parallel_embedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.raw_config)
@@ -136,15 +136,18 @@ def lm_head(cfg: ModelConfig, tp: TensorParallel, embed_tokens: nn.Module) -> Li
 
 class DecoderForCausalLM(nn.Module):
     """embed -> the decoder layers (`layer_class`) -> norm -> LM head, shared by the dense Llama family
-    (LlamaForCausalLM) and the mixtures of experts built on its layers (models/moe_llama.py)."""
+    (LlamaForCausalLM), the mixtures of experts built on its layers (models/moe_llama.py) and the
+    hybrid linear-attention families (models/qwen3_5.py). A layer class takes (cfg, tp, layer index),
+    has `rotates` and Llama's forward."""
 
     packed_modules = PACKED_MODULES
-    layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    layer_class: type[nn.Module] = LlamaDecoderLayer
+    model_class: type[LlamaModel] = LlamaModel
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.cfg, self.tp = cfg, tp
-        self.model = LlamaModel(cfg, tp, self.layer_class)
+        self.model = self.model_class(cfg, tp, self.layer_class)
         self.lm_head = lm_head(cfg, tp, self.model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],

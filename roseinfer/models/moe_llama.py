@@ -38,18 +38,25 @@ class MoeForCausalLM(DecoderForCausalLM):
 
     def load_weight(self, loader: WeightLoader, name: str, tensor: torch.Tensor) -> None:
         name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for the layer's MLP
-        match = _EXPERT_TENSOR.match(name)
-        if match is None:
+        if not load_expert_weight(self.model.layers, loader, name, tensor):
             super().load_weight(loader, name, tensor)
-            return
-        layer, expert, projection = match.groups()
-        experts = self.model.layers[int(layer)].mlp.experts
-        prefix = f"model.layers.{layer}.mlp.experts"
-        if projection == "gate_up_proj":  # transformers 5's stacked [E, 2 w, H]: gate rows, then up rows
-            gate, up = tensor.chunk(2, dim=-2)
-            experts.load("gate_proj", None, gate)
-            projection, tensor = "up_proj", up
-        if projection not in EXPERT_PROJECTIONS:
-            raise ValueError(f"checkpoint tensor {name} matches no model parameter")
-        if experts.load(projection, None if expert is None else int(expert), tensor):
-            loader.loaded.add(f"{prefix}.{EXPERT_PROJECTIONS[projection][0]}")
+
+
+def load_expert_weight(layers: nn.ModuleList, loader: WeightLoader, name: str, tensor: torch.Tensor) -> bool:
+    """One checkpoint tensor into its layer's stacked experts (models/moe.py StackedExperts) if it is
+    an expert's; False, loading nothing, for any other tensor."""
+    match = _EXPERT_TENSOR.match(name)
+    if match is None:
+        return False
+    layer, expert, projection = match.groups()
+    experts = layers[int(layer)].mlp.experts
+    prefix = f"model.layers.{layer}.mlp.experts"
+    if projection == "gate_up_proj":  # transformers 5's stacked [E, 2 w, H]: gate rows, then up rows
+        gate, up = tensor.chunk(2, dim=-2)
+        experts.load("gate_proj", None, gate)
+        projection, tensor = "up_proj", up
+    if projection not in EXPERT_PROJECTIONS:
+        raise ValueError(f"checkpoint tensor {name} matches no model parameter")
+    if experts.load(projection, None if expert is None else int(expert), tensor):
+        loader.loaded.add(f"{prefix}.{EXPERT_PROJECTIONS[projection][0]}")
+    return True
