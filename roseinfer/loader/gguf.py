@@ -42,7 +42,7 @@ KEPT_TYPES: tuple[str, ...] = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")  # kept a
 QUANTIZATION_FILE = "roseinfer_quantization.json"
 _GGUF_MAGIC = b"GGUF"
 _SHARD_BYTES = 2 * 2**30  # big models are written in shards of this size
-_NO_TRANSFORMERS_GGUF_CONFIG = frozenset({"smollm3", "gemma4", "olmoe"})  # transformers reads no config of these
+_NO_TRANSFORMERS_GGUF_CONFIG = frozenset({"smollm3", "gemma4", "olmoe", "qwen3next"})  # transformers reads no config of these
 
 
 def default_cache_root() -> Path:
@@ -173,7 +173,7 @@ def _convert_into(src: Path, out: Path, keep_blocks: bool) -> None:
 def _kept_as_blocks(plan: TensorPlan, tensor: _RawTensor) -> TensorPlan:
     """The plan storing the tensor's raw blocks where it is a matrix of a kept type whose transform,
     if any, reorders whole rows."""
-    if tensor.qtype.name not in KEPT_TYPES or len(plan.shape) != 2 or plan.transposed:
+    if tensor.qtype.name not in KEPT_TYPES or len(plan.shape) != 2 or plan.on_columns:
         return plan
     return dataclasses.replace(plan, blocks=(tensor.qtype.name, int(tensor.data.shape[-1])))
 
