@@ -84,3 +84,32 @@ def test_conv_across_chunks_equals_one_pass(split: int) -> None:
         y, state = conv_decode(x[:, t], state, weight)
         decoded.append(y)
     torch.testing.assert_close(torch.stack(decoded, 1), whole[:, split:])
+
+
+def test_cpu_decode_kernel_matches_float64_reference() -> None:
+    """The CPU backend's C decode step (csrc/gated_delta_rule.c), in place on a pool: 300 tokens from
+    two slots of five equal the float64 recurrence; the other slots stay as they were; a sequence
+    whose keep is 0 starts from zeros whatever its slot holds."""
+    from roseinfer.backends.cpu import ops
+    from roseinfer.backends.cpu.kernels import kernels_available
+
+    if not kernels_available():
+        pytest.skip("the C kernels cannot be built here")
+    ref_out, ref_state = _reference(*_delta_rule_inputs(2, 300, 2, 8, 6, torch.float64))
+    q, k, v, decay, beta, state = _delta_rule_inputs(2, 300, 2, 8, 6, torch.float32)
+    slots = torch.tensor([3, 1])
+    pool = torch.randn(5, 2, 8, 6)
+    untouched = pool.clone()
+    pool[slots] = state
+    outs = [ops.gated_delta_decode_(q[:, t], k[:, t], v[:, t], decay[:, t], beta[:, t], pool, slots, torch.ones(2))
+            for t in range(q.shape[1])]
+    torch.testing.assert_close(torch.stack(outs, 1).double(), ref_out, rtol=0, atol=1e-4)
+    torch.testing.assert_close(pool[slots].double(), ref_state, rtol=0, atol=1e-4)
+    assert torch.equal(pool[[0, 2, 4]], untouched[[0, 2, 4]])
+    fresh_out, fresh_state = _reference(*(t[:1, :1] for t in _delta_rule_inputs(1, 1, 2, 8, 6, torch.float64)[:5]),
+                                        torch.zeros(1, 2, 8, 6, dtype=torch.float64))
+    q1, k1, v1, decay1, beta1, _ = _delta_rule_inputs(1, 1, 2, 8, 6, torch.float32)
+    out = ops.gated_delta_decode_(q1[:, 0], k1[:, 0], v1[:, 0], decay1[:, 0], beta1[:, 0], pool, slots[:1],
+                                  torch.zeros(1))
+    torch.testing.assert_close(out.double(), fresh_out[:, 0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(pool[3:4].double(), fresh_state, rtol=0, atol=1e-5)

@@ -17,8 +17,7 @@ from torch import nn
 
 from roseinfer.distributed.parallel import TensorParallel, column_parallel
 from roseinfer.layers.attention import AttentionMetadata, KVCache, PagedAttention
-from roseinfer.layers.gated_delta_rule import (chunked_prefill, conv_decode, conv_prefill, l2_normalise,
-                                               recurrent_step)
+from roseinfer.layers.gated_delta_rule import chunked_prefill, conv_decode, conv_prefill, l2_normalise
 from roseinfer.layers.linear import Linear
 from roseinfer.layers.rope_parameters import rotary_dim
 from roseinfer.layers.rotary import interleave_rotary_rows
@@ -97,9 +96,7 @@ class GatedDeltaNet(nn.Module):
             conv, conv_pool[slots] = conv_decode(mixed[rows], conv_pool[slots] * keep[:, None, None].to(x.dtype),
                                                  weight)
             q, k, v = self._heads(conv)
-            o, recurrent_pool[slots] = recurrent_step(q, k, v, g[rows], beta[rows],
-                                                      recurrent_pool[slots] * keep[:, None, None, None])
-            out[rows] = o
+            out[rows] = meta.delta_rule_decode(q, k, v, g[rows], beta[rows], recurrent_pool, slots, keep)
         if batch.prefill_seqs.numel():
             seqs, rows, valid = batch.prefill_seqs, batch.prefill_rows, batch.prefill_valid
             slots, keep = batch.slots[seqs], batch.keep[seqs]
