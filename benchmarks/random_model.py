@@ -11,7 +11,7 @@ SHAPE: gpt2-small (the roseinfer blog's benchmark model), qwen3-0.6b (nano-vllm'
 so short that the server's own costs show: benchmarks/server_overhead.py), the CPU shapes people
 run quantized (benchmarks/cpu_gguf_peers.py): smollm2-1.7b, llama-3.2-3b, qwen3-8b, gemma3-1b, or qwen3-30b-a3b
 (Qwen3-30B-A3B's layer shape: 128 experts, top-8, expert width 768; pick the layers that fit with
---num-layers).
+--num-layers), or qwen3.5-small (the hybrid layer shape: benchmarks/hybrid_prefix_cost.py).
 
 The mixture-of-experts comparison against llama.cpp (issue 39's table) is benchmarks/cpu_gguf_peers.py
 --shape qwen3-30b-a3b --num-layers N (it builds, converts and quantizes this checkpoint itself).
@@ -56,9 +56,16 @@ SHAPES: dict[str, dict[str, Any]] = {
                  "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
                  "max_position_embeddings": 40960, "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6,
                  "vocab_size": 151936, "tie_word_embeddings": False},
+    # Qwen3.5's layer shape (hybrid: 3 Gated DeltaNet layers to 1 gated full-attention one, 16 linear
+    # heads of 128, full-attention heads of 256 with a quarter rotating) at hidden 1024
+    "qwen3.5-small": {"model_type": "qwen3_5_text", "num_hidden_layers": 24, "hidden_size": 1024,
+                      "intermediate_size": 3584, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256,
+                      "linear_num_key_heads": 16, "linear_num_value_heads": 16, "linear_key_head_dim": 128,
+                      "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "max_position_embeddings": 32768,
+                      "rms_norm_eps": 1e-6, "vocab_size": 248320, "tie_word_embeddings": True},
 }
 LAYER_KEYS = {"gpt2": "n_layer", "qwen3": "num_hidden_layers", "llama": "num_hidden_layers",
-              "qwen3_moe": "num_hidden_layers", "gemma3_text": "num_hidden_layers"}
+              "qwen3_moe": "num_hidden_layers", "gemma3_text": "num_hidden_layers", "qwen3_5_text": "num_hidden_layers"}
 
 
 def write_tokenizer(out: Path, max_length: int) -> None:

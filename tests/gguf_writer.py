@@ -20,6 +20,7 @@ import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QT
+from gguf_writer_hybrid import HYBRID_ARCH, add_hybrid_metadata, hybrid_gguf_tensors
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
@@ -63,7 +64,7 @@ _GPT2_GLOBAL = {"transformer.wte": "token_embd", "transformer.wpe": "position_em
 # llama.cpp writes mistral as llama.
 _ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2", "phi3": "phi3",
          "smollm3": "smollm3", "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma4_text": "gemma4",
-         "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama", "olmoe": "olmoe"}
+         "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama", "olmoe": "olmoe", **HYBRID_ARCH}
 _PERMUTED = ("llama", "smollm3")  # convert_hf_to_gguf's LlamaModel and its subclasses
 # Byte offsets of the fp16 scale fields (d, dmin) inside one K-quant block (ggml-common.h).
 _K_FP16_FIELDS = {QT.Q2_K: (-4, -2), QT.Q3_K: (-2,), QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (-2,)}
@@ -264,8 +265,8 @@ def write_tiny_gguf(
             head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         w.add_context_length(cfg.max_position_embeddings)
         w.add_embedding_length(cfg.hidden_size)
-        if not getattr(cfg, "use_double_wide_mlp", False):
-            w.add_feed_forward_length(cfg.intermediate_size)
+        if not getattr(cfg, "use_double_wide_mlp", False) and getattr(cfg, "intermediate_size", None):
+            w.add_feed_forward_length(cfg.intermediate_size)  # Qwen3.5-MoE has none
         w.add_block_count(cfg.num_hidden_layers)
         w.add_head_count(cfg.num_attention_heads)
         if model_type != "gemma4_text":
@@ -278,6 +279,8 @@ def write_tiny_gguf(
         w.add_value_length(head_dim)
         if hasattr(cfg, "num_experts_per_tok"):
             _add_moe_metadata(w, cfg)
+        if model_type in HYBRID_ARCH:
+            add_hybrid_metadata(w, cfg)
         if arch.startswith("gemma"):
             _add_gemma_metadata(w, cfg)
         else:
@@ -288,7 +291,11 @@ def write_tiny_gguf(
 
     rng = np.random.default_rng(0)
     state = {k: v.detach().float().numpy() for k, v in _expert_tensors(hf_model.state_dict()).items()}
-    for hf_name, gguf_name in gguf_tensor_names(hf_model).items():
+    names = gguf_tensor_names(hf_model)
+    if model_type in HYBRID_ARCH:  # the state in GGUF's names and stored forms already
+        state = hybrid_gguf_tensors(state, cfg, names)
+        names = {name: name for name in state}
+    for hf_name, gguf_name in names.items():
         data = state.get(hf_name, state.get("transformer.wte.weight") if hf_name == "lm_head.weight" else None)
         if gguf_name.endswith("layer_output_scale.weight"):
             data = data.reshape(1)

@@ -1,6 +1,7 @@
-"""Hybrid linear attention (Qwen3.5: Gated DeltaNet layers beside gated full attention) and its state
-pool: greedy output equal to HF fp32 in every scheduling mode, every slot and block given back, the
-kernels against a float64 reference, and what hybrid models refuse (prefix caching, speculation)."""
+"""Hybrid linear attention (Qwen3.5, Qwen3-Next, Qwen3.5-MoE: Gated DeltaNet layers beside gated full
+attention) and its state pool: greedy output equal to HF fp32 in every scheduling mode, every slot and
+block given back, and what hybrid models refuse (prefix caching, speculation). The kernels against a
+float64 reference: tests/test_gated_delta_rule.py."""
 from __future__ import annotations
 
 import json
@@ -18,9 +19,7 @@ from roseinfer.engine.block_manager import BlockManager
 from roseinfer.engine.request import Request
 from roseinfer.engine.scheduler import Scheduler
 from roseinfer.engine.state_pool import StatePool
-from roseinfer.layers.gated_delta_rule import (chunked_prefill, conv_decode, conv_prefill, l2_normalise,
-                                               recurrent_step)
-from tiny_models import hf_greedy, sample_prompts
+from tiny_models import HYBRID_ARCHS, hf_greedy, sample_prompts
 
 MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -37,9 +36,9 @@ MODES = {
 }
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_model_factory) -> pathlib.Path:
-    return tiny_model_factory("qwen3_5")
+@pytest.fixture(scope="module", params=HYBRID_ARCHS)
+def model_dir(request, tiny_model_factory) -> pathlib.Path:
+    return tiny_model_factory(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -111,18 +110,22 @@ def test_prefix_caching_is_refused_with_a_reason(model_dir, references, caplog) 
 
 def test_speculative_decoding_is_refused(model_dir) -> None:
     ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-    with pytest.raises(ValueError, match="speculative decoding is not supported for qwen3_5_text"):
+    with pytest.raises(ValueError, match="speculative decoding is not supported for qwen3"):
         LLM(model=str(model_dir), num_kv_blocks=32, speculative_config=ngram)
 
 
 def test_multimodal_folder_loads_its_text_model(model_dir, references, tmp_path) -> None:
-    """A Qwen3.5 multimodal checkpoint: the text config under text_config, the text weights under
-    model.language_model.*; the vision tower and the multi-token-prediction head are skipped."""
+    """A Qwen3.5 (or Qwen3.5-MoE) multimodal checkpoint: the text config under text_config, the text
+    weights under model.language_model.*; the vision tower and the multi-token-prediction head are
+    skipped. Qwen3-Next has no multimodal checkpoint."""
+    wrapper_type = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
+    text = json.loads((model_dir / "config.json").read_text())
+    if text["model_type"] not in wrapper_type:
+        pytest.skip(f"{text['model_type']} has no multimodal checkpoint")
     for item in model_dir.iterdir():
         if item.name not in ("config.json", "model.safetensors"):
             (tmp_path / item.name).write_bytes(item.read_bytes())
-    text = json.loads((model_dir / "config.json").read_text())
-    wrapper = {"model_type": "qwen3_5", "text_config": {k: v for k, v in text.items() if k != "model_type"},
+    wrapper = {"model_type": wrapper_type[text["model_type"]], "text_config": {k: v for k, v in text.items() if k != "model_type"},
                "vision_config": {"depth": 1}, "tie_word_embeddings": False}
     (tmp_path / "config.json").write_text(json.dumps(wrapper))
     tensors = {name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name: t
@@ -156,84 +159,6 @@ def test_admission_waits_for_a_free_state_slot() -> None:
     for req in list(scheduler.running) + list(scheduler.waiting):
         scheduler.abort(req)
     assert manager.state_pool.num_free_slots == 2 and manager.num_used_blocks == 0
-
-
-# ---- kernels against a float64 reference --------------------------------------------------
-
-def _delta_rule_inputs(batch: int, length: int, heads: int, k_dim: int, v_dim: int, dtype: torch.dtype):
-    g = torch.Generator().manual_seed(0)
-    q = l2_normalise(torch.randn(batch, length, heads, k_dim, generator=g, dtype=torch.float64)) * k_dim ** -0.5
-    k = l2_normalise(torch.randn(batch, length, heads, k_dim, generator=g, dtype=torch.float64))
-    v = torch.randn(batch, length, heads, v_dim, generator=g, dtype=torch.float64)
-    decay = -torch.rand(batch, length, heads, generator=g, dtype=torch.float64) * 0.3
-    beta = torch.rand(batch, length, heads, generator=g, dtype=torch.float64)
-    state = torch.randn(batch, heads, k_dim, v_dim, generator=g, dtype=torch.float64)
-    return [t.to(dtype) for t in (q, k, v, decay, beta, state)]
-
-
-def _reference(q, k, v, decay, beta, state):
-    """The delta rule token by token in float64, written out per head."""
-    out = torch.empty(*v.shape, dtype=torch.float64)
-    state = state.clone()
-    for b in range(q.shape[0]):
-        for t in range(q.shape[1]):
-            for h in range(q.shape[2]):
-                s = state[b, h] * decay[b, t, h].exp()
-                s = s + torch.outer(k[b, t, h], beta[b, t, h] * (v[b, t, h] - k[b, t, h] @ s))
-                state[b, h] = s
-                out[b, t, h] = q[b, t, h] @ s
-    return out, state
-
-
-@pytest.mark.parametrize("chunk", [16, 64])
-def test_chunked_form_matches_float64_reference(chunk: int) -> None:
-    inputs64 = _delta_rule_inputs(2, 300, 2, 8, 6, torch.float64)
-    ref_out, ref_state = _reference(*inputs64)
-    out, state = chunked_prefill(*_delta_rule_inputs(2, 300, 2, 8, 6, torch.float32), chunk=chunk)
-    torch.testing.assert_close(out.double(), ref_out, rtol=0, atol=1e-4)
-    torch.testing.assert_close(state.double(), ref_state, rtol=0, atol=1e-4)
-
-
-def test_recurrence_matches_float64_reference() -> None:
-    ref_out, ref_state = _reference(*_delta_rule_inputs(2, 300, 2, 8, 6, torch.float64))
-    q, k, v, decay, beta, state = _delta_rule_inputs(2, 300, 2, 8, 6, torch.float32)
-    outs = []
-    for t in range(q.shape[1]):
-        o, state = recurrent_step(q[:, t], k[:, t], v[:, t], decay[:, t], beta[:, t], state)
-        outs.append(o)
-    torch.testing.assert_close(torch.stack(outs, 1).double(), ref_out, rtol=0, atol=1e-4)
-    torch.testing.assert_close(state.double(), ref_state, rtol=0, atol=1e-4)
-
-
-def test_chunked_form_leaves_padding_out_of_the_state() -> None:
-    """A sequence padded with zero q/k/v, decay and beta ends in the state its real tokens leave."""
-    q, k, v, decay, beta, state = _delta_rule_inputs(1, 40, 2, 8, 6, torch.float64)
-    short = [t[:, :25] for t in (q, k, v, decay, beta)]
-    padded = [torch.cat([t, torch.zeros_like(t[:, 25:])], dim=1) for t in short]
-    out, final = chunked_prefill(*padded, state.clone(), chunk=16)
-    ref_out, ref_state = _reference(*short, state)
-    torch.testing.assert_close(out[:, :25], ref_out, rtol=0, atol=1e-10)
-    torch.testing.assert_close(final, ref_state, rtol=0, atol=1e-10)
-
-
-@pytest.mark.parametrize("split", [1, 2, 5])
-def test_conv_across_chunks_equals_one_pass(split: int) -> None:
-    """The conv over a prompt equals the same prompt in two chunks (one shorter than the kernel's
-    history) or as a chunk followed by single decode tokens: the conv state carries the window."""
-    g = torch.Generator().manual_seed(1)
-    channels, kernel, length = 6, 4, 9
-    x = torch.randn(1, length, channels, generator=g, dtype=torch.float64)
-    weight = torch.randn(channels, kernel, generator=g, dtype=torch.float64)
-    empty = torch.zeros(1, channels, kernel - 1, dtype=torch.float64)
-    whole, _ = conv_prefill(x, empty, weight, torch.tensor([length]))
-    first, state = conv_prefill(x[:, :split], empty, weight, torch.tensor([split]))
-    rest, _ = conv_prefill(x[:, split:], state, weight, torch.tensor([length - split]))
-    torch.testing.assert_close(torch.cat([first, rest], dim=1), whole)
-    decoded = []
-    for t in range(split, length):
-        y, state = conv_decode(x[:, t], state, weight)
-        decoded.append(y)
-    torch.testing.assert_close(torch.stack(decoded, 1), whole[:, split:])
 
 
 def test_state_pool_and_kv_pool_share_one_budget(model_dir) -> None:

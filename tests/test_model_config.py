@@ -12,6 +12,7 @@ from transformers import AutoConfig
 from roseinfer.layers.rope_parameters import rope_parameters, rotary_dim
 from roseinfer.loader.model_loader import load_model_config
 from roseinfer.models.config import MOE_FAMILY, MULTIMODAL_WRAPPERS, SUPPORTED_MODEL_TYPES, ModelConfig
+from roseinfer.models.hybrid_config import HYBRID_FAMILY, HYBRID_MOE_FAMILY
 from tiny_models import ARCHS, EXTRA_ARCHS
 
 
@@ -25,7 +26,7 @@ def _expected(hf) -> dict:
                 "norm_eps": hf.layer_norm_epsilon, "hidden_act": hf.activation_function}
     expected = {"hidden_size": hf.hidden_size, "num_layers": hf.num_hidden_layers,
                 "num_heads": hf.num_attention_heads, "num_kv_heads": hf.num_key_value_heads,
-                "intermediate_size": hf.intermediate_size,
+                "intermediate_size": getattr(hf, "intermediate_size", 0),  # Qwen3.5-MoE has no dense MLP
                 "head_dim": getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
                 "max_position_embeddings": hf.max_position_embeddings, "norm_eps": hf.rms_norm_eps,
                 "hidden_act": getattr(hf, "hidden_activation", None) or hf.hidden_act,
@@ -77,7 +78,8 @@ def _assert_gemma(cfg: ModelConfig, hf) -> None:
 
 
 def _assert_hybrid(cfg: ModelConfig, hf) -> None:
-    """Qwen3.5: which layers are linear, their shape, and the full layers' partial rotary."""
+    """Qwen3.5, Qwen3-Next, Qwen3.5-MoE: which layers are linear, their shape, and the full layers'
+    partial rotary."""
     assert cfg.layer_types == tuple(hf.layer_types)
     shape = cfg.linear_attention
     assert (shape.num_k_heads, shape.num_v_heads, shape.k_head_dim, shape.v_head_dim, shape.conv_kernel) == (
@@ -106,9 +108,9 @@ def _assert_matches(cfg: ModelConfig, hf) -> None:
         _assert_gemma(cfg, hf)
     if hf.model_type.startswith("deepseek"):
         _assert_deepseek(cfg, hf)
-    if hf.model_type == "qwen3_5_text":
+    if hf.model_type in HYBRID_FAMILY:
         _assert_hybrid(cfg, hf)
-    if hf.model_type in MOE_FAMILY:
+    if hf.model_type in MOE_FAMILY + HYBRID_MOE_FAMILY:
         _assert_moe(cfg, hf)
 
 
@@ -118,7 +120,7 @@ def _assert_moe(cfg: ModelConfig, hf) -> None:
     moe = cfg.moe
     assert (moe.num_experts, moe.top_k) == (hf.num_experts, hf.num_experts_per_tok)
     assert moe.expert_width == (getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size)
-    assert moe.norm_topk_prob == getattr(hf, "norm_topk_prob", True)
+    assert moe.norm_topk_prob == getattr(hf, "norm_topk_prob", True)  # Qwen3.5-MoE: always renormalised
     assert moe.shared_expert_width == getattr(hf, "shared_expert_intermediate_size", 0)
     assert cfg.clip_qkv == getattr(hf, "clip_qkv", None)
 

@@ -1,5 +1,5 @@
 """tiny_models' configs of the families with more to set than a Llama's: the mixtures of experts,
-Gemma 2/3/4, DeepSeek and gpt-oss, each from the tests' common tiny shape."""
+Gemma 2/3/4, DeepSeek, gpt-oss and the hybrid linear-attention families, each from the tests' common tiny shape."""
 from __future__ import annotations
 
 from typing import Any
@@ -80,3 +80,23 @@ def gpt_oss_config(common: dict[str, Any], sliding_window: int) -> Any:
                                          "truncate": False, "original_max_position_embeddings": 64,
                                          "rope_theta": 150000.0},
                         tie_word_embeddings=False)
+
+
+def hybrid_config(arch: str, common: dict[str, Any]) -> Any:
+    """3 Gated DeltaNet layers + 1 gated full-attention layer; 2 key heads shared by 4 value heads, a
+    conv kernel of 4, a quarter of each full-attention head rotating (8 of 32 dims). Qwen3-Next: a
+    dense layer (mlp_only_layers) among sparse ones, renormalised top-2 of 8 experts and a shared
+    expert; Qwen3.5-MoE: every layer sparse, top-3."""
+    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig
+
+    hybrid = {**common, "num_hidden_layers": 4, "head_dim": 32, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+              "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
+              "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0, "partial_rotary_factor": 0.25},
+              "tie_word_embeddings": False}
+    experts = {"num_experts": 8, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48}
+    if arch == "qwen3_next":
+        return Qwen3NextConfig(**hybrid, **experts, num_experts_per_tok=2, mlp_only_layers=[1])
+    if arch == "qwen3_5_moe":
+        return Qwen3_5MoeTextConfig(**{k: v for k, v in hybrid.items() if k != "intermediate_size"}, **experts,
+                                    num_experts_per_tok=3)
+    return Qwen3_5TextConfig(**hybrid)

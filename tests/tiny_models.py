@@ -15,7 +15,7 @@ from functools import lru_cache
 from typing import Any
 
 import torch
-from tiny_family_configs import deepseek_config, gemma_config, gpt_oss_config, moe_config
+from tiny_family_configs import deepseek_config, gemma_config, gpt_oss_config, hybrid_config, moe_config
 
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -45,6 +45,10 @@ MOE_ARCHS: list[str] = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
 EXTRA_ARCHS += MOE_ARCHS
 # gpt-oss (models/gpt_oss.py): attention sinks, a biased router, the clamped SwiGLU; tests/test_gpt_oss.py
 EXTRA_ARCHS.append("gpt_oss")
+# Qwen3-Next and Qwen3.5-MoE: qwen3_5's hybrid stack with a mixture of experts and a gated shared
+# expert; tests/test_hybrid.py runs all three
+HYBRID_ARCHS: list[str] = ["qwen3_5", "qwen3_next", "qwen3_5_moe"]
+EXTRA_ARCHS += HYBRID_ARCHS[1:]
 
 # Weights that do not move when archs are added before these ones: the speculative tests need a
 # model that continues a repeated pattern, and the references must be far from ties
@@ -205,17 +209,8 @@ def _config(arch: str) -> Any:
     if arch == "qwen2_sliding":  # layer 0 attends the whole context, layer 1 slides
         return Qwen2Config(**common, use_sliding_window=True, sliding_window=SLIDING_WINDOW, max_window_layers=1,
                            tie_word_embeddings=True)
-    if arch == "qwen3_5":
-        # 3 Gated DeltaNet layers + 1 gated full-attention layer; 2 key heads shared by 4 value heads,
-        # a conv kernel of 4, a quarter of each full-attention head rotating (8 of 32 dims)
-        from transformers import Qwen3_5TextConfig
-
-        return Qwen3_5TextConfig(**{**common, "num_hidden_layers": 4}, head_dim=32, linear_num_key_heads=2,
-                                 linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-                                 linear_conv_kernel_dim=4, rope_parameters={"rope_type": "default",
-                                                                            "rope_theta": 100000.0,
-                                                                            "partial_rotary_factor": 0.25},
-                                 tie_word_embeddings=False)
+    if arch in HYBRID_ARCHS:
+        return hybrid_config(arch, common)
     if arch == "phi3_longrope":
         # Phi-4-mini's shape in small: 3/4 of each head rotates (12 of 16 dims: 6 factors each), and
         # LongRoPE's original context (48) is shorter than the test prompts, so both factor sets run.

@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from roseinfer.layers.gated_delta_rule import LinearStateBatch
+from roseinfer.layers.gated_delta_rule import LinearStateBatch, recurrent_step
 from roseinfer.layers.rotary import apply_rotary
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -31,6 +31,16 @@ class AttentionMetadata(ABC):
     def attend(self, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                kv_cache: KVCache) -> torch.Tensor:
         """Write k, v [T, Hkv, D] into the cache, then attend with q [T, H, D]; returns [T, H, D]."""
+
+    def delta_rule_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                          beta: torch.Tensor, states: torch.Tensor, slots: torch.Tensor,
+                          keep: torch.Tensor) -> torch.Tensor:
+        """The gated delta rule's decode step for a linear-attention layer (layers/gated_delta_rule.py
+        recurrent_step): q, k [n, H, Dk], v [n, H, Dv], g, beta [n, H]; sequence i continues the state
+        states[slots[i]] (from zeros where keep[i] is 0) and leaves its next state there. Returns o
+        [n, H, Dv]; a backend may update the states in place."""
+        o, states[slots] = recurrent_step(q, k, v, g, beta, states[slots] * keep[:, None, None, None])
+        return o
 
     def rotate(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         """Rotary embedding on x [T, heads, D] (pairs adjacent, layers/rotary.py); x is a fresh

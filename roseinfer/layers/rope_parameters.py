@@ -9,7 +9,7 @@ STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proport
 # transformers' config classes whose rope_theta default is not 10000
 _DEFAULT_THETA = {"smollm3": 2_000_000.0, "mixtral": 1_000_000.0, "gpt_oss": 150_000.0}
 # the families whose transformers attention rotates only the first partial_rotary_factor of a head
-_PARTIAL_ROTARY_MODEL_TYPES = ("phi3", "qwen3_5_text")
+_PARTIAL_ROTARY_MODEL_TYPES = ("phi3", "qwen3_5_text", "qwen3_next", "qwen3_5_moe_text")
 
 
 def rope_parameters(config: dict[str, Any], layer_type: str | None = None) -> dict:

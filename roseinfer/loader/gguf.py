@@ -44,7 +44,7 @@ QUANTIZATION_FILE = "roseinfer_quantization.json"
 _GGUF_MAGIC = b"GGUF"
 _SHARD_BYTES = 2 * 2**30  # big models are written in shards of this size
 # transformers reads no config of these (or, for gpt-oss, fails on its rope scaling fields)
-_NO_TRANSFORMERS_GGUF_CONFIG = frozenset({"smollm3", "gemma4", "olmoe", "gpt-oss", "deepseek2"})
+_NO_TRANSFORMERS_GGUF_CONFIG = frozenset({"smollm3", "gemma4", "olmoe", "gpt-oss", "deepseek2", "qwen3next"})
 
 
 def default_cache_root() -> Path:
@@ -176,7 +176,7 @@ def _kept_as_blocks(plan: TensorPlan, tensor: _RawTensor) -> TensorPlan:
     """The plan storing the tensor's raw blocks where it is a matrix of a kept type whose transform,
     if any, reorders whole rows, or stacked matrices (experts) that no transform touches."""
     stacked = len(plan.shape) == 3 and plan.transform is None
-    if tensor.qtype.name not in KEPT_TYPES or not (len(plan.shape) == 2 or stacked) or plan.transposed:
+    if tensor.qtype.name not in KEPT_TYPES or not (len(plan.shape) == 2 or stacked) or plan.on_columns:
         return plan
     return dataclasses.replace(plan, blocks=(tensor.qtype.name, int(tensor.data.shape[-1])))
 

@@ -15,12 +15,14 @@ from roseinfer.loader.gguf_deepseek import (DEEPSEEK_ARCHITECTURES, DEEPSEEK_BLO
                                             deepseek_hf_name, deepseek_transform)
 from roseinfer.loader.gguf_gemma import (GEMMA_ARCHITECTURES, gemma_block_names, gemma_config, gemma_global_names,
                                          gemma_hf_name, gemma_norm_transform)
+from roseinfer.loader.gguf_hybrid import (HYBRID_ARCHITECTURES, HYBRID_HF_CLASSES, HYBRID_MODEL_TYPES,
+                                          hybrid_block_names, hybrid_config, hybrid_parameter_name, hybrid_transform)
 
 logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "phi3",
                                            "smollm3", "qwen2moe", "qwen3moe", "olmoe", "gpt-oss") + GEMMA_ARCHITECTURES + \
-    DEEPSEEK_ARCHITECTURES
+    DEEPSEEK_ARCHITECTURES + HYBRID_ARCHITECTURES
 
 # GGUF per-block tensor name -> HF name inside `model.layers.N.` (llama-like families).
 _LLAMA_BLOCK_NAMES: dict[str, str] = {
@@ -74,10 +76,11 @@ _HF_CLASSES: dict[str, str] = dict(llama="LlamaForCausalLM", mistral="MistralFor
                                     gemma4="Gemma4ForCausalLM", qwen2moe="Qwen2MoeForCausalLM",
                                     qwen3moe="Qwen3MoeForCausalLM", olmoe="OlmoeForCausalLM",
                                     mixtral="MixtralForCausalLM", deepseek2="DeepseekV2ForCausalLM",
-                                    **{"gpt-oss": "GptOssForCausalLM"})
+                                    **{"gpt-oss": "GptOssForCausalLM"}) | HYBRID_HF_CLASSES
 _HF_MODEL_TYPES: dict[str, str] = {"gemma3": "gemma3_text", "gemma4": "gemma4_text", "qwen2moe": "qwen2_moe",
-                                   "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss"}
-_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)$")
+                                   "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss"} | HYBRID_MODEL_TYPES
+# the hybrids' ssm_a is stored without a suffix
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)(?:\.(weight|bias))?$")
 _GLOBAL_RE = re.compile(r"^([a-z0-9_]+)\.(weight|bias)$")
 
 
@@ -88,7 +91,7 @@ class TensorPlan:
     hf_name: str
     shape: tuple[int, ...]  # torch order (GGUF stores dimensions reversed)
     transform: Callable[[np.ndarray], np.ndarray] | None = None
-    transposed: bool = False  # the transform is a transpose (it cannot act on rows of blocks)
+    on_columns: bool = False  # the transform moves columns (a transpose): it cannot act on rows of blocks
     blocks: tuple[str, int] | None = None  # (GGML type, bytes per row) where stored as raw blocks
 
     @property
@@ -136,7 +139,7 @@ def build_config(arch: str, meta: dict[str, Any], shapes: dict[str, tuple[int, .
         }  # fmt: skip
 
     n_kv = get("attention.head_count_kv", n_heads)
-    n_ff = get("feed_forward_length", required=True)
+    n_ff = get("feed_forward_length", 0, required=arch != "qwen35moe")  # Qwen3.5-MoE has no dense MLP
     if isinstance(n_kv, list) and arch != "gemma4":  # Gemma 4's per-layer lists: gguf_gemma.py
         raise ValueError("per-layer attention.head_count_kv is not supported")
     config = common | {
@@ -173,6 +176,8 @@ def build_config(arch: str, meta: dict[str, Any], shapes: dict[str, tuple[int, .
             return None if (value := get(key)) is None else _f32(value)
 
         return gemma_config(arch, get, get_float, config, shapes, rope_freqs)
+    if arch in HYBRID_ARCHITECTURES:
+        return hybrid_config(arch, get, config)
     if "rope_freqs.weight" in shapes:
         logger.warning("dropping rope_freqs.weight (llama3-style rope factors are not reconstructed)")
     return config
@@ -203,11 +208,12 @@ def _moe_fields(arch: str, get: Callable[..., Any], shapes: dict[str, tuple[int,
                               "num_experts_per_tok": int(get("expert_used_count", required=True)),
                               "norm_topk_prob": arch in ("qwen3moe", "llama"),
                               "attention_bias": "blk.0.attn_q.bias" in shapes}
-    if arch in ("qwen2moe", "qwen3moe"):
+    if arch in ("qwen2moe", "qwen3moe", "qwen3next", "qwen35moe"):
         fields["moe_intermediate_size"] = int(get("expert_feed_forward_length", required=True))
         fields["mlp_only_layers"] = [i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" not in shapes]
     if arch == "qwen2moe":
         fields["qkv_bias"] = fields.pop("attention_bias")
+    if arch in ("qwen2moe", "qwen3next", "qwen35moe"):
         fields["shared_expert_intermediate_size"] = int(get("expert_shared_feed_forward_length", 0))
     if arch == "olmoe" and (clip := get("attention.clamp_kqv")) is not None:
         fields["clip_qkv"] = _f32(clip)
@@ -264,7 +270,7 @@ def _unpermute_rotary(n_head: int) -> Callable[[np.ndarray], np.ndarray]:
 
 def plan_tensors(arch: str, config: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> list[TensorPlan]:
     is_gpt2 = arch == "gpt2"
-    is_gemma = arch in GEMMA_ARCHITECTURES
+    is_gemma, is_hybrid = arch in GEMMA_ARCHITECTURES, arch in HYBRID_ARCHITECTURES
     if is_gpt2:
         block_names, global_names = _GPT2_BLOCK_NAMES, _GPT2_GLOBAL_NAMES
     elif is_gemma:
@@ -275,6 +281,7 @@ def plan_tensors(arch: str, config: dict[str, Any], shapes: dict[str, tuple[int,
     else:
         block_names = {"phi3": _PHI3_BLOCK_NAMES, "gpt-oss": _GPT_OSS_BLOCK_NAMES}.get(
             arch, _LLAMA_BLOCK_NAMES | _MOE_BLOCK_NAMES)
+        block_names = hybrid_block_names(block_names) if is_hybrid else block_names
         global_names = _LLAMA_GLOBAL_NAMES
     block_prefix = "transformer.h" if is_gpt2 else "model.layers"
     # Only the llama family is stored permuted (SmolLM3 converts as llama does): qwen2/qwen3 and
@@ -286,28 +293,37 @@ def plan_tensors(arch: str, config: dict[str, Any], shapes: dict[str, tuple[int,
         if name in _SKIPPED_TENSORS:
             continue
         transform: Callable[[np.ndarray], np.ndarray] | None = None
-        transposed = False
+        on_columns = False
         if m := _BLOCK_RE.match(name):
-            layer, kind, suffix = m.groups()
-            if kind not in block_names:
+            layer, kind, suffix = m.groups(default="")
+            if is_hybrid and int(layer) >= config["num_hidden_layers"]:
+                continue  # a multi-token-prediction block
+            if is_hybrid and (parameter := hybrid_parameter_name(kind, suffix)) is not None:
+                hf = f"{block_prefix}.{layer}.{parameter}"
+            elif kind not in block_names or not suffix:
                 raise ValueError(f"unexpected tensor {name!r} for architecture {arch!r}")
-            hf = f"{block_prefix}.{layer}.{block_names[kind]}" + ("" if kind == "attn_sinks" else f".{suffix}")
-            if permuted and kind == "attn_q":
+            else:
+                hf = f"{block_prefix}.{layer}.{block_names[kind]}" + ("" if kind == "attn_sinks" else f".{suffix}")
+            if is_hybrid:
+                transform, shape, on_columns = hybrid_transform(arch, kind, config, shape)
+            elif permuted and kind == "attn_q":
                 transform = _unpermute_rotary(config["num_attention_heads"])
             elif permuted and kind == "attn_k":
                 transform = _unpermute_rotary(config["num_key_value_heads"])
             elif is_gpt2 and kind in _GPT2_CONV1D and suffix == "weight":
-                transform, shape, transposed = np.transpose, shape[::-1], True
+                transform, shape, on_columns = np.transpose, shape[::-1], True
             elif kind == "ffn_gate_inp_shexp":  # HF's [1, hidden], which llama.cpp may store as [hidden]
                 shape, transform = (1, shape[-1]), _as_one_row
             elif arch in DEEPSEEK_ARCHITECTURES:
-                shape, transform, transposed = deepseek_transform(kind, shape)
+                shape, transform, on_columns = deepseek_transform(kind, shape)
                 hf = deepseek_hf_name(hf)
         elif (m := _GLOBAL_RE.match(name)) and m.group(1) in global_names:
             hf = f"{global_names[m.group(1)]}.{m.group(2)}"
+            if is_hybrid:
+                transform, shape, on_columns = hybrid_transform(arch, m.group(1), config, shape)
         else:
             raise ValueError(f"unexpected tensor {name!r} for architecture {arch!r}")
         if is_gemma:
             hf, transform = gemma_hf_name(hf), gemma_norm_transform(arch, hf) or transform
-        plans.append(TensorPlan(name, hf, shape, transform, transposed))
+        plans.append(TensorPlan(name, hf, shape, transform, on_columns))
     return plans

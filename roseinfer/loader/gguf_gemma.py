@@ -46,10 +46,11 @@ def gemma_hf_name(hf_name: str) -> str:
 
 def gemma_norm_transform(arch: str, hf_name: str) -> Callable[[np.ndarray], np.ndarray] | None:
     """Gemma 2/3 norms back from the stored 1 + w to w (exact: w + 1 recomputes the stored value)."""
-    return _minus_one if arch != "gemma4" and hf_name.endswith("norm.weight") else None
+    return minus_one if arch != "gemma4" and hf_name.endswith("norm.weight") else None
 
 
-def _minus_one(w: np.ndarray) -> np.ndarray:
+def minus_one(w: np.ndarray) -> np.ndarray:
+    """A (1 + w) scale as stored back to w."""
     return w - np.float32(1.0)
 
 

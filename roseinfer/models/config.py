@@ -9,34 +9,18 @@ from roseinfer.models.deepseek_config import (DEEPSEEK_DEFAULTS, DEEPSEEK_FAMILY
                                               deepseek_layouts)
 from roseinfer.models.gemma_config import GEMMA_DEFAULTS, Gemma4Layout, gemma4_head_shapes, gemma_layer_types, gemma_rope
 from roseinfer.models.gpt_oss_config import GPT_OSS_DEFAULTS, GPT_OSS_FAMILY, ClampedSwiglu, gpt_oss_fields
+from roseinfer.models.hybrid_config import (HYBRID_DEFAULTS, HYBRID_FAMILY, HYBRID_MOE_FAMILY, LinearAttentionShape,
+                                            hybrid_fields)
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3")
 GEMMA_FAMILY = ("gemma2", "gemma3_text", "gemma4_text")
 # softmax-routed mixture-of-experts families on the Llama layer stack (models/moe.py)
 MOE_FAMILY = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe")
-# linear-attention layers (Gated DeltaNet) between full-attention ones
-HYBRID_FAMILY = ("qwen3_5_text",)
 # multimodal checkpoints whose text model is read from their `text_config`
-MULTIMODAL_WRAPPERS = {"gemma3": "gemma3_text", "gemma4": "gemma4_text", "qwen3_5": "qwen3_5_text"}
+MULTIMODAL_WRAPPERS = {"gemma3": "gemma3_text", "gemma4": "gemma4_text", "qwen3_5": "qwen3_5_text",
+                       "qwen3_5_moe": "qwen3_5_moe_text"}
 SUPPORTED_MODEL_TYPES = (("gpt2",) + LLAMA_FAMILY + MOE_FAMILY + GEMMA_FAMILY + DEEPSEEK_FAMILY + HYBRID_FAMILY
                          + GPT_OSS_FAMILY + tuple(MULTIMODAL_WRAPPERS))
-
-
-@dataclass
-class LinearAttentionShape:
-    """A Gated DeltaNet layer's shape (transformers' linear_* fields): its per-request state is a
-    recurrent state [v_heads, k_head_dim, v_head_dim] and a conv state [conv_dim, conv_kernel - 1]."""
-
-    num_k_heads: int
-    num_v_heads: int
-    k_head_dim: int
-    v_head_dim: int
-    conv_kernel: int
-
-    @property
-    def conv_dim(self) -> int:
-        """The convolution's channels: q, k and v side by side."""
-        return 2 * self.num_k_heads * self.k_head_dim + self.num_v_heads * self.v_head_dim
 
 
 @dataclass
@@ -117,7 +101,7 @@ class ModelConfig:
         (`_DEFAULTS`; tests/test_model_config.py checks them against transformers)."""
         model_type = raw.get("model_type")
         if model_type in MULTIMODAL_WRAPPERS:
-            raw = _text_config(raw, MULTIMODAL_WRAPPERS[model_type], model_type != "qwen3_5")
+            raw = _text_config(raw, MULTIMODAL_WRAPPERS[model_type], not model_type.startswith("qwen3_5"))
             model_type = raw["model_type"]
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
@@ -135,7 +119,7 @@ class ModelConfig:
         if model_type in DEEPSEEK_FAMILY:
             return _deepseek_config(cls, raw, get)
         if model_type in HYBRID_FAMILY:
-            return _hybrid_config(cls, raw, get)
+            return cls(**hybrid_fields(raw, get), moe=_moe_layout(get))
         if model_type in GPT_OSS_FAMILY:  # every layer's MLP the mixture, softmax over the top-k logits
             moe = MoeLayout(num_experts=get("num_local_experts"), top_k=get("num_experts_per_tok"),
                             expert_width=get("intermediate_size"), norm_topk_prob=True, shared_expert_width=0,
@@ -225,7 +209,7 @@ class MoeLayout:
     top_k: int
     expert_width: int  # each expert's intermediate size
     norm_topk_prob: bool  # the top-k probabilities renormalised to sum to 1
-    shared_expert_width: int  # Qwen2-MoE's shared expert, scaled by a sigmoid gate (0: none)
+    shared_expert_width: int  # Qwen2-MoE's and the hybrids' shared expert, scaled by a sigmoid gate (0: none)
     sparse_layers: tuple[int, ...]  # the layers whose MLP is the mixture; the others are dense
 
 
@@ -233,29 +217,28 @@ def _moe_layout(get: _Fields) -> MoeLayout | None:
     """Qwen's `mlp_only_layers` and `decoder_sparse_step` leave some layers dense; Mixtral's and
     OLMoE's experts are `intermediate_size` wide and every layer is sparse."""
     model_type = get("model_type")
-    if model_type not in MOE_FAMILY:
+    if model_type not in MOE_FAMILY + HYBRID_MOE_FAMILY:
         return None
     layers = get("num_hidden_layers")
     # transformers 5 writes Qwen3-MoE's and Mixtral's count as num_local_experts, the hub's files num_experts
     num_experts = get("num_local_experts" if "num_local_experts" in get.raw else "num_experts")
-    if model_type in ("qwen2_moe", "qwen3_moe"):
+    if model_type in ("qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe_text"):
         width = get("moe_intermediate_size")
-        dense, step = set(get("mlp_only_layers")), get("decoder_sparse_step")
+        if model_type == "qwen3_5_moe_text":  # transformers' Qwen3.5-MoE makes every layer sparse
+            dense, step = set(), 1
+        else:
+            dense, step = set(get("mlp_only_layers")), get("decoder_sparse_step")
         sparse = tuple(i for i in range(layers) if i not in dense and num_experts > 0 and (i + 1) % step == 0)
     else:
         width, sparse = get("intermediate_size"), tuple(range(layers))
     return MoeLayout(num_experts=num_experts, top_k=get("num_experts_per_tok"), expert_width=width,
-                     norm_topk_prob=bool(get("norm_topk_prob")),
-                     shared_expert_width=get("shared_expert_intermediate_size") if model_type == "qwen2_moe" else 0,
+                     norm_topk_prob=model_type == "qwen3_5_moe_text" or bool(get("norm_topk_prob")),
+                     shared_expert_width=(get("shared_expert_intermediate_size")
+                                          if model_type in ("qwen2_moe",) + HYBRID_MOE_FAMILY else 0),
                      sparse_layers=sparse)
 
 
-_DEFAULTS["qwen3_5_text"] = {
-    **_LLAMA_DEFAULTS, "vocab_size": 248320, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 32,
-    "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 32768,
-    "rope_parameters": None, "rope_theta": 10000.0, "layer_types": None, "full_attention_interval": 4,
-    "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-    "linear_num_key_heads": 16, "linear_num_value_heads": 32}
+_DEFAULTS.update(HYBRID_DEFAULTS)
 _DEFAULTS.update(GEMMA_DEFAULTS)
 _DEFAULTS.update(DEEPSEEK_DEFAULTS)
 _DEFAULTS.update(GPT_OSS_DEFAULTS)
@@ -312,26 +295,6 @@ def _deepseek_config(cls: type[ModelConfig], raw: dict[str, Any], get: _Fields) 
         max_position_embeddings=get("max_position_embeddings"), norm_eps=get("rms_norm_eps"),
         tie_word_embeddings=bool(get("tie_word_embeddings")), attention_bias=bool(get("attention_bias")),
         hidden_act=get("hidden_act"), raw_config=raw, mla=mla, deepseek_moe=moe)
-
-
-def _hybrid_config(cls: type[ModelConfig], raw: dict[str, Any], get: _Fields) -> ModelConfig:
-    """Qwen3.5: every `full_attention_interval`-th layer gated full attention, the others Gated DeltaNet."""
-    layers = get("num_hidden_layers")
-    interval = get("full_attention_interval")
-    layer_types = tuple(get("layer_types") or ["linear_attention" if (i + 1) % interval else "full_attention"
-                                               for i in range(layers)])
-    rope = {"rope_type": "default", "rope_theta": get("rope_theta"), "partial_rotary_factor": 0.25,
-            **(get("rope_parameters") or {})}
-    return cls(
-        model_type=raw["model_type"], vocab_size=get("vocab_size"), hidden_size=get("hidden_size"), num_layers=layers,
-        num_heads=get("num_attention_heads"), num_kv_heads=get("num_key_value_heads"), head_dim=get("head_dim"),
-        intermediate_size=get("intermediate_size"), max_position_embeddings=get("max_position_embeddings"),
-        norm_eps=get("rms_norm_eps"), tie_word_embeddings=bool(get("tie_word_embeddings")),
-        attention_bias=bool(get("attention_bias")), qk_norm=True, hidden_act=get("hidden_act"),
-        raw_config={**raw, "rope_parameters": rope}, layer_types=layer_types,
-        linear_attention=LinearAttentionShape(get("linear_num_key_heads"), get("linear_num_value_heads"),
-                                              get("linear_key_head_dim"), get("linear_value_head_dim"),
-                                              get("linear_conv_kernel_dim")))
 
 
 def _nope_layers(get: "_Fields") -> tuple[int, ...]:

@@ -113,7 +113,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel, layer_class: type[LlamaDecoderLayer]) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, layer_class: type[nn.Module]) -> None:
         super().__init__()
         self.embed_tokens = vocab_parallel_embedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.raw_config)
@@ -140,11 +140,12 @@ def lm_head(cfg: ModelConfig, tp: TensorParallel, embed_tokens: nn.Module) -> Li
 
 class DecoderForCausalLM(nn.Module):
     """embed -> the decoder layers (`layer_class`) -> norm -> LM head, shared by the dense Llama family
-    (LlamaForCausalLM), the mixtures of experts built on its layers (models/moe_llama.py) and DeepSeek
-    (models/deepseek.py, whose stack `build_model` returns)."""
+    (LlamaForCausalLM), the mixtures of experts built on its layers (models/moe_llama.py), DeepSeek
+    (models/deepseek.py) and the hybrid linear-attention families (models/qwen3_5.py), whose stacks
+    `build_model` returns. A layer class takes (cfg, tp, layer index), has `rotates` and Llama's forward."""
 
     packed_modules = PACKED_MODULES
-    layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    layer_class: type[nn.Module] = LlamaDecoderLayer
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()

@@ -1,7 +1,8 @@
-"""Qwen3.5 (dense text): three of every four layers are Gated DeltaNet (linear attention whose
-per-request state lives in the state pool, engine/state_pool.py), the fourth gated full attention
-over the paged KV cache. Multimodal checkpoints' text model (`model.language_model.*`) loads too;
-their vision tower and the multi-token-prediction head are not read.
+"""Qwen3.5 (dense text), Qwen3-Next and Qwen3.5-MoE: three of every four layers are Gated DeltaNet
+(linear attention whose per-request state lives in the state pool, engine/state_pool.py), the fourth
+gated full attention over the paged KV cache; the MoE variants' MLP is a mixture of experts with a
+gated shared expert (models/moe.py). Multimodal checkpoints' text model (`model.language_model.*`)
+loads too; their vision tower and the multi-token-prediction head are not read.
 
 A decoder layer reads norm -> token mixer -> norm -> MLP, the norms scaling by (1 + w). The full
 layer's q projection gives each head its query and an output gate side by side; its q/k norms and
@@ -10,22 +11,22 @@ for a full layer and its (conv state, recurrent state) pool for a linear one (wo
 """
 from __future__ import annotations
 
-from typing import Iterable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from roseinfer.distributed.parallel import SINGLE, TensorParallel, column_parallel, vocab_parallel_embedding
+from roseinfer.distributed.parallel import TensorParallel, column_parallel
 from roseinfer.layers.attention import AttentionMetadata, KVCache, PagedAttention
-from roseinfer.layers.gated_delta_rule import (chunked_prefill, conv_decode, conv_prefill, l2_normalise,
-                                               recurrent_step)
+from roseinfer.layers.gated_delta_rule import chunked_prefill, conv_decode, conv_prefill, l2_normalise
 from roseinfer.layers.linear import Linear
 from roseinfer.layers.rope_parameters import rotary_dim
-from roseinfer.layers.rotary import RotaryEmbedding, interleave_rotary_rows
+from roseinfer.layers.rotary import interleave_rotary_rows
 from roseinfer.models.config import ModelConfig
 from roseinfer.models.gemma_layers import GemmaRMSNorm, text_model_name
-from roseinfer.models.llama import PACKED_MODULES, LlamaMLP, lm_head
+from roseinfer.models.hybrid_config import LinearAttentionShape
+from roseinfer.models.llama import PACKED_MODULES, DecoderForCausalLM, LlamaMLP, LlamaModel
+from roseinfer.models.moe import SparseMoeBlock
+from roseinfer.models.moe_llama import load_expert_tensor
 from roseinfer.models.weights import WeightLoader
 
 # the linear layer's four input projections are one matmul
@@ -95,9 +96,7 @@ class GatedDeltaNet(nn.Module):
             conv, conv_pool[slots] = conv_decode(mixed[rows], conv_pool[slots] * keep[:, None, None].to(x.dtype),
                                                  weight)
             q, k, v = self._heads(conv)
-            o, recurrent_pool[slots] = recurrent_step(q, k, v, g[rows], beta[rows],
-                                                      recurrent_pool[slots] * keep[:, None, None, None])
-            out[rows] = o
+            out[rows] = meta.delta_rule_decode(q, k, v, g[rows], beta[rows], recurrent_pool, slots, keep)
         if batch.prefill_seqs.numel():
             seqs, rows, valid = batch.prefill_seqs, batch.prefill_rows, batch.prefill_valid
             slots, keep = batch.slots[seqs], batch.keep[seqs]
@@ -150,6 +149,8 @@ class GatedAttention(nn.Module):
 
 
 class Qwen3_5DecoderLayer(nn.Module):
+    rotates = True  # DecoderForCausalLM's NoPE switch: every full-attention layer here rotates
+
     def __init__(self, cfg: ModelConfig, tp: TensorParallel, layer: int) -> None:
         super().__init__()
         self.is_linear = cfg.layer_types[layer] == "linear_attention"
@@ -157,7 +158,10 @@ class Qwen3_5DecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(cfg, tp)
         else:
             self.self_attn = GatedAttention(cfg, tp)
-        self.mlp = LlamaMLP(cfg, tp)
+        if cfg.moe is not None and layer in cfg.moe.sparse_layers:
+            self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.moe, cfg.hidden_act, tp)
+        else:
+            self.mlp = LlamaMLP(cfg, tp)
         self.input_layernorm = _unit_offset_norm(cfg.hidden_size, cfg.norm_eps)
         self.post_attention_layernorm = _unit_offset_norm(cfg.hidden_size, cfg.norm_eps)
 
@@ -170,49 +174,57 @@ class Qwen3_5DecoderLayer(nn.Module):
         return self.mlp.forward(h, meta), residual
 
 
-class Qwen3_5Model(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
-        super().__init__()
-        self.embed_tokens = vocab_parallel_embedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.raw_config)
-        self.layers = nn.ModuleList(Qwen3_5DecoderLayer(cfg, tp, layer) for layer in range(cfg.num_layers))
+class Qwen3_5Model(LlamaModel):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, layer_class: type[nn.Module]) -> None:
+        super().__init__(cfg, tp, layer_class)
         self.norm = _unit_offset_norm(cfg.hidden_size, cfg.norm_eps)
 
 
-class Qwen3_5ForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
-        super().__init__()
-        self.cfg, self.tp = cfg, tp  # one rank only: engine/llm_engine.py check_hybrid refuses more
-        self.model = Qwen3_5Model(cfg, tp)
-        self.lm_head = lm_head(cfg, tp, self.model.embed_tokens)
+class Qwen3_5ForCausalLM(DecoderForCausalLM):
+    """Qwen3.5 dense, Qwen3-Next and Qwen3.5-MoE (the latter two a mixture of experts with a gated
+    shared expert, models/moe.py). One rank only: engine/llm_engine.py check_hybrid refuses more."""
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata) -> torch.Tensor:
-        x = self.tp.embed(self.model.embed_tokens, input_ids)
-        rope = self.model.rotary.lookup(positions)
-        residual = None
-        for layer, cache in zip(self.model.layers, kv_caches):
-            x, residual = layer.forward(x, residual, rope, cache, meta)
-        return self.model.norm.forward(x, residual)[0]
+    packed_modules = HYBRID_PACKED_MODULES
+    layer_class = Qwen3_5DecoderLayer
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = self.tp.gather_logits(self.lm_head.forward(hidden), self.cfg.vocab_size)
-        return None if logits is None else logits.float()
+    def build_model(self, cfg: ModelConfig, tp: TensorParallel) -> nn.Module:
+        return Qwen3_5Model(cfg, tp, self.layer_class)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        loader = WeightLoader(self, HYBRID_PACKED_MODULES)
+    def load_weight(self, loader: WeightLoader, name: str, tensor: torch.Tensor) -> None:
+        if name.startswith(_NOT_TEXT) or name.startswith("model.language_model.visual."):
+            return
+        name = text_model_name(name)
+        if name is None or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
+            return
+        if name.endswith((".in_proj_qkvz.weight", ".in_proj_ba.weight")):
+            for part, rows in split_qwen3_next_projection(name, tensor, self.cfg.linear_attention):
+                loader.load(part, rows)
+            return
+        if load_expert_tensor(self.model.layers, loader, name, tensor):
+            return
         head_dim = self.cfg.head_dim
         dims = rotary_dim(head_dim, self.cfg.raw_config)
-        for name, tensor in weights:
-            if name.startswith(_NOT_TEXT) or name.startswith("model.language_model.visual."):
-                continue
-            name = text_model_name(name)
-            if name is None or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
-                continue
-            # rotary pairs adjacent dims (layers/rotary.py): q's rows within each [query, gate] head, k's rows
-            if ".self_attn.q_proj." in name:
-                tensor = interleave_rotary_rows(tensor, 2 * head_dim, dims)
-            elif any(part in name for part in (".self_attn.k_proj.", ".self_attn.q_norm.", ".self_attn.k_norm.")):
-                tensor = interleave_rotary_rows(tensor, head_dim, dims)
-            loader.load(name, tensor)
-        loader.check_complete()
+        # rotary pairs adjacent dims (layers/rotary.py): q's rows within each [query, gate] head, k's rows
+        if ".self_attn.q_proj." in name:
+            tensor = interleave_rotary_rows(tensor, 2 * head_dim, dims)
+        elif any(part in name for part in (".self_attn.k_proj.", ".self_attn.q_norm.", ".self_attn.k_norm.")):
+            tensor = interleave_rotary_rows(tensor, head_dim, dims)
+        loader.load(name, tensor)
+
+
+def split_qwen3_next_projection(name: str, tensor: torch.Tensor,
+                                shape: LinearAttentionShape) -> list[tuple[str, torch.Tensor]]:
+    """Qwen3-Next fuses the linear layer's input projections grouped by key head: in_proj_qkvz holds,
+    per key head, its q, k and its value heads' v and z rows; in_proj_ba its value heads' b then a.
+    Returns Qwen3.5's separate in_proj_qkv / z / b / a (q, k, v each over all heads in order)."""
+    per_k = shape.num_v_heads // shape.num_k_heads
+    prefix = name.rsplit(".", 2)[0]
+    if name.endswith(".in_proj_ba.weight"):
+        b, a = tensor.view(shape.num_k_heads, 2 * per_k, -1).split(per_k, dim=1)
+        return [(f"{prefix}.in_proj_b.weight", b.reshape(shape.num_v_heads, -1)),
+                (f"{prefix}.in_proj_a.weight", a.reshape(shape.num_v_heads, -1))]
+    v_rows = per_k * shape.v_head_dim
+    grouped = tensor.view(shape.num_k_heads, 2 * shape.k_head_dim + 2 * v_rows, -1)
+    q, k, v, z = (t.reshape(-1, tensor.shape[-1]) for t in grouped.split(
+        [shape.k_head_dim, shape.k_head_dim, v_rows, v_rows], dim=1))
+    return [(f"{prefix}.in_proj_qkv.weight", torch.cat([q, k, v])), (f"{prefix}.in_proj_z.weight", z)]

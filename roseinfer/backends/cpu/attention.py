@@ -72,6 +72,12 @@ class CPUMetadata(AttentionMetadata):
         ops.store_kv(k, v, self.slot_mapping, *kv_cache)
         return attend_groups(self.groups, layer, q, k, v, kv_cache)
 
+    def delta_rule_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                          beta: torch.Tensor, states: torch.Tensor, slots: torch.Tensor,
+                          keep: torch.Tensor) -> torch.Tensor:
+        # one C pass over each state, in place in the pool (csrc/gated_delta_rule.c)
+        return ops.gated_delta_decode_(q, k, v, g, beta, states, slots, keep)
+
     def rotate(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         # one C pass over the fresh projection output, in place; it rounds once less (an FMA) than
         # the torch path, which equals transformers' rotary bit for bit

@@ -63,5 +63,9 @@ int quant_matmul_f32(const float *x, int64_t x_stride, const uint8_t *weight, in
                      float *out, int64_t m, int64_t n, int64_t k, int num_threads);
 int dequantize_rows_f32(const uint8_t *weight, int64_t type, const int64_t *ids, int64_t count, int64_t k, float *out,
                         int num_threads);
+/* hybrid models' linear attention (gated_delta_rule.c) */
+void gated_delta_decode_f32(const float *q, const float *k, const float *v, const float *g, const float *beta,
+                            float *states, const int64_t *slots, const float *keep, float *out, int64_t n,
+                            int64_t heads, int64_t k_dim, int64_t v_dim, int num_threads);
 
 #endif
