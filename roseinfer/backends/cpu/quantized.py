@@ -1,8 +1,14 @@
 """The CPU backend's layers for weights kept as GGUF blocks (loader/quantized.py: a uint8 weight
 [rows, bytes per row] carrying its `ggml_type`), swapped in at load (`install`): the linear runs
 csrc/quant_matmul.c, which dequantizes each block in registers (fp32 sums), and the embedding
-dequantizes only the rows it looks up, from the same blocks a tied LM head reads."""
+dequantizes only the rows it looks up, from the same blocks a tied LM head reads.
+
+With int8 activations (--cpu-activations int8) the linear's type carries INT8_ACTIVATIONS, and every
+matmul of it, the one-call decode stack's included, quantizes the rows of x to 8 bits and multiplies
+with integer dot products (csrc/q8_activations.c) at any row count."""
 from __future__ import annotations
+
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -12,8 +18,9 @@ from roseinfer.backends.cpu import ops
 from roseinfer.backends.cpu.layers import NativeRowsLinear
 from roseinfer.layers.linear import Linear
 
-# the types csrc/quants.h dequantizes
+# the types csrc/quants.h dequantizes, all of which csrc/q8_activations.c also multiplies by int8 rows
 QUANTIZED_TYPES = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"})
+INT8_ACTIVATIONS = 0x100  # csrc/quants.h's: a weight type with this bit set takes rows of x quantized to 8 bits
 
 
 def holds_blocks(module: nn.Module) -> bool:
@@ -31,11 +38,14 @@ SLICE_BYTES = 4 << 20  # fp32 bytes of W dequantized at once (the tied LM head w
 class QuantizedLinear(NativeRowsLinear):
     """y = x W^T (+ bias) with W in GGUF blocks; in_features stays the dense width. Few rows run the
     block kernel (with the norm or SiLU before it where the model asks: NativeRowsLinear); more
-    multiply slices of W dequantized to fp32 (the same values)."""
+    multiply slices of W dequantized to fp32 (the same values). With int8 activations every row count
+    runs the block kernel."""
+
+    int8_activations: bool = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] < DEQUANTIZED_MATMUL_ROWS:
-            return ops.quant_matmul(x, self.weight, self.weight.ggml_type, self.bias)
+        if x.shape[0] < DEQUANTIZED_MATMUL_ROWS or self.int8_activations:
+            return ops.quant_matmul(x, self.weight, self.native_type, self.bias)
         n = self.out_features
         step = max(1, SLICE_BYTES // (4 * self.in_features))
         if step >= n:
@@ -48,7 +58,7 @@ class QuantizedLinear(NativeRowsLinear):
         return out
 
     def native_max_rows(self) -> int:
-        return DEQUANTIZED_MATMUL_ROWS - 1
+        return sys.maxsize if self.int8_activations else DEQUANTIZED_MATMUL_ROWS - 1
 
     def _dequantized(self, start: int, end: int) -> torch.Tensor:
         return ops.dequantize_rows(self.weight, self.weight.ggml_type, torch.arange(start, end), self.in_features)
@@ -63,11 +73,14 @@ class QuantizedEmbedding(nn.Embedding):
 
 
 @torch.inference_mode()
-def install(model: nn.Module) -> None:
-    """The quantized classes in place of the generic ones, for the modules whose weight holds blocks."""
+def install(model: nn.Module, int8_activations: bool = False) -> None:
+    """The quantized classes in place of the generic ones, for the modules whose weight holds blocks;
+    their linears multiply by rows of x quantized to 8 bits where int8_activations."""
     for module in model.modules():
         if type(module) is Linear and holds_blocks(module):
             module.__class__ = QuantizedLinear
-            module.native_weights, module.native_type = module.weight.data_ptr(), module.weight.ggml_type
+            module.int8_activations = int8_activations
+            module.native_weights = module.weight.data_ptr()
+            module.native_type = module.weight.ggml_type | (INT8_ACTIVATIONS if int8_activations else 0)
         elif type(module) is nn.Embedding and holds_blocks(module):
             module.__class__ = QuantizedEmbedding
