@@ -129,3 +129,11 @@ def test_int8_activations_agree_with_the_exact_path_on_a_tiny_model(tmp_path: Pa
         row = again[8 - 1 + step]
         for token, value in entry.top:
             assert abs(row[token].item() - value) < 2e-4, (step, token, row[token].item(), value)
+
+
+def test_cpu_activations_takes_its_three_values_only() -> None:
+    from roseinfer.config import EngineConfig
+
+    assert EngineConfig().cpu_activations == "auto"
+    with pytest.raises(ValueError, match="cpu_activations must be one of auto, fp32, int8"):
+        EngineConfig(cpu_activations="int4")
