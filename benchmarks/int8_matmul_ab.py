@@ -3,9 +3,12 @@
 A weight of --rows x --cols (default 8192 x 2048: SmolLM2-1.7B's gate/up shape) in random blocks of
 each type, times 1 to 512 rows of x, both kernels alternating in every round; prints the best wall
 time and the process CPU time per call of each (CPU time, both threads' together, is what to read on a
-busy machine), their ratio, and the int8 kernel's weight bytes per wall second.
+busy machine), their ratio, and the int8 kernel's weight bytes per wall second. With --gguf FILE, a
+decode step's matmuls on that file instead: every quantized 2-D weight once (a tied embedding as the
+LM head), times each row count, the CPU time of the whole step.
 
     python benchmarks/int8_matmul_ab.py [--types Q4_K,Q6_K,Q8_0] [--rows-of-x 1,16,64,512] [--threads 2]
+        [--gguf FILE]
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import argparse
 import os
 import resource
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -38,6 +42,37 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def step_weights(path: str) -> list[tuple[torch.Tensor, int, int]]:
+    """(blocks [n, bytes a row], GGML type, k) of every quantized 2-D tensor of a GGUF file."""
+    from gguf import GGUFReader
+
+    weights = []
+    # the tensors are read-only maps of the file, which torch warns about; the kernels only read them
+    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+    for tensor in GGUFReader(path).tensors:
+        if len(tensor.shape) == 2 and tensor.tensor_type.name in SCALE_BYTES:
+            blocks = torch.from_numpy(np.ascontiguousarray(tensor.data)).view(torch.uint8)
+            weights.append((blocks.reshape(int(tensor.shape[1]), -1), int(tensor.tensor_type), int(tensor.shape[0])))
+    return weights
+
+
+def gguf_steps(path: str, rows_of_x: list[int], rounds: int) -> None:
+    weights = step_weights(path)
+    total = sum(blocks.numel() for blocks, _, _ in weights)
+    print(f"{path}: {len(weights)} weights, {total / 1e9:.3f} GB; CPU ms of one step's matmuls")
+    print("| rows of x | exact | int8 | exact / int8 |\n|---|---:|---:|---:|")
+    for m in rows_of_x:
+        x = torch.randn(m, max(k for _, _, k in weights))
+        best = {"exact": float("inf"), "int8": float("inf")}
+        for _ in range(rounds):
+            for name, flag in (("exact", 0), ("int8", INT8_ACTIVATIONS)):
+                start = cpu_seconds()
+                for blocks, code, k in weights:
+                    ops.quant_matmul(x[:, :k], blocks, code | flag, None)
+                best[name] = min(best[name], cpu_seconds() - start)
+        print(f"| {m} | {best['exact'] * 1e3:.0f} | {best['int8'] * 1e3:.0f} | {best['exact'] / best['int8']:.2f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--types", default="Q4_K,Q6_K,Q8_0")
@@ -46,8 +81,13 @@ def main() -> None:
     parser.add_argument("--rows-of-x", default="1,16,64,512")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--gguf", default=None, help="a decode step's matmuls on this file instead")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.gguf:
+        print(f"{args.threads} threads, load average {os.getloadavg()[0]:.2f}")
+        gguf_steps(args.gguf, [int(v) for v in args.rows_of_x.split(",")], args.rounds)
+        return
     print(f"{args.rows} x {args.cols}, {args.threads} threads, load average {os.getloadavg()[0]:.2f}")
     print("| type | rows of x | fp32 ms (CPU ms) | int8 ms (CPU ms) | CPU ratio | int8 weight GB/s |")
     print("|---|---:|---:|---:|---:|---:|")
