@@ -5,7 +5,8 @@ context, the second half of each scored): roseinfer's exact path (fp32 activatio
 distributions, written as a llama-perplexity --kl-divergence-base file. Against that base, in one run:
 roseinfer with int8 activations (mean KL divergence and top-1 agreement computed here as llama.cpp
 computes them), and llama.cpp itself on the file (its own int8 activations: `llama-perplexity
---kl-divergence`). A last row puts llama.cpp against roseinfer int8 (the same numerics: near 0).
+--kl-divergence`). A last row puts llama.cpp against roseinfer int8: the same activation numerics, but
+llama.cpp keeps its KV cache in fp16 and orders its sums its own way, so that row is not 0.
 The tokens are llama.cpp's (the first run saves them), so both engines read the same ids.
 
     python benchmarks/int8_agreement.py --gguf FILE --llama-cpp LLAMA_CPP/build/bin [--text FILE]
@@ -143,6 +144,11 @@ def llama_kl(bin_dir: Path, gguf: Path, base: Path, threads: int) -> Agreement:
     return Agreement(kl, top, -1)
 
 
+def print_row(label: str, result: Agreement) -> None:
+    """A table row as soon as it is measured (a long run on a busy machine keeps what it got)."""
+    print(f"| {label} | {result.mean_kl:.6f} | {100 * result.top1:.2f} % |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gguf", type=Path, required=True)
@@ -164,7 +170,10 @@ def main() -> None:
                     str(args.ctx), "--chunks", str(args.chunks), "-t", str(args.threads), "-b", str(args.ctx),
                     "--kl-divergence-base", str(llama_base)], check=True, capture_output=True)
     n_ctx, vocab, chunks, _ = read_base_file(llama_base)
-    results: dict[str, Agreement] = {}
+    positions = len(chunks) * (n_ctx - 1 - n_ctx // 2)
+    print(f"{args.gguf.name}: {len(chunks)} chunks of {n_ctx} tokens of {args.text.name}, {positions} positions "
+          f"scored, {args.threads} threads, load average {os.getloadavg()[0]:.2f}")
+    print("| | mean KL divergence | top-1 agreement |\n|---|---:|---:|", flush=True)
     bases = {}
     for activations in ("fp32", "int8"):
         llm = engine(args.gguf, activations, args.threads)
@@ -177,17 +186,10 @@ def main() -> None:
         if activations == "fp32":
             exact = [base_log_probs(r, vocab) for r in rows]
         else:
-            results["roseinfer int8 against roseinfer fp32"] = agreement(torch.cat(exact),
-                                                                         torch.cat(logits)[:, :vocab])
-    results["llama.cpp (its int8) against roseinfer fp32"] = llama_kl(args.llama_cpp, args.gguf, bases["fp32"],
-                                                                      args.threads)
-    results["llama.cpp against roseinfer int8"] = llama_kl(args.llama_cpp, args.gguf, bases["int8"], args.threads)
-    positions = len(chunks) * (n_ctx - 1 - n_ctx // 2)
-    print(f"\n{args.gguf.name}: {len(chunks)} chunks of {n_ctx} tokens of {args.text.name}, {positions} positions "
-          f"scored, {args.threads} threads, load average {os.getloadavg()[0]:.2f}")
-    print("| | mean KL divergence | top-1 agreement |\n|---|---:|---:|")
-    for label, result in results.items():
-        print(f"| {label} | {result.mean_kl:.6f} | {100 * result.top1:.2f} % |")
+            print_row("roseinfer int8 against roseinfer fp32", agreement(torch.cat(exact), torch.cat(logits)[:, :vocab]))
+    print_row("llama.cpp (its int8) against roseinfer fp32", llama_kl(args.llama_cpp, args.gguf, bases["fp32"],
+                                                                      args.threads))
+    print_row("llama.cpp against roseinfer int8", llama_kl(args.llama_cpp, args.gguf, bases["int8"], args.threads))
 
 
 if __name__ == "__main__":
