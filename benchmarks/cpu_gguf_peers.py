@@ -102,23 +102,28 @@ def read_bandwidth(threads: int, nbytes: int = 1 << 30, repeats: int = 5) -> flo
 
 
 def compare(gguf: pathlib.Path, args: argparse.Namespace, bandwidth: float) -> None:
-    """One file's table: roseinfer, llama.cpp and their ratio per row, then the floor."""
+    """One file's table: roseinfer (exact, and with int8 activations), llama.cpp and the ratios per
+    row, then the floor."""
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     shape = (args.prompt_len, args.max_new_tokens, args.threads)
     ours = roseinfer_summaries(gguf, "gguf", sizes, *shape)
+    ours_int8 = roseinfer_summaries(gguf, "gguf", sizes, *shape, cpu_activations="int8")
     peer = llama_cpp_rows(args.llama_cpp, gguf, sizes, *shape)
     ours_prefill = roseinfer_summaries(gguf, "gguf", [args.prefill_batch], args.prefill_len, 1,
                                        args.threads)[args.prefill_batch]
+    ours_int8_prefill = roseinfer_summaries(gguf, "gguf", [args.prefill_batch], args.prefill_len, 1,
+                                            args.threads, "int8")[args.prefill_batch]
     peer_prefill = llama_cpp_rows(args.llama_cpp, gguf, [args.prefill_batch], args.prefill_len, 1,
                                   args.threads)[args.prefill_batch]
-    rows = [(f"batch {b}, output tok/s", ours[b]["throughput_completion_total"], peer[b].e2e) for b in sizes]
+    rows = [(f"batch {b}, output tok/s", ours[b]["throughput_completion_total"],
+             ours_int8[b]["throughput_completion_total"], peer[b].e2e) for b in sizes]
     rows.append((f"prefill, {args.prefill_batch} x {args.prefill_len} tokens, tok/s", ours_prefill["throughput_prefill"],
-                 peer_prefill.prefill_rate))
+                 ours_int8_prefill["throughput_prefill"], peer_prefill.prefill_rate))
     print(f"\n{gguf.name}, {args.threads} threads, {args.prompt_len} prompt + {args.max_new_tokens} output tokens "
           f"a sequence, load average {os.getloadavg()[0]:.2f}")
-    print("| | roseinfer | llama.cpp | ratio |\n|---|---:|---:|---:|")
-    for label, a, b in rows:
-        print(f"| {label} | {a:.1f} | {b:.1f} | {a / b:.2f} |")
+    print("| | roseinfer | roseinfer int8 | llama.cpp | ratio | int8 ratio |\n|---|---:|---:|---:|---:|---:|")
+    for label, exact, int8, theirs in rows:
+        print(f"| {label} | {exact:.1f} | {int8:.1f} | {theirs:.1f} | {exact / theirs:.2f} | {int8 / theirs:.2f} |")
     weights, read_experts, all_experts = decode_weight_bytes(gguf)
     if all_experts:
         print(f"expert weights: {all_experts / 1e9:.3f} GB in all; a batch-1 decode step reads "
@@ -128,9 +133,10 @@ def compare(gguf: pathlib.Path, args: argparse.Namespace, bandwidth: float) -> N
     floor = weights / bandwidth
     if 1 in sizes:
         step, peer_step = 1 / ours[1]["throughput_decode_tokens"], 1 / peer[1].decode_rate
+        int8_step = 1 / ours_int8[1]["throughput_decode_tokens"]
         print(f"batch-1 decode: floor {weights / 1e9:.3f} GB / {bandwidth / 1e9:.1f} GB/s = {floor * 1e3:.1f} ms; "
-              f"roseinfer step {step * 1e3:.1f} ms (floor/step {floor / step:.2f}), llama.cpp "
-              f"{peer_step * 1e3:.1f} ms ({floor / peer_step:.2f})")
+              f"roseinfer step {step * 1e3:.1f} ms (floor/step {floor / step:.2f}), int8 {int8_step * 1e3:.1f} ms "
+              f"({floor / int8_step:.2f}), llama.cpp {peer_step * 1e3:.1f} ms ({floor / peer_step:.2f})")
 
 
 def main() -> None:

@@ -72,7 +72,7 @@ def llama_cpp_e2e(bin_dir: pathlib.Path, gguf: pathlib.Path, batch_sizes: list[i
 
 
 def roseinfer_summaries(model: pathlib.Path, quantization: str, batch_sizes: list[int], prompt_len: int,
-                        new_tokens: int, threads: int) -> dict[int, dict[str, Any]]:
+                        new_tokens: int, threads: int, cpu_activations: str = "auto") -> dict[int, dict[str, Any]]:
     """`roseinfer bench offline`'s JSON summary per batch size: one full batch of requests, all
     submitted at once, as llama-batched-bench runs them."""
     summaries = {}
@@ -83,7 +83,7 @@ def roseinfer_summaries(model: pathlib.Path, quantization: str, batch_sizes: lis
                             "--quantization", quantization, "--mode", "offline", "--batch-sizes", str(batch),
                             "--num-requests", str(batch), "--prompt-len", str(prompt_len),
                             "--max-new-tokens", str(new_tokens), "--no-stop-on-eos", "--num-threads", str(threads),
-                            "--json", str(report)], check=True, stdout=subprocess.DEVNULL)
+                            "--cpu-activations", cpu_activations, "--json", str(report)], check=True, stdout=subprocess.DEVNULL)
             summaries[batch] = json.loads(report.read_text())["summary"][0]
     return summaries
 

@@ -9,6 +9,7 @@ ADMISSION_POLICIES = ("fifo", "pack")
 BACKEND_NAMES = ("auto", "torch", "cpu", "triton")  # backends/__init__.py
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 QUANTIZATION_METHODS = ("auto", "gguf", "none")  # loader/quantized.py
+CPU_ACTIVATIONS = ("auto", "fp32", "int8")  # backends/cpu/quantized.py
 SWITCHES = ("auto", "on", "off")  # engine_process (engine_client/select.py), async_scheduling
 
 
@@ -63,6 +64,9 @@ class EngineConfig:
     # GGUF matrices kept in their blocks, dequantized inside the matmul: gguf (an error where the backend
     # cannot), auto (gguf where it can, else fp32), none (fp32 at load)
     quantization: str = "auto"
+    # how the cpu backend multiplies GGUF blocks: fp32 rows of x (exact on the dequantized weights), or
+    # rows quantized to 8 bits with integer dot products (llama.cpp's numerics); auto: fp32
+    cpu_activations: str = "auto"
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
     # sampling defaults for requests that leave a field unset (loader/generation_config.py)
     generation_config: str = "auto"  # auto: the model's generation_config.json; vllm: none; else a folder
@@ -116,6 +120,9 @@ class EngineConfig:
         if self.quantization == "gguf" and self.tensor_parallel_size > 1:
             raise ValueError("quantization gguf keeps GGUF blocks whole, and tensor parallelism splits weights "
                              "through them: use quantization auto (or none), which dequantizes at load")
+        if self.cpu_activations not in CPU_ACTIVATIONS:
+            raise ValueError(f"cpu_activations must be one of {', '.join(CPU_ACTIVATIONS)}, "
+                             f"got {self.cpu_activations!r}")
         if self.engine_process not in SWITCHES:
             raise ValueError(f"engine_process must be one of {', '.join(SWITCHES)}, "
                              f"got {self.engine_process!r}")

@@ -5,7 +5,8 @@ import argparse
 import json
 from dataclasses import fields
 
-from roseinfer.config import ADMISSION_POLICIES, BACKEND_NAMES, QUANTIZATION_METHODS, SWITCHES, EngineConfig
+from roseinfer.config import (ADMISSION_POLICIES, BACKEND_NAMES, CPU_ACTIVATIONS, QUANTIZATION_METHODS, SWITCHES,
+                              EngineConfig)
 
 HELP = {
     "model": "HF folder, .gguf file or hub id (default: the embedded SmolLM2-135M-Instruct)",
@@ -25,6 +26,10 @@ HELP = {
     "quantization": "GGUF models: gguf keeps Q8_0/Q4_0/Q4_1/Q4_K/Q6_K matrices in their blocks and dequantizes "
                     "them inside the matmul (cpu backend; an error on one that cannot); none dequantizes every "
                     "tensor to fp32 at load; auto (default): gguf where the backend can, else fp32",
+    "cpu_activations": "cpu backend, GGUF blocks kept (--quantization gguf/auto): fp32 multiplies them by fp32 rows "
+                       "(exact on the dequantized weights); int8 quantizes each row of x to 8 bits (Q8_K for "
+                       "Q4_K/Q6_K, Q8_0 for Q8_0/Q4_0/Q4_1) and multiplies with integer dot products, as llama.cpp "
+                       "does (faster, not exact: docs/quantization.md); auto (default): fp32",
     "enforce_eager": "CUDA: run decode steps eagerly instead of replaying CUDA graphs captured at start-up",
     "generation_config": "sampling defaults for request fields left unset: auto (the model's "
                          "generation_config.json, where it has one), vllm (none: the API's defaults), or a folder "
@@ -79,7 +84,8 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = (),
         kind = {"int": int, "int | None": int, "float": float, "float | None": float,
                 "dict[str, Any] | None": _json_object}.get(str(f.type), str)
         choices = {"prefill_admission_policy": ADMISSION_POLICIES, "attention_backend": BACKEND_NAMES,
-                   "quantization": QUANTIZATION_METHODS, "engine_process": SWITCHES, "async_scheduling": SWITCHES}.get(f.name)
+                   "quantization": QUANTIZATION_METHODS, "cpu_activations": CPU_ACTIVATIONS,
+                   "engine_process": SWITCHES, "async_scheduling": SWITCHES}.get(f.name)
         # a help text that explains its own default (None rarely says what happens) keeps it
         shown = "" if "(default" in HELP[f.name] else f" (default: {default})"
         group.add_argument(*flags, dest=f.name, type=kind, default=default, choices=choices,

@@ -19,6 +19,8 @@ from roseinfer.layers.rotary import apply_rotary
 
 CPU = torch.device("cpu")
 HAS_COMPILER = any(shutil.which(c) for c in ("cc", "gcc", "clang"))
+# csrc/quant_matmul.c hands a weight with int8 activations to these: every harness that links it links them
+Q8_SOURCES = tuple(kernels.CSRC / name for name in ("q8_activations.c", "q8_dot_kquants.c", "q8_dot_blocks32.c"))
 needs_kernels = pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler: the native kernels cannot be built")
 
 
@@ -130,14 +132,20 @@ def test_attention_kernels_stay_inside_their_buffers_under_address_sanitizer(tmp
     run = build_and_run("decode_layers_asan", pathlib.Path(__file__).with_name("decode_layers_asan.c"),
                         kernels.CSRC / "decode_layers.c", kernels.CSRC / "packed_matmul.c",
                         kernels.CSRC / "quant_matmul.c", kernels.CSRC / "kquant_avx512.c",
-                        kernels.CSRC / "quant_tiled_matmul.c", kernels.CSRC / "paged_attention.c")
+                        kernels.CSRC / "quant_tiled_matmul.c", kernels.CSRC / "paged_attention.c", *Q8_SOURCES)
     assert run is not None, "the decode-step harness did not build although an empty ASan program did"
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr
     # the GGUF-block matmul and row lookup: every type, partial row groups and tiles
     run = build_and_run("quant_matmul_asan", pathlib.Path(__file__).with_name("quant_matmul_asan.c"),
                         kernels.CSRC / "quant_matmul.c", kernels.CSRC / "kquant_avx512.c",
-                        kernels.CSRC / "quant_tiled_matmul.c")
+                        kernels.CSRC / "quant_tiled_matmul.c", *Q8_SOURCES)
     assert run is not None, "the quantized-matmul harness did not build although an empty ASan program did"
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr
+    # the 8-bit activation matmul: every type, partial row groups and tiles, and behind the norm prologue
+    run = build_and_run("q8_activations_asan", pathlib.Path(__file__).with_name("q8_activations_asan.c"),
+                        kernels.CSRC / "quant_matmul.c", kernels.CSRC / "kquant_avx512.c",
+                        kernels.CSRC / "quant_tiled_matmul.c", kernels.CSRC / "packed_matmul.c", *Q8_SOURCES)
+    assert run is not None, "the int8-activation harness did not build although an empty ASan program did"
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr
 
 

@@ -98,8 +98,9 @@ class Backend(ABC):
         """Once the KV pool exists, record what later steps replay (CUDA graphs of decode steps,
         where the backend has them); the engine skips this with --enforce-eager."""
 
-    def prepare_model(self, model: nn.Module) -> None:
-        """After the weights are loaded (the platform then gives back what loading left behind)."""
+    def prepare_model(self, model: nn.Module, cpu_activations: str = "auto") -> None:
+        """After the weights are loaded (the platform then gives back what loading left behind).
+        cpu_activations (EngineConfig's) is the CPU backend's choice; the others have none."""
         self.platform.after_load(model)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:

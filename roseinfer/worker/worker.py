@@ -54,7 +54,8 @@ class Worker:
         """This rank's share of the weights; `tp` is its place in the group (the models' collectives)."""
         self.tp = tp
         self.model = load_prepared_model(self.spec.model_folder, self.model_config, self.spec.dtype, self.device,
-                                         self.backend, tp, self.spec.quantization)
+                                         self.backend, tp, self.spec.quantization,
+                                         self.spec.config.cpu_activations)
 
     def determine_num_kv_blocks(self) -> int:
         """The blocks every rank's pool can hold: config.num_kv_blocks, else the smallest of the ranks'
@@ -116,12 +117,14 @@ class Worker:
 
 
 def load_prepared_model(folder: Path, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                        backend: Backend, tp: TensorParallel = SINGLE, quantization: str = "auto") -> nn.Module:
+                        backend: Backend, tp: TensorParallel = SINGLE, quantization: str = "auto",
+                        cpu_activations: str = "auto") -> nn.Module:
     """The model with the checkpoint's weights (loader/model_loader.py; GGUF blocks kept where
-    `backend` computes with them), prepared by `backend`, which may swap its own layers in."""
+    `backend` computes with them), prepared by `backend`, which may swap its own layers in
+    (cpu_activations: EngineConfig's, for the backend that has that choice)."""
     if quantization == "gguf" and not backend.quantized_types:
         raise ValueError(f"quantization gguf: the {backend.name} backend computes with fp32 weights only; "
                          "use --attention-backend cpu, or --quantization none (or auto) to dequantize at load")
     model = load_model(folder, model_config, dtype, device, tp, quantization, backend.quantized_types)
-    backend.prepare_model(model)
+    backend.prepare_model(model, cpu_activations)
     return model

@@ -34,13 +34,14 @@ class CPUBackend(Backend):
     def supports(device: torch.device, dtype: torch.dtype) -> bool:
         return device.type == "cpu" and dtype == torch.float32 and kernels_available()
 
-    def prepare_model(self, model: nn.Module) -> None:
-        quantized.install(model)  # weights kept as GGUF blocks: their own layers, which layers.install leaves
+    def prepare_model(self, model: nn.Module, cpu_activations: str = "auto") -> None:
+        # weights kept as GGUF blocks: their own layers, which layers.install leaves
+        quantized.install(model, int8_activations=cpu_activations == "int8")
         quantized_experts.install(model)
         layers.install(model)
         # the one-call decoder stack computes whole layers in C: no place for a tensor-parallel all-reduce
         llama.install(model, whole_stack=self.world_size == 1)
-        super().prepare_model(model)
+        super().prepare_model(model, cpu_activations)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         # ~10x faster than torch's on [64, 49152] fp32 logits (2.6 ms a step there)

@@ -2,10 +2,15 @@
 [rows, bytes per row] carrying its `ggml_type`), swapped in at load (`install`): the linear runs
 csrc/quant_matmul.c, which dequantizes each block in registers for few rows of x and into fp32 tiles
 once for many (fp32 sums), and the embedding dequantizes only the rows it looks up, from the same
-blocks a tied LM head reads."""
+blocks a tied LM head reads.
+
+With int8 activations (--cpu-activations int8) the linear's type carries INT8_ACTIVATIONS, and every
+matmul of it, the one-call decode stack's included, quantizes the rows of x to 8 bits and multiplies
+with integer dot products (csrc/q8_activations.c) at any row count."""
 from __future__ import annotations
 
 import torch
+from gguf import GGMLQuantizationType
 from torch import nn
 
 from roseinfer.backends.cpu import ops
@@ -14,6 +19,9 @@ from roseinfer.layers.linear import Linear
 
 # the types csrc/quants.h dequantizes
 QUANTIZED_TYPES = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"})
+# those csrc/q8_activations.c also multiplies by int8 rows (Q5_K keeps fp32 rows under int8)
+INT8_TYPES = frozenset({GGMLQuantizationType[name] for name in QUANTIZED_TYPES - {"Q5_K"}})
+INT8_ACTIVATIONS = 0x100  # csrc/quants.h's: a weight type with this bit set takes rows of x quantized to 8 bits
 
 
 def is_blocks(weight: torch.Tensor | None) -> bool:
@@ -28,10 +36,11 @@ def holds_blocks(module: nn.Module) -> bool:
 class QuantizedLinear(NativeRowsLinear):
     """y = x W^T (+ bias) with W in GGUF blocks; in_features stays the dense width. Every row count runs
     the C kernel (with the norm or SiLU before it where the model asks: NativeRowsLinear), which from
-    32 rows (17 on AVX-512) multiplies tiles of W dequantized once (csrc/quant_tiled_matmul.c)."""
+    32 rows (17 on AVX-512) multiplies tiles of W dequantized once (csrc/quant_tiled_matmul.c), or,
+    with int8 activations, integer dots at every row count."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.quant_matmul(x, self.weight, self.weight.ggml_type, self.bias)
+        return ops.quant_matmul(x, self.weight, self.native_type, self.bias)
 
 
 class QuantizedEmbedding(nn.Embedding):
@@ -43,11 +52,14 @@ class QuantizedEmbedding(nn.Embedding):
 
 
 @torch.inference_mode()
-def install(model: nn.Module) -> None:
-    """The quantized classes in place of the generic ones, for the modules whose weight holds blocks."""
+def install(model: nn.Module, int8_activations: bool = False) -> None:
+    """The quantized classes in place of the generic ones, for the modules whose weight holds blocks;
+    their linears multiply by rows of x quantized to 8 bits where int8_activations."""
     for module in model.modules():
         if type(module) is Linear and holds_blocks(module):
             module.__class__ = QuantizedLinear
-            module.native_weights, module.native_type = module.weight.data_ptr(), module.weight.ggml_type
+            int8 = int8_activations and module.weight.ggml_type in INT8_TYPES
+            module.native_weights = module.weight.data_ptr()
+            module.native_type = module.weight.ggml_type | (INT8_ACTIVATIONS if int8 else 0)
         elif type(module) is nn.Embedding and holds_blocks(module):
             module.__class__ = QuantizedEmbedding

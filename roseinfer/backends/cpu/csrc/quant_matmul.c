@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "kernels.h"
+#include "q8_activations.h"
 #include "quants.h"
 #include "simd.h"
 
@@ -135,6 +136,10 @@ static inline __attribute__((always_inline)) void matmul_tasks(int type, const f
 
 void quant_matmul_tasks(const float *x, int64_t x_stride, const uint8_t *weight, int64_t type, const float *bias,
                         float *out, int64_t m, int64_t n, int64_t k) {
+    if (type & INT8_ACTIVATIONS) {
+        if (q8_matmul_tasks(x, x_stride, weight, type & ~(int64_t)INT8_ACTIVATIONS, bias, out, m, n, k)) return;
+        type &= ~(int64_t)INT8_ACTIVATIONS; /* its buffer could not be allocated: the fp32 path */
+    }
     if (m >= TILED_MIN_ROWS && quant_tiled_tasks(x, x_stride, weight, type, bias, out, m, n, k)) return;
     if (kquant_matmul_tasks(x, x_stride, weight, type, bias, out, m, n, k)) return;
     switch (type) {

@@ -26,13 +26,17 @@
 /* GGML type ids (gguf.GGMLQuantizationType) */
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
+/* A weight type with this bit set: the same blocks, multiplied by rows of x quantized to 8 bits
+ * (--cpu-activations int8: csrc/q8_activations.c) instead of by fp32 rows */
+#define INT8_ACTIVATIONS 0x100
+
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
 /* Bytes per block and weights per block of a type; 0 for a type not handled here. */
 static inline int64_t quant_block_bytes(int64_t type) {
-    switch (type) {
+    switch (type & ~(int64_t)INT8_ACTIVATIONS) {
     case Q4_0: return 18;
     case Q4_1: return 20;
     case Q8_0: return 34;
@@ -43,7 +47,10 @@ static inline int64_t quant_block_bytes(int64_t type) {
     }
 }
 
-static inline int64_t quant_block_weights(int64_t type) { return type == Q4_K || type == Q5_K || type == Q6_K ? 256 : 32; }
+static inline int64_t quant_block_weights(int64_t type) {
+    type &= ~(int64_t)INT8_ACTIVATIONS;
+    return type == Q4_K || type == Q5_K || type == Q6_K ? 256 : 32;
+}
 
 /* Whether `type` is handled and k is a whole number of its blocks. */
 static inline int quant_shape_ok(int64_t type, int64_t k) {

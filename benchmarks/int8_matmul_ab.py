@@ -1,0 +1,115 @@
+"""One GGUF-block matmul with fp32 rows (the exact path) against int8 rows (--cpu-activations int8).
+
+A weight of --rows x --cols (default 8192 x 2048: SmolLM2-1.7B's gate/up shape) in random blocks of
+each type, times 1 to 512 rows of x, both kernels alternating in every round; prints the best wall
+time and the process CPU time per call of each (CPU time, both threads' together, is what to read on a
+busy machine), their ratio, and the int8 kernel's weight bytes per wall second. With --gguf FILE, a
+decode step's matmuls on that file instead: every quantized 2-D weight once (a tied embedding as the
+LM head), times each row count, the CPU time of the whole step.
+
+    python benchmarks/int8_matmul_ab.py [--types Q4_K,Q6_K,Q8_0] [--rows-of-x 1,16,64,512] [--threads 2]
+        [--gguf FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import time
+import warnings
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from roseinfer.backends.cpu import ops
+from roseinfer.backends.cpu.quantized import INT8_ACTIVATIONS
+
+# where each type keeps its fp16 scales: set to 2^-7 so the random blocks hold finite, moderate values
+SCALE_BYTES = {"Q4_K": (0, 2), "Q6_K": (208,), "Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2)}
+
+
+def random_blocks(qtype: str, rows: int, cols: int) -> torch.Tensor:
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+    data = np.random.default_rng(0).integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    for offset in SCALE_BYTES[qtype]:
+        data[:, :, offset], data[:, :, offset + 1] = 0x00, 0x20
+    return torch.from_numpy(data.reshape(rows, -1))
+
+
+def cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def step_weights(path: str) -> list[tuple[torch.Tensor, int, int]]:
+    """(blocks [n, bytes a row], GGML type, k) of every quantized 2-D tensor of a GGUF file."""
+    from gguf import GGUFReader
+
+    weights = []
+    # the tensors are read-only maps of the file, which torch warns about; the kernels only read them
+    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+    for tensor in GGUFReader(path).tensors:
+        if len(tensor.shape) == 2 and tensor.tensor_type.name in SCALE_BYTES:
+            blocks = torch.from_numpy(np.ascontiguousarray(tensor.data)).view(torch.uint8)
+            weights.append((blocks.reshape(int(tensor.shape[1]), -1), int(tensor.tensor_type), int(tensor.shape[0])))
+    return weights
+
+
+def gguf_steps(path: str, rows_of_x: list[int], rounds: int) -> None:
+    weights = step_weights(path)
+    total = sum(blocks.numel() for blocks, _, _ in weights)
+    print(f"{path}: {len(weights)} weights, {total / 1e9:.3f} GB; CPU ms of one step's matmuls")
+    print("| rows of x | exact | int8 | exact / int8 |\n|---|---:|---:|---:|")
+    for m in rows_of_x:
+        x = torch.randn(m, max(k for _, _, k in weights))
+        best = {"exact": float("inf"), "int8": float("inf")}
+        for _ in range(rounds):
+            for name, flag in (("exact", 0), ("int8", INT8_ACTIVATIONS)):
+                start = cpu_seconds()
+                for blocks, code, k in weights:
+                    ops.quant_matmul(x[:, :k], blocks, code | flag, None)
+                best[name] = min(best[name], cpu_seconds() - start)
+        print(f"| {m} | {best['exact'] * 1e3:.0f} | {best['int8'] * 1e3:.0f} | {best['exact'] / best['int8']:.2f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--types", default="Q4_K,Q6_K,Q8_0")
+    parser.add_argument("--rows", type=int, default=8192)
+    parser.add_argument("--cols", type=int, default=2048)
+    parser.add_argument("--rows-of-x", default="1,16,64,512")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--gguf", default=None, help="a decode step's matmuls on this file instead")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.gguf:
+        print(f"{args.threads} threads, load average {os.getloadavg()[0]:.2f}")
+        gguf_steps(args.gguf, [int(v) for v in args.rows_of_x.split(",")], args.rounds)
+        return
+    print(f"{args.rows} x {args.cols}, {args.threads} threads, load average {os.getloadavg()[0]:.2f}")
+    print("| type | rows of x | fp32 ms (CPU ms) | int8 ms (CPU ms) | CPU ratio | int8 weight GB/s |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for qtype in args.types.split(","):
+        weight = random_blocks(qtype, args.rows, args.cols)
+        code = int(GGMLQuantizationType[qtype])
+        for m in (int(v) for v in args.rows_of_x.split(",")):
+            x = torch.randn(m, args.cols)
+            calls = max(2, 256 // m)
+            best = {"fp32": (float("inf"), float("inf")), "int8": (float("inf"), float("inf"))}
+            for _ in range(args.rounds):
+                for name, kind in (("fp32", code), ("int8", code | INT8_ACTIVATIONS)):
+                    ops.quant_matmul(x, weight, kind, None)
+                    wall, cpu = time.perf_counter(), cpu_seconds()
+                    for _ in range(calls):
+                        ops.quant_matmul(x, weight, kind, None)
+                    wall, cpu = (time.perf_counter() - wall) / calls, (cpu_seconds() - cpu) / calls
+                    best[name] = (min(best[name][0], wall), min(best[name][1], cpu))
+            (fw, fc), (iw, ic) = best["fp32"], best["int8"]
+            print(f"| {qtype} | {m} | {fw * 1e3:.2f} ({fc * 1e3:.2f}) | {iw * 1e3:.2f} ({ic * 1e3:.2f}) | "
+                  f"{fc / ic:.2f} | {weight.numel() / iw / 1e9:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+/* The 8-bit activation path's blocks and dot products (--cpu-activations int8): rows of x quantized
+ * to 8-bit integers with one scale a block, multiplied by GGUF weight blocks with integer dot
+ * products, as llama.cpp computes (its numerics, not its code):
+ *   Q8_K (for Q4_K, Q6_K weights): 256 values, d = max / -127 of the value largest in magnitude,
+ *        q = round-to-nearest-even(x / d) capped at 127, and the 16 sums of 16 q's (bsums), which
+ *        carry a K-quant's per-sub-block minimum (Q4_K) or its -32 offset (Q6_K) in 16 products.
+ *   Q8_0 (for Q8_0, Q4_0, Q4_1 weights): 32 values, d = amax / 127 the same way, and the sum of the
+ *        32 q's (Q4_0's -8 offset, Q4_1's minimum).
+ * Every integer sum is exact; a block's sum becomes a float once, times the weight's and x's scales. */
+#ifndef ROSEINFER_Q8_ACTIVATIONS_H
+#define ROSEINFER_Q8_ACTIVATIONS_H
+
+#include <stdint.h>
+
+#define Q8_GROUP 4 /* rows of x a weight row is multiplied into at once, decoded once for them */
+
+typedef struct {
+    float d;
+    int8_t qs[256];
+    int16_t bsums[16];
+} block_q8_k;
+
+typedef struct {
+    float d;
+    int32_t sum;
+    int8_t qs[32];
+} block_q8_0;
+
+/* Whether the int8 path takes weights of this GGML type, and whether with Q8_K (else Q8_0) rows. */
+int q8_handles(int64_t type);
+int q8_k_activations(int64_t type);
+
+/* sums[r] = weight row w (GGML type `type`, blocks blocks of it) times activation row r of x,
+ * r < rows <= Q8_GROUP; x's rows are `blocks` activation blocks each, back to back */
+void q8_k_dots(int64_t type, const uint8_t *w, const block_q8_k *x, int64_t blocks, int rows, float *sums);
+void q8_0_dots(int64_t type, const uint8_t *w, const block_q8_0 *x, int64_t blocks, int rows, float *sums);
+
+/* quant_matmul_tasks for a weight of a type q8_handles, x quantized to 8 bits a row first (shared over
+ * the threads of the enclosing parallel region); returns 0 (nothing done) where the rows' buffer
+ * could not be allocated */
+int q8_matmul_tasks(const float *x, int64_t x_stride, const uint8_t *weight, int64_t type, const float *bias,
+                    float *out, int64_t m, int64_t n, int64_t k);
+
+/* Unpacks a Q4_K block's 12 scale bytes into 8 6-bit scales (out[0..7]) and 8 mins (out[8..15]). */
+static inline void q4_k_unpack_scales(const uint8_t *packed, uint8_t out[16]) {
+    uint32_t in[3], fields[4];
+    __builtin_memcpy(in, packed, sizeof in);
+    fields[0] = in[0] & 0x3f3f3f3fu;
+    fields[1] = (in[2] & 0x0f0f0f0fu) | ((in[0] >> 6) & 0x03030303u) << 4;
+    fields[2] = in[1] & 0x3f3f3f3fu;
+    fields[3] = ((in[2] >> 4) & 0x0f0f0f0fu) | ((in[1] >> 6) & 0x03030303u) << 4;
+    __builtin_memcpy(out, fields, sizeof fields);
+}
+
+#endif

@@ -1,0 +1,51 @@
+/* Runs the 8-bit activation matmul (csrc/q8_activations.c through quant_matmul_f32, the weight type
+ * carrying INT8_ACTIVATIONS) for tests/test_native_kernels.py, built with AddressSanitizer: any read or
+ * write outside a buffer aborts with a report. Every type it takes, one block per row and three, row
+ * counts that leave partial groups of rows, and an output width that leaves a partial tile; also
+ * through the norm prologue, as the one-call decode stack calls it. The blocks are random bytes with
+ * small fp16 scales (values do not matter here). */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "kernels.h"
+
+#define INT8_ACTIVATIONS 0x100 /* csrc/quants.h's */
+
+static const int64_t TYPES[][3] = {{2, 18, 32}, {3, 20, 32}, {8, 34, 32}, {12, 144, 256}, {14, 210, 256}};
+
+static uint8_t *blocks(int64_t count, int64_t bytes) {
+    uint8_t *p = malloc((size_t)(count * bytes));
+    for (int64_t i = 0; i < count * bytes; i++) p[i] = (uint8_t)rand();
+    for (int64_t b = 0; b < count; b++) { /* 0x2000: an fp16 of 2^-7 wherever a type keeps its scales */
+        p[b * bytes] = 0, p[b * bytes + 1] = 0x20, p[b * bytes + 2] = 0, p[b * bytes + 3] = 0x20;
+        p[b * bytes + bytes - 2] = 0, p[b * bytes + bytes - 1] = 0x20;
+    }
+    return p;
+}
+
+int main(void) {
+    for (int t = 0; t < 5; t++) {
+        const int64_t type = TYPES[t][0] | INT8_ACTIVATIONS, bytes = TYPES[t][1], per_block = TYPES[t][2];
+        for (int64_t blocks_per_row = 1; blocks_per_row <= 3; blocks_per_row += 2) {
+            const int64_t k = blocks_per_row * per_block, n = 37;
+            uint8_t *w = blocks(n * blocks_per_row, bytes);
+            for (int64_t m = 1; m <= 11; m += 5) {
+                float *x = malloc(sizeof(float) * (size_t)(m * k)), *out = malloc(sizeof(float) * (size_t)(m * n));
+                float *norm = malloc(sizeof(float) * (size_t)k), *bias = malloc(sizeof(float) * (size_t)n);
+                for (int64_t i = 0; i < m * k; i++) x[i] = (float)rand() / RAND_MAX - 0.5f;
+                for (int64_t i = 0; i < k; i++) norm[i] = 1.0f;
+                for (int64_t i = 0; i < n; i++) bias[i] = 0.5f;
+                if (quant_matmul_f32(x, k, w, type, bias, out, m, n, k, 2) != 0 ||
+                    rms_norm_packed_matmul_f32(x, k, NULL, norm, 1e-5f, w, type, NULL, out, m, n, k, 2) != 0) {
+                    printf("type %ld: a matmul returned nonzero\n", (long)type);
+                    return 1;
+                }
+                free(x); free(out); free(norm); free(bias);
+            }
+            free(w);
+        }
+    }
+    printf("ok\n");
+    return 0;
+}
