@@ -2,7 +2,8 @@
  * csrc/packed_matmul.c and decode attention) for tests/test_native_kernels.py, built with
  * AddressSanitizer: any read or write outside a buffer aborts with a report. Shapes with a partial
  * last weight block, a partial last row group and widths that are not whole vectors; the second
- * layer slides, soft-caps and has no rope. */
+ * layer slides, soft-caps and has no rope. GGUF blocks too, and a q/k/v in parts of two types (each
+ * part's rows written into its columns of the wider output). */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -24,6 +25,19 @@ static void *weight(int64_t rows, int64_t k, int quantized) {
     return blocks;
 }
 
+/* a q/k/v weight in three parts, q as Q8_0 and k, v as Q4_0 (type 2: 18 bytes per 32 weights) */
+static weight_part_t *qkv_parts(int64_t q_rows, int64_t kv_rows, int64_t k) {
+    weight_part_t *parts = malloc(3 * sizeof(weight_part_t));
+    parts[0] = (weight_part_t){weight(q_rows, k, 1), 8, q_rows};
+    for (int p = 1; p < 3; p++) {
+        uint8_t *blocks = malloc((size_t)(kv_rows * k / 32 * 18));
+        for (int64_t i = 0; i < kv_rows * k / 32 * 18; i++) blocks[i] = (uint8_t)rand();
+        parts[p] = (weight_part_t){blocks, 2, kv_rows};
+    }
+    return parts;
+}
+
+/* quantized: 0 packed fp32, 1 Q8_0 blocks, 2 Q8_0 blocks with q/k/v in parts */
 static void run(int64_t n, int64_t hidden, int64_t intermediate, int64_t H, int64_t Hkv, int64_t D, int with_bias,
                 int quantized) {
     const int64_t layers_count = 2, bs = 4, max_blocks = 5, slots = n * max_blocks * bs;
@@ -31,11 +45,13 @@ static void run(int64_t n, int64_t hidden, int64_t intermediate, int64_t H, int6
     decode_layer_t layers[2];
     for (int64_t l = 0; l < layers_count; l++) {
         const int64_t type = quantized ? 8 : 0;
-        layers[l] = (decode_layer_t){randoms(hidden), randoms(hidden), weight(qkv_size, hidden, quantized),
+        const void *qkv = quantized == 2 ? qkv_parts(q_size, Hkv * D, hidden) : weight(qkv_size, hidden, quantized);
+        layers[l] = (decode_layer_t){randoms(hidden), randoms(hidden), qkv,
                                      with_bias ? randoms(qkv_size) : NULL, weight(hidden, q_size, quantized),
                                      with_bias ? randoms(hidden) : NULL, weight(2 * intermediate, hidden, quantized),
                                      weight(hidden, intermediate, quantized), randoms(slots * Hkv * D),
-                                     randoms(slots * Hkv * D), type, type, type, type, l == 0 ? 0 : 6,
+                                     randoms(slots * Hkv * D), quantized == 2 ? -3 : type, type, type, type,
+                                     l == 0 ? 0 : 6,
                                      l == 0 ? 0.0f : 20.0f, l == 1};
     }
     float *x = randoms(n * hidden), *out = randoms(n * hidden), *rope = randoms(n * D);
@@ -53,6 +69,7 @@ static void run(int64_t n, int64_t hidden, int64_t intermediate, int64_t H, int6
         exit(1);
     }
     for (int64_t l = 0; l < layers_count; l++) {
+        for (int p = 0; quantized == 2 && p < 3; p++) free((void *)((const weight_part_t *)layers[l].qkv)[p].blocks);
         free((void *)layers[l].input_norm); free((void *)layers[l].post_norm); free((void *)layers[l].qkv);
         free((void *)layers[l].qkv_bias); free((void *)layers[l].o); free((void *)layers[l].o_bias);
         free((void *)layers[l].gate_up); free((void *)layers[l].down); free(layers[l].k_cache);
@@ -68,6 +85,9 @@ int main(void) {
     run(3, 64, 96, 2, 2, 32, 1, 0);
     run(1, 64, 96, 2, 2, 32, 1, 1);    /* GGUF blocks: one row, and a partial group of 3 after one of 8 */
     run(11, 64, 96, 2, 2, 32, 0, 1);
+    run(1, 64, 96, 2, 2, 32, 1, 2);    /* q/k/v in parts: one row, a partial group, and the tiles (20 rows) */
+    run(11, 64, 96, 2, 2, 32, 0, 2);
+    run(20, 64, 96, 2, 2, 32, 1, 2);
     printf("ok\n");
     return 0;
 }

@@ -233,7 +233,8 @@ _K_QUANTIZERS = {QT.Q4_K: _quantize_q4_k, QT.Q5_K: _quantize_q5_k, QT.Q6_K: _qua
 
 
 def write_tiny_gguf(
-    path: str | Path, hf_model: torch.nn.Module, tokenizer: Any | None = None, qtype: str | QT = QT.F32
+    path: str | Path, hf_model: torch.nn.Module, tokenizer: Any | None = None, qtype: str | QT = QT.F32,
+    qtypes: dict[str, str] | None = None,
 ) -> Path:
     """Write hf_model (llama / mistral / qwen2 / qwen3 / gpt2 / phi3 / smollm3 / gemma2 / gemma3 / gemma4) as a
     GGUF file and return its path.
@@ -241,6 +242,8 @@ def write_tiny_gguf(
     tokenizer: a byte-level BPE fast tokenizer (e.g. make_tiny_tokenizer()) whose vocab, merges,
     special tokens and chat template go into the metadata, or None for no tokenizer at all.
     qtype: GGML type name or enum for the 2-D weights (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, ...).
+    qtypes: another type for some kinds of tensor, by GGUF kind ("attn_v": "Q6_K", as llama.cpp's
+    Q4_K_M mixes them).
     """
     path = Path(path)
     qtype = QT[qtype] if isinstance(qtype, str) else qtype
@@ -308,7 +311,9 @@ def write_tiny_gguf(
             data = data.T if gguf_name.endswith(".weight") else data  # Conv1D (in, out) -> (out, in)
         elif arch in ("gemma2", "gemma3") and hf_name.endswith("norm.weight"):
             data = data + np.float32(1.0)  # convert_hf_to_gguf stores the (1 + w) Gemma scales by
-        stored, stored_type = encode_weights(np.ascontiguousarray(data), qtype, rng)
+        kind = gguf_name.split(".")[-2] if gguf_name.count(".") >= 2 else ""
+        tensor_type = QT[qtypes[kind]] if qtypes and kind in qtypes else qtype
+        stored, stored_type = encode_weights(np.ascontiguousarray(data), tensor_type, rng)
         if stored_type in (QT.F32, QT.F16):
             w.add_tensor(gguf_name, stored)
         else:

@@ -3,6 +3,7 @@
 running the dequantized weights."""
 from __future__ import annotations
 
+import ctypes
 import platform
 from pathlib import Path
 
@@ -171,24 +172,96 @@ def test_tensor_parallel_dequantizes_blocks_at_load(tmp_path: Path, monkeypatch:
         llm.shutdown()
 
 
-def test_a_fused_weight_whose_parts_differ_in_type_stays_fp32(caplog: pytest.LogCaptureFixture) -> None:
-    from roseinfer.loader.quantized import BlockTensor, keep_blocks
+def test_a_fused_weight_whose_parts_differ_in_type_keeps_each_parts_blocks(caplog: pytest.LogCaptureFixture) -> None:
+    """q/k/v in two types: the parts' blocks back to back, each part's type and rows on the parameter;
+    a fused weight with a part not stored as blocks stays fp32, and so does one with a type the
+    backend does not compute with."""
+    from roseinfer.loader.quantized import BlockPart, BlockTensor, keep_blocks
     from roseinfer.models.config import ModelConfig
     from roseinfer.models.registry import build_model
 
     cfg = _tiny_hf("llama", 64, 300, tie_word_embeddings=False).config
     model = build_model(ModelConfig.from_dict(cfg.to_dict()))
-    attn, mlp = "model.layers.0.self_attn", "model.layers.0.mlp"
-    stored = {f"{attn}.q_proj.weight": BlockTensor("Q4_1", (64, 64)), f"{attn}.k_proj.weight": BlockTensor("Q8_0", (32, 64)),
-              f"{attn}.v_proj.weight": BlockTensor("Q4_1", (32, 64)), f"{mlp}.gate_proj.weight": BlockTensor("Q4_1", (64, 64)),
-              f"{mlp}.up_proj.weight": BlockTensor("Q4_1", (64, 64))}
+    attn, mlp = "model.layers.{}.self_attn", "model.layers.{}.mlp"
+    stored = {f"{attn.format(0)}.q_proj.weight": BlockTensor("Q4_1", (64, 64)),
+              f"{attn.format(0)}.k_proj.weight": BlockTensor("Q8_0", (32, 64)),
+              f"{attn.format(0)}.v_proj.weight": BlockTensor("Q4_1", (32, 64)),
+              f"{mlp.format(0)}.gate_proj.weight": BlockTensor("Q4_1", (64, 64)),  # its up_proj stays F32
+              f"{mlp.format(1)}.gate_proj.weight": BlockTensor("Q4_1", (64, 64)),
+              f"{mlp.format(1)}.up_proj.weight": BlockTensor("Q6_K", (64, 64))}  # not a type kept here
     with caplog.at_level("INFO"):
         kept = keep_blocks(model, stored, frozenset({"Q4_1", "Q8_0"}))
-    assert kept == {f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"}
-    assert "qkv_proj.weight stays fp32" in caplog.text and "Q4_1 and Q8_0" in caplog.text
-    layer = model.model.layers[0]
-    assert layer.self_attn.qkv_proj.weight.dtype == torch.float32
-    assert layer.mlp.gate_up_proj.weight.dtype == torch.uint8 and layer.mlp.gate_up_proj.weight.shape == (128, 40)
+    assert kept == {f"{attn.format(0)}.{name}_proj.weight" for name in "qkv"}
+    assert "layers.0.mlp.gate_up_proj.weight stays fp32" in caplog.text
+    qkv = model.model.layers[0].self_attn.qkv_proj.weight
+    assert qkv.dtype == torch.uint8 and qkv.shape == (64 * 40 + 32 * 68 + 32 * 40,)  # rows of two 32-blocks
+    assert qkv.block_parts == [BlockPart(int(QT.Q4_1), 64, 0, 2560), BlockPart(int(QT.Q8_0), 32, 2560, 2176),
+                               BlockPart(int(QT.Q4_1), 32, 4736, 1280)]
+    assert all(model.model.layers[i].mlp.gate_up_proj.weight.dtype == torch.float32 for i in (0, 1))
+
+
+def _parts_weight(parts: list[tuple[QT, int]], cols: int) -> tuple[list[torch.Tensor], torch.Tensor, int, int]:
+    """Blocks for each (type, rows) part, the weight_part_t array over them, its address and layout type."""
+    blocks = [random_blocks(qtype, rows, cols, seed=i)[0] for i, (qtype, rows) in enumerate(parts)]
+    part = ops.weight_part_struct()
+    array = (part * len(parts))(*(part(blocks=b.data_ptr(), type=int(q), rows=r) for b, (q, r) in zip(blocks, parts)))
+    return blocks, array, ctypes.addressof(array), -len(parts)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 3, 8, 21, 40])
+def test_a_weight_in_parts_gives_each_parts_own_matmul_bit_for_bit(rows: int) -> None:
+    """Each part computed by its type's kernel into its columns of the output: the values of that
+    part's own quant_matmul bit for bit, at every row count (block kernels, the tiles from 17/32 rows),
+    with the norm before it in the same call too."""
+    parts = [(QT.Q4_K, 37), (QT.Q6_K, 21), (QT.Q5_K, 5)]
+    blocks, array, address, layout = _parts_weight(parts, 512)
+    n = sum(r for _, r in parts)
+    x, bias = torch.randn(rows, 512), torch.randn(n)
+    biases = bias.split([r for _, r in parts])
+    expected = torch.cat([ops.quant_matmul(x, b, int(q), c) for b, (q, _), c in zip(blocks, parts, biases)], dim=1)
+    assert torch.equal(ops.weight_matmul(x, address, layout, n, bias), expected)
+    norm = torch.randn(512)
+    normed = ops.rms_norm(x, norm, 1e-5)
+    expected = torch.cat([ops.quant_matmul(normed, b, int(q), None) for b, (q, _) in zip(blocks, parts)], dim=1)
+    assert torch.equal(ops.rms_norm_packed_matmul(x, norm, 1e-5, None, address, layout, n, None), expected)
+    with pytest.raises(ValueError, match="not supported"):  # the parts' rows do not add up to the outputs
+        ops.weight_matmul(x, address, layout, n + 1, None)
+
+
+# llama.cpp's Q4_K_M: q/k Q4_K and v Q6_K in half the layers, gate Q4_K and up another type here
+MIXED = {"attn_v": "Q6_K", "ffn_up": "Q5_K"}
+
+
+@needs_kernels
+def test_engine_with_fused_weights_in_mixed_types_matches_hf_and_the_layer_path(tmp_path: Path,
+                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GGUF whose q/k are Q4_K and v Q6_K (gate Q4_K, up Q5_K) keeps every fused weight in blocks:
+    tokens equal HF's on the dequantized weights, and the one-call decoder stack reading the parts gives
+    the layer-by-layer path's logprobs bit for bit."""
+    from roseinfer.backends.cpu.llama import CPULlamaForCausalLM
+    from roseinfer.backends.cpu.quantized import QuantizedPartsLinear
+
+    monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(tmp_path / "cache"))
+    tok = make_tiny_tokenizer(300)
+    src = write_tiny_gguf(tmp_path / "tiny.gguf", _tiny_hf("llama", 256, len(tok), tie_word_embeddings=False), tok,
+                          "Q4_K", qtypes=MIXED)
+    llm = LLM(model=str(src), quantization="gguf", num_kv_blocks=32)
+    model = llm.engine.runner.model
+    for layer in model.model.layers:
+        assert isinstance(layer.self_attn.qkv_proj, QuantizedPartsLinear)
+        assert isinstance(layer.mlp.gate_up_proj, QuantizedPartsLinear)
+    prompts = [[5, 17, 42, 9], list(range(3, 40))]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    outs = llm.generate(prompts, params)
+    assert model._decode_table is not None and model._decode_table[1] is not None
+    folder = convert_gguf(src)
+    refs = [hf_greedy(folder, p, 12) for p in prompts]
+    assert any(len(set(r)) > 2 for r in refs), "degenerate reference"
+    assert [o.token_ids for o in outs] == refs
+    monkeypatch.setattr(CPULlamaForCausalLM, "decode_layers", lambda self, kv_caches: None)
+    layer_by_layer = LLM(model=str(src), quantization="gguf", num_kv_blocks=32).generate(prompts, params)
+    assert [o.logprobs for o in outs] == [o.logprobs for o in layer_by_layer]
 
 
 def test_quantization_gguf_needs_a_backend_and_a_model_that_have_blocks(tmp_path: Path,

@@ -4,12 +4,14 @@ and the rest dequantized as the checkpoint is read.
 A folder converted with keep_blocks (loader/gguf.py) stores some matrices as uint8 rows of blocks
 and names them in QUANTIZATION_FILE. A weight keeps its blocks where the backend computes with that
 type (Backend.quantized_types) and the weight is a linear's or an embedding's; a fused weight
-(q/k/v, gate/up) only where all its parts share one type, since one matmul reads it. The parameter
-becomes uint8 [rows, bytes per row] with the type on it (`ggml_type`), and the backend's layers
-read it (backends/cpu/quantized.py). Every other stored block tensor is dequantized on the way in,
-exactly as the fp32 conversion would have. Stacked experts (models/moe.py) keep theirs the same
-way, [experts, rows, bytes per row] (`keep_expert_blocks`).
-"""
+(q/k/v, gate/up) where every part is stored as blocks of such a type. The parameter becomes uint8
+[rows, bytes per row] with the type on it (`ggml_type`); a fused weight whose parts differ in type
+(a Q4_K_M file's Q4_K q/k and Q6_K v) becomes its parts' blocks back to back, uint8 [bytes], with
+`block_parts` (BlockPart, one per sub-projection) on it, each part computed by its own type's
+kernel into its rows of the output. The backend's layers read them (backends/cpu/quantized.py).
+Every other stored block tensor is dequantized on the way in, exactly as the fp32 conversion would
+have. Stacked experts (models/moe.py) keep theirs as [experts, rows, bytes per row] where gate and
+up share a type (`keep_expert_blocks`)."""
 from __future__ import annotations
 
 import json
@@ -43,6 +45,16 @@ class BlockTensor:
         return int(GGMLQuantizationType[self.qtype])
 
 
+@dataclass(frozen=True)
+class BlockPart:
+    """One sub-projection of a fused weight whose parts differ in type: its rows of the output, stored
+    at bytes [offset, offset + nbytes) of the parameter."""
+    type_id: int
+    rows: int
+    offset: int
+    nbytes: int
+
+
 def block_tensors(folder: Path) -> dict[str, BlockTensor]:
     """The folder's tensors stored as blocks, by checkpoint name; empty for a plain folder."""
     path = folder / QUANTIZATION_FILE
@@ -73,18 +85,19 @@ def keep_blocks(model: nn.Module, stored: dict[str, BlockTensor], types: frozens
         if not isinstance(module, (Linear, nn.Embedding)) or not target.endswith(".weight"):
             continue
         parts = len(module.tp_parts) if fused else 1  # a fused projection's sub-projections
-        if len(qtypes) > 1 or len(names) != parts:
-            kinds = sorted(qtypes) + (["fp32"] if len(names) != parts else [])
-            logger.info("%s stays fp32: one matmul reads its parts, stored as %s", target, " and ".join(kinds))
+        if len(names) != parts:
+            logger.info("%s stays fp32: one matmul reads its parts, some stored as fp32", target)
             continue
-        qtype = qtypes.pop()
-        if qtype not in types:
+        if not qtypes <= types:
             continue
         old = module.weight
-        rows = old.shape[0]
-        row_bytes = _row_bytes(qtype, old.shape[1])
-        param = nn.Parameter(torch.empty(rows, row_bytes, dtype=torch.uint8, device=old.device), requires_grad=False)
-        param.ggml_type = stored[names[0]].type_id
+        if len(qtypes) == 1:
+            row_bytes = _row_bytes(qtypes.pop(), old.shape[1])
+            param = nn.Parameter(torch.empty(old.shape[0], row_bytes, dtype=torch.uint8, device=old.device),
+                                 requires_grad=False)
+            param.ggml_type = stored[names[0]].type_id
+        else:
+            param = _parts_parameter(module, [stored[name] for name in _by_shard(names, packed)], old.device)
         for other in model.modules():
             if getattr(other, "weight", None) is old:
                 other.weight = param
@@ -116,6 +129,26 @@ def keep_expert_blocks(modules: dict[str, nn.Module], stored: dict[str, BlockTen
             setattr(module, target, param)
             kept.update(names)
     return kept
+
+
+def _by_shard(names: list[str], packed: dict[str, tuple[str, int]]) -> list[str]:
+    """A fused weight's checkpoint names in the order of its sub-projections."""
+    def shard(name: str) -> int:
+        return next(index for source, (_, index) in packed.items() if f".{source}." in name)
+
+    return sorted(names, key=shard)
+
+
+def _parts_parameter(module: Linear, parts: list[BlockTensor], device: torch.device) -> nn.Parameter:
+    """uint8 [bytes] for the parts' blocks back to back, with `block_parts` saying where each lies."""
+    block_parts, offset = [], 0
+    for part, tensor in zip(module.tp_parts, parts):
+        nbytes = part.rows * _row_bytes(tensor.qtype, module.in_features)
+        block_parts.append(BlockPart(tensor.type_id, part.rows, offset, nbytes))
+        offset += nbytes
+    param = nn.Parameter(torch.empty(offset, dtype=torch.uint8, device=device), requires_grad=False)
+    param.block_parts = block_parts
+    return param
 
 
 def _row_bytes(qtype: str, cols: int) -> int:

@@ -10,10 +10,15 @@ prepacking has read them (loader/model_loader.py).
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from roseinfer.distributed.parallel import Part
+
+if TYPE_CHECKING:
+    from roseinfer.loader.quantized import BlockPart
 
 
 class WeightLoader:
@@ -70,6 +75,10 @@ class WeightLoader:
                     name: str) -> None:
         """`tensor` is the checkpoint's sub-projections `shards` one after another (one of a fused
         layer's, or all of them); each goes to its place in param, this rank's rows of it only."""
+        block_parts = getattr(param, "block_parts", None)
+        if block_parts is not None:  # sub-projections in GGUF blocks of different types (loader/quantized.py)
+            self._copy_block_parts(param, [block_parts[s] for s in shards], tensor, name)
+            return
         expected = sum(parts[s].size for s in shards)
         if tensor.shape[0] != expected or tensor.shape[1:] != param.shape[1:]:
             raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
@@ -82,6 +91,18 @@ class WeightLoader:
             param.data.narrow(0, local, rows).copy_(tensor.narrow(0, source + part.start, rows))
             param.data.narrow(0, local + rows, part.rows - rows).zero_()
             source += part.size
+
+    @staticmethod
+    def _copy_block_parts(param: torch.Tensor, block_parts: list[BlockPart], tensor: torch.Tensor, name: str) -> None:
+        """`tensor` is these parts' blocks one after another; each goes to its bytes of param."""
+        data = tensor.reshape(-1)
+        if data.numel() != sum(part.nbytes for part in block_parts):
+            raise ValueError(f"checkpoint tensor {name} has {data.numel()} bytes of blocks, the model expects "
+                             f"{sum(part.nbytes for part in block_parts)}")
+        source = 0
+        for part in block_parts:
+            param.data.narrow(0, part.offset, part.nbytes).copy_(data.narrow(0, source, part.nbytes))
+            source += part.nbytes
 
     @staticmethod
     def _whole(parts: list[Part]) -> bool:

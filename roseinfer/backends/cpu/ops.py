@@ -274,6 +274,28 @@ def packed_matmul_steps(weights: list[tuple[int, int, torch.Tensor | None, int, 
         raise ValueError("packed_matmul_steps: a quantized weight's GGML type or width is not supported")
 
 
+def weight_part_struct() -> type[ctypes.Structure]:
+    """weight_part_t of csrc/kernels.h: one part of a weight whose output rows are stored in several
+    GGML types (its blocks' address, its type, its rows)."""
+    return native_library().structs["weight_part_t"]
+
+
+def weight_matmul(x: torch.Tensor, weight_ptr: int, weight_type: int, out_features: int,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    """x [m, k] @ W.T (+ bias) with W in any layout the C matmuls read (weight_type 0 packed fp32,
+    -count an array of weight_part_t at weight_ptr, else GGUF blocks of that GGML type)."""
+    x = _rows(x)
+    m, k = x.shape
+    out = torch.empty(m, out_features, dtype=x.dtype)
+    failed = native_library().weight_matmul_f32(
+        x=x.data_ptr(), x_stride=x.stride(0), weight=weight_ptr, weight_type=weight_type, bias=_address(bias),
+        out=out.data_ptr(), m=m, n=out_features, k=k, num_threads=torch.get_num_threads())
+    if failed:
+        raise ValueError(f"weight_matmul: layout {weight_type} with rows of {k} weights into {out_features} "
+                         "outputs is not supported")
+    return out
+
+
 def quant_matmul(x: torch.Tensor, weight: torch.Tensor, qtype: int, bias: torch.Tensor | None) -> torch.Tensor:
     """x [m, k] @ W.T (+ bias), W [n, k] kept as GGUF blocks: weight is uint8 [n, bytes per row]
     (csrc/quants.h), qtype its GGML type id. Returns [m, n] (fp32 sums)."""

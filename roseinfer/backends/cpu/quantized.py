@@ -2,12 +2,15 @@
 [rows, bytes per row] carrying its `ggml_type`), swapped in at load (`install`): the linear runs
 csrc/quant_matmul.c, which dequantizes each block in registers for few rows of x and into fp32 tiles
 once for many (fp32 sums), and the embedding dequantizes only the rows it looks up, from the same
-blocks a tied LM head reads.
+blocks a tied LM head reads. A fused linear whose sub-projections are stored in different types
+(`block_parts`) runs each part's kernel into its rows of the output, in the same C call.
 
 With int8 activations (--cpu-activations int8) the linear's type carries INT8_ACTIVATIONS, and every
 matmul of it, the one-call decode stack's included, quantizes the rows of x to 8 bits and multiplies
-with integer dot products (csrc/q8_activations.c) at any row count."""
+with integer dot products (csrc/q8_activations.c) at any row count; a linear in parts keeps fp32 rows."""
 from __future__ import annotations
+
+import ctypes
 
 import torch
 from gguf import GGMLQuantizationType
@@ -30,7 +33,8 @@ def is_blocks(weight: torch.Tensor | None) -> bool:
 
 
 def holds_blocks(module: nn.Module) -> bool:
-    return is_blocks(getattr(module, "weight", None))
+    weight = getattr(module, "weight", None)
+    return is_blocks(weight) or hasattr(weight, "block_parts")
 
 
 class QuantizedLinear(NativeRowsLinear):
@@ -41,6 +45,16 @@ class QuantizedLinear(NativeRowsLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.quant_matmul(x, self.weight, self.native_type, self.bias)
+
+
+class QuantizedPartsLinear(QuantizedLinear):
+    """A QuantizedLinear whose output rows are parts in different GGUF types (loader/quantized.py's
+    block_parts: a fused q/k/v or gate/up); `weight_parts` is the weight_part_t array the C matmuls read."""
+
+    weight_parts: ctypes.Array
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.weight_matmul(x, self.native_weights, self.native_type, self.out_features, self.bias)
 
 
 class QuantizedEmbedding(nn.Embedding):
@@ -56,7 +70,14 @@ def install(model: nn.Module, int8_activations: bool = False) -> None:
     """The quantized classes in place of the generic ones, for the modules whose weight holds blocks;
     their linears multiply by rows of x quantized to 8 bits where int8_activations."""
     for module in model.modules():
-        if type(module) is Linear and holds_blocks(module):
+        if type(module) is Linear and hasattr(module.weight, "block_parts"):
+            module.__class__ = QuantizedPartsLinear
+            part = ops.weight_part_struct()
+            base = module.weight.data_ptr()
+            module.weight_parts = (part * len(module.weight.block_parts))(
+                *(part(blocks=base + p.offset, type=p.type_id, rows=p.rows) for p in module.weight.block_parts))
+            module.native_weights, module.native_type = ctypes.addressof(module.weight_parts), -len(module.weight_parts)
+        elif type(module) is Linear and holds_blocks(module):
             module.__class__ = QuantizedLinear
             int8 = int8_activations and module.weight.ggml_type in INT8_TYPES
             module.native_weights = module.weight.data_ptr()

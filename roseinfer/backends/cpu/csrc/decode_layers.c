@@ -12,8 +12,8 @@
  * rope, new_slots, block_tables, kv_lens: as paged_decode_attention_f32 takes them, one row per
  *           sequence. Every row decodes. A NoPE layer rotates by 1 + 0i instead, as the Python path
  *           hands it (models/llama.py), so its q and k keep their bits.
- * Each weight is packed fp32 or GGUF blocks (decode_layer_t's types), so a model whose weights are kept
- * quantized runs here too.
+ * Each weight is packed fp32, GGUF blocks or parts of several GGUF types (decode_layer_t's types), so a
+ * model whose weights are kept quantized runs here too.
  * Returns 0, or 1 where a buffer could not be allocated or a weight type is not handled (out is then
  * incomplete). */
 #include <stdint.h>

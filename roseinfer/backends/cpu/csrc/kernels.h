@@ -9,6 +9,15 @@
 
 #include <stdint.h>
 
+/* One part of a weight whose output rows are stored in several GGML types (a fused q/k/v whose v is
+ * Q6_K and q, k Q4_K): the parts' rows follow one another in the output. A weight of weight_type
+ * -count is `count` of these, back to back. */
+typedef struct {
+    const void *blocks;                    /* [rows, k] in GGUF blocks, rows back to back */
+    int64_t type;                          /* its GGML type */
+    int64_t rows;
+} weight_part_t;
+
 typedef struct {
     const float *input_norm, *post_norm;   /* [hidden] RMSNorm weights */
     const void *qkv;                       /* [q_size + 2 * kv_size, hidden] */
@@ -17,7 +26,8 @@ typedef struct {
     const float *o_bias;                   /* or NULL */
     const void *gate_up, *down;            /* [2 * intermediate, hidden], [hidden, intermediate] */
     float *k_cache, *v_cache;              /* [slots, num_kv_heads, head_dim] */
-    /* each weight's layout: 0 packed fp32 (64-row blocks), else the GGML type of its GGUF blocks */
+    /* each weight's layout: 0 packed fp32 (64-row blocks), -count weight_part_t parts, else the GGML
+     * type of its GGUF blocks */
     int64_t qkv_type, o_type, gate_up_type, down_type;
     int64_t sliding_window;                /* its attention's window, 0 for the whole context */
     float logit_softcap;                   /* its attention's soft-cap, 0 for none */

@@ -184,7 +184,7 @@ static inline __attribute__((always_inline)) void kquant_group(int type, const u
 
 static inline __attribute__((always_inline)) void kquant_tasks(int type, const float *x, int64_t x_stride,
                                                               const uint8_t *weight, const float *bias, float *out,
-                                                              int64_t m, int64_t n, int64_t k) {
+                                                              int64_t out_stride, int64_t m, int64_t n, int64_t k) {
     const int64_t row_bytes = quant_row_bytes(type, k);
 #pragma omp for schedule(static)
     for (int64_t j = 0; j < n; j++) {
@@ -202,17 +202,17 @@ static inline __attribute__((always_inline)) void kquant_tasks(int type, const f
             case 3: kquant_group(type, w, xg, x_stride, k, 3, sums); break;
             default: kquant_group(type, w, xg, x_stride, k, KQ_GROUP, sums); break;
             }
-            for (int r = 0; r < rows; r++) out[(g + r) * n + j] = sums[r] + b;
+            for (int r = 0; r < rows; r++) out[(g + r) * out_stride + j] = sums[r] + b;
         }
     }
 }
 
 int kquant_matmul_tasks(const float *x, int64_t x_stride, const uint8_t *weight, int64_t type, const float *bias,
-                        float *out, int64_t m, int64_t n, int64_t k) {
+                        float *out, int64_t out_stride, int64_t m, int64_t n, int64_t k) {
     if (type == Q4_K)
-        kquant_tasks(Q4_K, x, x_stride, weight, bias, out, m, n, k);
+        kquant_tasks(Q4_K, x, x_stride, weight, bias, out, out_stride, m, n, k);
     else if (type == Q6_K)
-        kquant_tasks(Q6_K, x, x_stride, weight, bias, out, m, n, k);
+        kquant_tasks(Q6_K, x, x_stride, weight, bias, out, out_stride, m, n, k);
     else
         return 0;
     return 1;
@@ -228,8 +228,8 @@ int kquant_dequantize_chunks(int64_t type, const uint8_t *row, int64_t first, in
 
 /* Without AVX-512 (with BW) the generic kernels in quant_matmul.c run every type. */
 int kquant_matmul_tasks(const float *x, int64_t x_stride, const uint8_t *weight, int64_t type, const float *bias,
-                        float *out, int64_t m, int64_t n, int64_t k) {
-    (void)x, (void)x_stride, (void)weight, (void)type, (void)bias, (void)out, (void)m, (void)n, (void)k;
+                        float *out, int64_t out_stride, int64_t m, int64_t n, int64_t k) {
+    (void)x, (void)x_stride, (void)weight, (void)type, (void)bias, (void)out, (void)out_stride, (void)m, (void)n, (void)k;
     return 0;
 }
 

@@ -119,26 +119,42 @@ void packed_matmul_f32(const float *x, int64_t x_stride, const float *packed, co
     matmul_tasks(x, x_stride, packed, bias, out, m, n, k);
 }
 
-/* Whether a weight of this layout (0 packed fp32, else a GGML type) takes rows of k floats. */
-static inline int weight_shape_ok(int64_t weight_type, int64_t k) {
-    return weight_type == 0 || quant_shape_ok(weight_type, k);
+/* Whether a weight of this layout (0 packed fp32, -count parts of n rows in all, else a GGML type)
+ * takes rows of k floats and gives n outputs. */
+static int weight_shape_ok(const void *weight, int64_t weight_type, int64_t n, int64_t k) {
+    if (weight_type >= 0) return weight_type == 0 || quant_shape_ok(weight_type, k);
+    const weight_part_t *parts = weight;
+    int64_t rows = 0;
+    for (int64_t i = 0; i < -weight_type; i++) {
+        if (!quant_shape_ok(parts[i].type, k)) return 0;
+        rows += parts[i].rows;
+    }
+    return rows == n;
 }
 
-/* One matmul's tasks, W packed fp32 (weight_type 0) or GGUF blocks of that type (csrc/quant_matmul.c),
- * shared over the enclosing parallel region; the caller checked weight_shape_ok. */
+/* One matmul's tasks, W packed fp32 (weight_type 0), in parts (-count: each part's rows by its own
+ * type's kernel into its columns of out) or GGUF blocks of that type (csrc/quant_matmul.c), shared
+ * over the enclosing parallel region; the caller checked weight_shape_ok. */
 static void weight_matmul_tasks(const float *x, int64_t x_stride, const void *weight, int64_t weight_type,
                                 const float *bias, float *out, int64_t m, int64_t n, int64_t k) {
-    if (weight_type == 0)
+    if (weight_type == 0) {
         matmul_tasks(x, x_stride, weight, bias, out, m, n, k);
-    else
-        quant_matmul_tasks(x, x_stride, weight, weight_type, bias, out, m, n, k);
+    } else if (weight_type > 0) {
+        quant_matmul_tasks(x, x_stride, weight, weight_type, bias, out, n, m, n, k);
+    } else {
+        const weight_part_t *parts = weight;
+        for (int64_t i = 0, first = 0; i < -weight_type; first += parts[i].rows, i++)
+            quant_matmul_tasks(x, x_stride, parts[i].blocks, parts[i].type, bias != NULL ? bias + first : NULL,
+                               out + first, n, m, parts[i].rows, k);
+    }
 }
 
-/* out [m, n] = x [m, k] W^T (+ bias), W packed fp32 (weight_type 0) or GGUF blocks of that type.
- * Returns nonzero (nothing written) where the type is not handled or k is not whole blocks of it. */
+/* out [m, n] = x [m, k] W^T (+ bias), W packed fp32 (weight_type 0), -weight_type parts
+ * (weight_part_t) or GGUF blocks of that type. Returns nonzero (nothing written) where a type is not
+ * handled, k is not whole blocks of it or the parts' rows do not add up to n. */
 int weight_matmul_f32(const float *x, int64_t x_stride, const void *weight, int64_t weight_type, const float *bias,
                       float *out, int64_t m, int64_t n, int64_t k, int num_threads) {
-    if (!weight_shape_ok(weight_type, k)) return 1;
+    if (!weight_shape_ok(weight, weight_type, n, k)) return 1;
 #pragma omp parallel num_threads(num_threads)
     weight_matmul_tasks(x, x_stride, weight, weight_type, bias, out, m, n, k);
     return 0;
@@ -149,13 +165,13 @@ enum prologue { NORM_ROWS, SILU_MUL_ROWS };
 /* The matmul on rows computed first from x, in one parallel region: the `omp for` over the rows
  * ends in a barrier, so every row is written before a matmul task reads it. NORM_ROWS: x [m, k]
  * rows x_stride floats apart through rms_norm_row; SILU_MUL_ROWS: x rows [gate | up] of 2k floats
- * through silu_mul_row. weight_type 0: `packed` is the 64-row packed layout; otherwise a GGML type
- * and `packed` its blocks (csrc/quant_matmul.c). Returns nonzero where the rows' buffer could not be
+ * through silu_mul_row. weight_type 0: `packed` is the 64-row packed layout; negative: `packed` is
+ * that many weight_part_t; otherwise a GGML type and `packed` its blocks (csrc/quant_matmul.c). Returns nonzero where the rows' buffer could not be
  * allocated or the type is not handled (nothing is written). */
 static int prologue_matmul(enum prologue kind, const float *x, int64_t x_stride, float *residual,
                            const float *norm_weight, float eps, const void *packed, int64_t weight_type,
                            const float *bias, float *out, int64_t m, int64_t n, int64_t k, int num_threads) {
-    if (!weight_shape_ok(weight_type, k)) return 1;
+    if (!weight_shape_ok(packed, weight_type, n, k)) return 1;
     float *rows = malloc((size_t)(m * k) * sizeof(float));
     if (rows == NULL) return 1;
 #pragma omp parallel num_threads(num_threads)
@@ -176,7 +192,7 @@ static int prologue_matmul(enum prologue kind, const float *x, int64_t x_stride,
 
 /* out = rms_norm(x (+ residual)) W^T (+ bias), with rms_norm_f32's rounding (rms_norm_row). residual:
  * [m, k] contiguous or NULL; given, it is updated in place to x + residual, as rms_norm_f32 does.
- * W: packed fp32 (weight_type 0) or GGUF blocks of that type. */
+ * W: as weight_matmul_f32 takes it. */
 int rms_norm_packed_matmul_f32(const float *x, int64_t x_stride, float *residual, const float *norm_weight, float eps,
                                const void *packed, int64_t weight_type, const float *bias, float *out, int64_t m,
                                int64_t n, int64_t k, int num_threads) {
@@ -194,8 +210,8 @@ int silu_mul_packed_matmul_f32(const float *gate_up, const void *packed, int64_t
 
 /* The matmul floor's decode steps (bench/floor.py): `steps` times, each of `count` weights times the
  * same m rows, back to back, with no Python between them: the matmuls as decode_layers_f32 runs them
- * and nothing else. Weight i is [n[i], k[i]], packed fp32 (types[i] 0) or GGUF blocks of GGML type
- * types[i], with bias[i] or NULL; x: [m, x_stride] (x_stride >= every k); out: [m, max n] scratch.
+ * and nothing else. Weight i is [n[i], k[i]] in layout types[i] (as weight_matmul_f32 takes it), with
+ * bias[i] or NULL; x: [m, x_stride] (x_stride >= every k); out: [m, max n] scratch.
  * Returns nonzero where a quantized weight's type or width is not handled. */
 int packed_matmul_steps_f32(const void *const *packed, const int64_t *types, const float *const *bias,
                             const int64_t *n, const int64_t *k, int64_t count, const float *x, int64_t x_stride,

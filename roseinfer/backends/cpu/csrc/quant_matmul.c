@@ -96,7 +96,7 @@ static inline void chunk_sums(const float *x, int64_t k, float *sx) {
 /* One type's tasks (type constant after inlining), shared over the enclosing parallel region. */
 static inline __attribute__((always_inline)) void matmul_tasks(int type, const float *x, int64_t x_stride,
                                                                const uint8_t *weight, const float *bias, float *out,
-                                                               int64_t m, int64_t n, int64_t k) {
+                                                               int64_t out_stride, int64_t m, int64_t n, int64_t k) {
     const int64_t row_bytes = quant_row_bytes(type, k);
     const int64_t tiles = (n + TILE - 1) / TILE;
     if (m == 1 && scaled_chunk_type(type) && k / 32 <= MAX_SCALED_CHUNKS) {
@@ -128,27 +128,30 @@ static inline __attribute__((always_inline)) void matmul_tasks(int type, const f
                 default: group_times_row(type, xg, x_stride, w, k, GROUP, sums); break;
                 }
                 const float b = bias != NULL ? bias[j] : 0.0f;
-                for (int r = 0; r < rows; r++) out[(g + r) * n + j] = sums[r] + b;
+                for (int r = 0; r < rows; r++) out[(g + r) * out_stride + j] = sums[r] + b;
             }
         }
     }
 }
 
 void quant_matmul_tasks(const float *x, int64_t x_stride, const uint8_t *weight, int64_t type, const float *bias,
-                        float *out, int64_t m, int64_t n, int64_t k) {
+                        float *out, int64_t out_stride, int64_t m, int64_t n, int64_t k) {
     if (type & INT8_ACTIVATIONS) {
-        if (q8_matmul_tasks(x, x_stride, weight, type & ~(int64_t)INT8_ACTIVATIONS, bias, out, m, n, k)) return;
-        type &= ~(int64_t)INT8_ACTIVATIONS; /* its buffer could not be allocated: the fp32 path */
+        /* rows of x quantized to 8 bits where the output is this weight's alone (a part of a wider
+         * one keeps fp32 rows), else, or when its buffer could not be allocated, the fp32 path */
+        if (out_stride == n && q8_matmul_tasks(x, x_stride, weight, type & ~(int64_t)INT8_ACTIVATIONS, bias, out, m, n, k))
+            return;
+        type &= ~(int64_t)INT8_ACTIVATIONS;
     }
-    if (m >= TILED_MIN_ROWS && quant_tiled_tasks(x, x_stride, weight, type, bias, out, m, n, k)) return;
-    if (kquant_matmul_tasks(x, x_stride, weight, type, bias, out, m, n, k)) return;
+    if (m >= TILED_MIN_ROWS && quant_tiled_tasks(x, x_stride, weight, type, bias, out, out_stride, m, n, k)) return;
+    if (kquant_matmul_tasks(x, x_stride, weight, type, bias, out, out_stride, m, n, k)) return;
     switch (type) {
-    case Q4_0: matmul_tasks(Q4_0, x, x_stride, weight, bias, out, m, n, k); break;
-    case Q4_1: matmul_tasks(Q4_1, x, x_stride, weight, bias, out, m, n, k); break;
-    case Q8_0: matmul_tasks(Q8_0, x, x_stride, weight, bias, out, m, n, k); break;
-    case Q4_K: matmul_tasks(Q4_K, x, x_stride, weight, bias, out, m, n, k); break;
-    case Q5_K: matmul_tasks(Q5_K, x, x_stride, weight, bias, out, m, n, k); break;
-    default: matmul_tasks(Q6_K, x, x_stride, weight, bias, out, m, n, k); break;
+    case Q4_0: matmul_tasks(Q4_0, x, x_stride, weight, bias, out, out_stride, m, n, k); break;
+    case Q4_1: matmul_tasks(Q4_1, x, x_stride, weight, bias, out, out_stride, m, n, k); break;
+    case Q8_0: matmul_tasks(Q8_0, x, x_stride, weight, bias, out, out_stride, m, n, k); break;
+    case Q4_K: matmul_tasks(Q4_K, x, x_stride, weight, bias, out, out_stride, m, n, k); break;
+    case Q5_K: matmul_tasks(Q5_K, x, x_stride, weight, bias, out, out_stride, m, n, k); break;
+    default: matmul_tasks(Q6_K, x, x_stride, weight, bias, out, out_stride, m, n, k); break;
     }
 }
 
@@ -159,7 +162,7 @@ int quant_matmul_f32(const float *x, int64_t x_stride, const uint8_t *weight, in
                      float *out, int64_t m, int64_t n, int64_t k, int num_threads) {
     if (!quant_shape_ok(type, k)) return 1;
 #pragma omp parallel num_threads(num_threads)
-    quant_matmul_tasks(x, x_stride, weight, type, bias, out, m, n, k);
+    quant_matmul_tasks(x, x_stride, weight, type, bias, out, n, m, n, k);
     return 0;
 }
 

@@ -78,7 +78,7 @@ static void tile_times_panel(const float *tile, const float *xt, int64_t m_pad, 
 /* Whether it ran: 0 (nothing written) where the buffers could not be allocated; every thread of the
  * enclosing region sees the same answer. */
 int quant_tiled_tasks(const float *x, int64_t x_stride, const uint8_t *weight, int64_t type, const float *bias,
-                      float *out, int64_t m, int64_t n, int64_t k) {
+                      float *out, int64_t out_stride, int64_t m, int64_t n, int64_t k) {
     const int64_t row_bytes = quant_row_bytes(type, k), tiles = (n + TILE_ROWS - 1) / TILE_ROWS;
     const int64_t m_pad = (m + VEC_FLOATS - 1) / VEC_FLOATS * VEC_FLOATS;
     /* x^T, then each thread's tile [TILE_ROWS][PANEL_COLUMNS] and running sums [TILE_ROWS][m_pad] */
@@ -108,7 +108,7 @@ int quant_tiled_tasks(const float *x, int64_t x_stride, const uint8_t *weight, i
         }
         for (int64_t i = 0; i < m; i++)
             for (int64_t j = 0; j < rows; j++)
-                out[i * n + first_row + j] = sums[j * m_pad + i] + (bias != NULL ? bias[first_row + j] : 0.0f);
+                out[i * out_stride + first_row + j] = sums[j * m_pad + i] + (bias != NULL ? bias[first_row + j] : 0.0f);
     }
 #pragma omp single
     free(buffers);

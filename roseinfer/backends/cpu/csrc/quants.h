@@ -63,19 +63,20 @@ static inline int64_t quant_row_bytes(int64_t type, int64_t k) {
 }
 
 /* quant_matmul_f32's tasks, shared over the threads of an enclosing parallel region (the callers
- * check quant_shape_ok first); csrc/packed_matmul.c runs them after its row prologues */
+ * check quant_shape_ok first); csrc/packed_matmul.c runs them after its row prologues. out: [m, n]
+ * in rows out_stride floats apart (a weight in parts writes each part's columns of wider rows) */
 void quant_matmul_tasks(const float *x, int64_t x_stride, const uint8_t *weight, int64_t type, const float *bias,
-                        float *out, int64_t m, int64_t n, int64_t k);
+                        float *out, int64_t out_stride, int64_t m, int64_t n, int64_t k);
 
 /* The same tasks through fp32 tiles of W dequantized once (csrc/quant_tiled_matmul.c), for many rows of x;
  * returns 0 (nothing done) where its buffers could not be allocated */
 int quant_tiled_tasks(const float *x, int64_t x_stride, const uint8_t *weight, int64_t type, const float *bias,
-                      float *out, int64_t m, int64_t n, int64_t k);
+                      float *out, int64_t out_stride, int64_t m, int64_t n, int64_t k);
 
 /* The same tasks for the types csrc/kquant_avx512.c has a kernel for on this target; returns 0 (nothing
  * done) for the others, which quant_matmul_tasks then runs itself */
 int kquant_matmul_tasks(const float *x, int64_t x_stride, const uint8_t *weight, int64_t type, const float *bias,
-                        float *out, int64_t m, int64_t n, int64_t k);
+                        float *out, int64_t out_stride, int64_t m, int64_t n, int64_t k);
 
 /* out[0..32 count) = 32-weight chunks first .. first + count - 1 of a Q4_K or Q6_K row, dequantized by
  * csrc/kquant_avx512.c where this target has it and the chunks are whole blocks; returns 0 (nothing
