@@ -6,6 +6,7 @@ It exits when its client's end of the pipe closes (the client shut it down, or d
 SIGINT: a Ctrl-C reaches the whole process group, and the server drains first, then stops it."""
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -35,6 +36,7 @@ def run_engine_core(config: EngineConfig, inbox_address: str, outbox_address: st
     except BaseException as exc:  # noqa: BLE001 -- the client re-raises it
         client.send(("failed", exc))
         return
+    gc.freeze()  # the built engine lives as long as the process: no full collection walks it again
     context = zmq.Context()
     inbox = context.socket(zmq.PULL)
     inbox.bind(inbox_address)

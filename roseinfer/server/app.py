@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import ipaddress
 import logging
 import os
@@ -119,6 +120,9 @@ def _app(manager: EngineClient | ReplicaSet, served_model_name: str, options: Se
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         manager.start()
+        # what start-up built (tokenizer tables, the app, the engine in-process) lives as long as the
+        # server: out of the collector's sight, a full collection under load stops the loop for less
+        gc.freeze()
         try:
             yield
         finally:
