@@ -27,6 +27,7 @@ from torch import nn
 from roseinfer.layers.linear import Linear
 from roseinfer.loader.gguf import QUANTIZATION_FILE
 from roseinfer.models.moe import StackedExperts
+from roseinfer.models.weights import BlockPart
 
 logger = logging.getLogger(__name__)
 
@@ -43,16 +44,6 @@ class BlockTensor:
         from gguf import GGMLQuantizationType
 
         return int(GGMLQuantizationType[self.qtype])
-
-
-@dataclass(frozen=True)
-class BlockPart:
-    """One sub-projection of a fused weight whose parts differ in type: its rows of the output, stored
-    at bytes [offset, offset + nbytes) of the parameter."""
-    type_id: int
-    rows: int
-    offset: int
-    nbytes: int
 
 
 def block_tensors(folder: Path) -> dict[str, BlockTensor]:

@@ -10,15 +10,23 @@ prepacking has read them (loader/model_loader.py).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from roseinfer.distributed.parallel import Part
 
-if TYPE_CHECKING:
-    from roseinfer.loader.quantized import BlockPart
+
+@dataclass(frozen=True)
+class BlockPart:
+    """One sub-projection of a fused weight whose parts are GGUF blocks of different types
+    (loader/quantized.py): its rows of the output, stored at bytes [offset, offset + nbytes) of the
+    parameter."""
+    type_id: int
+    rows: int
+    offset: int
+    nbytes: int
 
 
 class WeightLoader:
