@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from roseinfer.reasoning_delta import ReasoningDelta
+from roseinfer.reasoning_delta import ReasoningDelta, ReplySplitter
 
 if TYPE_CHECKING:
     from roseinfer.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -60,7 +60,7 @@ class HarmonyTokens:
         return HarmonyParser(self, tokenizer)
 
 
-class HarmonyParser:
+class HarmonyParser(ReplySplitter):
     """One reply's split, as the reasoning parsers' (reasoning.py ReasoningParser): `feed` each
     delta's token ids, `finish` at the end; `calls` holds the tool calls as (name, JSON arguments)."""
 
@@ -104,12 +104,6 @@ class HarmonyParser:
         self.reasoning += out.reasoning
         self.content += out.content
         return out
-
-    def parse(self, text: str, token_ids: list[int] = ()) -> tuple[str | None, str | None]:
-        """A whole reply: its reasoning and its content, None where there is none."""
-        self.feed(text, token_ids)
-        self.finish()
-        return self.reasoning or None, self.content or None
 
     def _header_token(self, token: int) -> None:
         if token == self.tags.start_id or token in self.tags.end_ids:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol
 
 from roseinfer.harmony import CHANNEL, HarmonyTokens
-from roseinfer.reasoning_delta import ReasoningDelta
+from roseinfer.reasoning_delta import ReasoningDelta, ReplySplitter
 from roseinfer.sampling_params import StructuredOutputsParams
 from roseinfer.stop_strings import held_length
 
@@ -131,7 +131,7 @@ class Reasoner(Protocol):
     def parse(self, text: str, token_ids: list[int] = ()) -> tuple[str | None, str | None]: ...
 
 
-class ReasoningParser:
+class ReasoningParser(ReplySplitter):
     """One reply's split: `feed` each text delta (and its token ids), `finish` at the end."""
 
     def __init__(self, tags: ThinkTags, mode: Mode, default: Mode) -> None:
@@ -175,12 +175,6 @@ class ReasoningParser:
         self.reasoning += out.reasoning
         self.content += out.content
         return out
-
-    def parse(self, text: str, token_ids: list[int] = ()) -> tuple[str | None, str | None]:
-        """A whole reply: its reasoning and its content, None where there is none."""
-        self.feed(text, token_ids)
-        self.finish()
-        return self.reasoning or None, self.content or None
 
     def _start(self, text: str, out: ReasoningDelta) -> str:
         """Before anything but whitespace: a <think> opens the reasoning, anything else is the default."""

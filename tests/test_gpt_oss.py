@@ -1,5 +1,5 @@
-"""gpt-oss (models/gpt_oss.py): HF's greedy tokens in every scheduling mode and on every backend
-(triton under the interpreter), every KV block free after, and on two tensor-parallel ranks;
+"""gpt-oss (models/gpt_oss.py): HF's greedy tokens on two tensor-parallel ranks (every scheduling
+mode and backend: tests/test_moe.py, which runs gpt-oss with the other mixtures);
 attention sinks in each backend's attention against a float64 reference; the MoE block, sinks and
 clamp against transformers' modules; MXFP4 experts dequantized as transformers does."""
 from __future__ import annotations
@@ -17,11 +17,9 @@ from roseinfer.layers.rotary import apply_rotary
 from roseinfer.models.config import ModelConfig
 from roseinfer.models.gpt_oss import GptOssMoe, select_top_logits
 from roseinfer.models.registry import build_model
-from test_correctness import GREEDY, MAX_TOKENS
-from test_correctness import _prompts as correctness_prompts
-from test_moe import MODES
+from test_correctness import GREEDY
+from test_moe import model_references
 from test_sliding_window import BACKENDS, BLOCK_SIZE, CPU, HEAD_DIM, HEADS, KV_HEADS, LAYOUTS, _case
-from test_speculative import _prompts as speculative_prompts
 from tiny_models import hf_greedy, load_hf_model
 
 ARCH = "gpt_oss"
@@ -29,31 +27,7 @@ ARCH = "gpt_oss"
 
 @pytest.fixture(scope="module")
 def gpt_oss(tiny_model_factory):
-    model_dir = tiny_model_factory(ARCH)
-    prompts = {"plain": correctness_prompts(model_dir), "speculative": speculative_prompts(model_dir)}
-    refs = {kind: [hf_greedy(model_dir, p, MAX_TOKENS) for p in ps] for kind, ps in prompts.items()}
-    return model_dir, prompts, refs
-
-
-@pytest.mark.parametrize("mode", list(MODES))
-def test_greedy_matches_hf_in_every_mode(gpt_oss, mode: str) -> None:
-    backend = MODES[mode].get("attention_backend")
-    if backend is not None and backend not in BACKENDS:
-        pytest.skip(f"the {backend} backend does not run here")
-    model_dir, prompts, refs = gpt_oss
-    kind = "speculative" if "speculative_config" in MODES[mode] else "plain"
-    llm = LLM(model=str(model_dir), **{"num_kv_blocks": 128, **MODES[mode]})
-    outs = llm.generate(prompts[kind][:6], GREEDY, use_tqdm=False)
-    outs += llm.generate(prompts[kind][6:], GREEDY, use_tqdm=False)
-    assert [o.token_ids for o in outs] == refs[kind]
-    stats = llm.kv_cache_stats()
-    assert stats["used_blocks"] == 0
-    if mode == "preemption":
-        assert sum(o.metrics["num_preemptions"] for o in outs) > 0, "pool was not small enough to preempt"
-    if kind == "speculative":
-        assert llm.speculative_stats()["spec_num_accepted_tokens"] > 0
-    elif llm.engine.config.enable_prefix_caching:
-        assert stats["prefix_cache_hits"] > 0
+    return model_references(tiny_model_factory(ARCH))
 
 
 def _sink_reference(q, k, v, caches, layout, layer):

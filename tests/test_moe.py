@@ -30,12 +30,17 @@ MODES = {
 }
 
 
-@pytest.fixture(scope="module", params=MOE_ARCHS)
-def moe_model(request, tiny_model_factory):
-    model_dir = tiny_model_factory(request.param)
+def model_references(model_dir):
+    """(the folder, its prompts for plain and speculative runs, HF's greedy tokens for each)."""
     prompts = {"plain": correctness_prompts(model_dir), "speculative": speculative_prompts(model_dir)}
     refs = {kind: [hf_greedy(model_dir, p, MAX_TOKENS) for p in ps] for kind, ps in prompts.items()}
     return model_dir, prompts, refs
+
+
+# gpt-oss (tests/test_gpt_oss.py has its sinks, router and MXFP4) runs the same modes here
+@pytest.fixture(scope="module", params=MOE_ARCHS + ["gpt_oss"])
+def moe_model(request, tiny_model_factory):
+    return model_references(tiny_model_factory(request.param))
 
 
 @pytest.mark.parametrize("mode", list(MODES))

@@ -14,7 +14,8 @@ import torch
 import transformers
 from gguf import GGMLQuantizationType as QT
 
-from gguf_writer import encode_weights, make_tiny_tokenizer, write_tiny_gguf
+from gguf_quantizers import encode_weights
+from gguf_writer import make_tiny_tokenizer, write_tiny_gguf
 from roseinfer import LLM, SamplingParams
 from roseinfer.backends.cpu import ops
 from roseinfer.loader.gguf import convert_gguf
