@@ -134,3 +134,23 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
             return False
         time.sleep(0.02)
     return True
+
+
+def split_stream(chunks) -> tuple[str, str, list[str], object]:
+    """A streamed chat reply (the openai client's chunks): its reasoning, its answer, the kind of each
+    piece in order ("reasoning" / "content"), and the final usage; each delta's `reasoning` must be
+    its `reasoning_content`."""
+    kinds, reasoning, answer, usage = [], "", "", None
+    for chunk in chunks:
+        if not chunk.choices:
+            usage = chunk.usage
+            continue
+        delta = chunk.choices[0].delta
+        if getattr(delta, "reasoning_content", None):
+            assert delta.reasoning == delta.reasoning_content
+            reasoning += delta.reasoning_content
+            kinds.append("reasoning")
+        if delta.content:
+            answer += delta.content
+            kinds.append("content")
+    return reasoning, answer, kinds, usage

@@ -26,7 +26,7 @@ from roseinfer.server.tool_parsers import ChannelCallParser
 from roseinfer.server.tool_calls import pick_parser
 from roseinfer.tokenizer import Tokenizer
 from harmony_model import HARMONY_TEMPLATE, build_harmony_model
-from server_helpers import openai_client, serve_app, served
+from server_helpers import openai_client, serve_app, served, split_stream
 from tiny_models import CHAT_TEMPLATE
 
 MODEL = "tiny-gpt-oss"
@@ -180,19 +180,7 @@ def test_the_server_splits_the_channels(client: openai.OpenAI, harmony: HarmonyT
 
 def test_the_server_streams_the_reasoning_then_the_answer(client: openai.OpenAI, harmony: HarmonyTokens,
                                                           forced_reply: tuple[str, str, int]) -> None:
-    kinds, reasoning, answer, usage = [], "", "", None
-    for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True},
-                                                **request(harmony)):
-        if not chunk.choices:
-            usage = chunk.usage
-            continue
-        delta = chunk.choices[0].delta
-        if getattr(delta, "reasoning_content", None):
-            assert delta.reasoning == delta.reasoning_content
-            reasoning += delta.reasoning_content
-            kinds.append("reasoning")
-        if delta.content:
-            answer += delta.content
-            kinds.append("content")
+    reasoning, answer, kinds, usage = split_stream(
+        client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **request(harmony)))
     assert (reasoning, answer, usage.completion_tokens_details.reasoning_tokens) == forced_reply
     assert kinds == sorted(kinds, key=["reasoning", "content"].index)

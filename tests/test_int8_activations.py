@@ -15,10 +15,10 @@ from gguf import GGMLQuantizationType as QT
 from bench_helpers import benchmark_script
 from gguf_writer import make_tiny_tokenizer, write_tiny_gguf
 from roseinfer import LLM, SamplingParams
-from roseinfer.backends.cpu import kernels, ops
+from roseinfer.backends.cpu import ops
 from roseinfer.backends.cpu.quantized import INT8_ACTIVATIONS, INT8_TYPES
 from test_native_kernels import needs_kernels
-from test_quant_kernel_builds import BUILDS, X86, _flags
+from test_quant_kernel_builds import BUILDS, kernels_built_for
 from test_quantized import QTYPES as ALL_QTYPES, _tiny_hf, random_blocks
 
 K_QUANTS = (QT.Q4_K, QT.Q6_K)
@@ -77,19 +77,10 @@ def test_int8_matmul_equals_the_reference_on_the_same_quantized_rows(qtype: QT, 
 @needs_kernels
 @pytest.mark.parametrize("build", BUILDS)
 def test_int8_matmul_in_every_build(build: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    if build != "native" and not X86:
-        pytest.skip("the -mno-* flags are x86's")
-    if build == "avx2" and " avx2" not in kernels.cpu_flags():
-        pytest.skip("this CPU has no AVX2")
-    monkeypatch.setattr(kernels, "CFLAGS", _flags(build))
-    monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(tmp_path))
-    kernels.native_library.cache_clear()
-    try:
+    with kernels_built_for(build, tmp_path, monkeypatch):
         for qtype in QTYPES:
             for rows in (1, 3, 6):
                 _check(qtype, rows, 3, seed=rows)
-    finally:
-        kernels.native_library.cache_clear()  # later tests load the real build again
 
 
 # llama (an untied head) in each type: Q4_K and Q6_K take Q8_K rows, the 32-weight types Q8_0 rows

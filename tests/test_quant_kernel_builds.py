@@ -8,7 +8,9 @@ kernel does on the dequantized weights, bit for bit."""
 from __future__ import annotations
 
 import platform
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import gguf
 import pytest
@@ -31,6 +33,23 @@ def _flags(build: str) -> tuple[str, ...]:
     return kernels.CFLAGS
 
 
+@contextmanager
+def kernels_built_for(build: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The kernels compiled for `build` (skipped where this CPU cannot run it) into tmp_path, for the
+    with-block; the real build is loaded again after it."""
+    if build != "native" and not X86:
+        pytest.skip("the -mno-* flags are x86's")
+    if build == "avx2" and " avx2" not in kernels.cpu_flags():
+        pytest.skip("this CPU has no AVX2")
+    monkeypatch.setattr(kernels, "CFLAGS", _flags(build))
+    monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(tmp_path))
+    kernels.native_library.cache_clear()
+    try:
+        yield
+    finally:
+        kernels.native_library.cache_clear()
+
+
 def _packed(dense: torch.Tensor) -> torch.Tensor:
     """W [n, k] in csrc/packed_matmul.c's layout: 64-row blocks, each column's 64 values side by side."""
     n, k = dense.shape
@@ -42,14 +61,7 @@ def _packed(dense: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("build", BUILDS)
 def test_quant_matmul_equals_dequantize_then_matmul_in_every_build(build: str, tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    if build != "native" and not X86:
-        pytest.skip("the -mno-* flags are x86's")
-    if build == "avx2" and " avx2" not in kernels.cpu_flags():
-        pytest.skip("this CPU has no AVX2")
-    monkeypatch.setattr(kernels, "CFLAGS", _flags(build))
-    monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(tmp_path))
-    kernels.native_library.cache_clear()
-    try:
+    with kernels_built_for(build, tmp_path, monkeypatch):
         for qtype in QTYPES:
             for blocks_per_row in (1, 3):
                 blocks, dense = random_blocks(qtype, 37, gguf.GGML_QUANT_SIZES[qtype][0] * blocks_per_row,
@@ -65,5 +77,3 @@ def test_quant_matmul_equals_dequantize_then_matmul_in_every_build(build: str, t
                     assert torch.equal(ops.quant_matmul(wide[:, :dense.shape[1]], blocks, int(qtype), bias), got)
                     if rows >= 32:
                         assert torch.equal(got, ops.packed_matmul(x, _packed(dense).data_ptr(), 37, bias))
-    finally:
-        kernels.native_library.cache_clear()  # later tests load the real build again

@@ -22,7 +22,7 @@ from roseinfer.config import EngineConfig
 from roseinfer.server.app import build_app
 from roseinfer.server.args import ServerOptions, server_options
 from roseinfer.tokenizer import Tokenizer
-from server_helpers import model_copy, openai_client, serve_app, served
+from server_helpers import model_copy, openai_client, serve_app, served, split_stream
 from thinking_model import OPEN_THINKING_TEMPLATE, build_thinking_model
 from tiny_models import hf_greedy, load_hf_model
 
@@ -103,20 +103,8 @@ def test_a_reply_splits_into_reasoning_and_answer_as_hf_wrote_it(client: openai.
 def test_a_stream_sends_the_reasoning_then_the_answer(client: openai.OpenAI, tokenizer: Tokenizer,
                                                       biased_reply: tuple[list[int], int]) -> None:
     tokens, end = biased_reply
-    kinds, reasoning, answer, usage = [], "", "", None
-    for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True},
-                                                **biased(tokenizer)):
-        if not chunk.choices:
-            usage = chunk.usage
-            continue
-        delta = chunk.choices[0].delta
-        if getattr(delta, "reasoning_content", None):
-            assert delta.reasoning == delta.reasoning_content
-            reasoning += delta.reasoning_content
-            kinds.append("reasoning")
-        if delta.content:
-            answer += delta.content
-            kinds.append("content")
+    reasoning, answer, kinds, usage = split_stream(
+        client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **biased(tokenizer)))
     assert (reasoning, answer) == expected_split(tokenizer, tokens)
     assert kinds == sorted(kinds, key=["reasoning", "content"].index)  # all the reasoning first
     assert usage.completion_tokens_details.reasoning_tokens == end
