@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
+import tempfile
 from typing import Callable, Iterator
 
 import pytest
@@ -19,11 +21,21 @@ def pytest_configure(config: pytest.Config) -> None:
 
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    # GGUF conversions (and kernel builds) go to a folder of this run's, never the user's cache, which
+    # no test cleans: converted folders of temp files would pile up there run after run.
+    if "ROSEINFER_CACHE_DIR" not in os.environ:
+        os.environ["ROSEINFER_CACHE_DIR"] = config._roseinfer_cache = tempfile.mkdtemp(prefix="roseinfer-tests-")
     # Also declared in pyproject.toml; repeated here so the markers exist under any rootdir.
     config.addinivalue_line("markers", "cuda: needs a CUDA device")
     config.addinivalue_line("markers", "slow: loads the default model")
     config.addinivalue_line("markers", "install: builds the wheel and installs it into an empty venv from PyPI")
     config.addinivalue_line("markers", "triton: Triton kernels, run on CPU under TRITON_INTERPRET=1")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if cache := getattr(config, "_roseinfer_cache", None):
+        shutil.rmtree(cache, ignore_errors=True)
+        os.environ.pop("ROSEINFER_CACHE_DIR", None)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -184,6 +184,23 @@ def test_cache_hit_does_not_convert_again_or_rewrite(tmp_path: Path, tok, monkey
     assert convert_gguf(src, cache_dir=str(tmp_path / "arg")).parent == tmp_path / "arg" / "gguf"
 
 
+def test_conversion_prunes_folders_no_load_can_hit(tmp_path: Path, tok) -> None:
+    cache = str(tmp_path / "cache")
+    model = _tiny_model("llama", len(tok))
+    gone = write_tiny_gguf(tmp_path / "gone.gguf", model, tok, "Q8_0")
+    gone_folder = convert_gguf(gone, cache_dir=cache)
+    gone.unlink()
+    src = write_tiny_gguf(tmp_path / "tiny.gguf", model, tok, "Q8_0")
+    fp32, blocks = convert_gguf(src, cache_dir=cache), convert_gguf(src, cache_dir=cache, keep_blocks=True)
+    assert not gone_folder.exists()  # its GGUF was deleted
+    assert fp32.is_dir() and blocks.is_dir()  # one file's two forms are both current
+
+    st = src.stat()
+    os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the file replaced in place
+    fresh = convert_gguf(src, cache_dir=cache)
+    assert sorted(p.name for p in fresh.parent.iterdir()) == [fresh.name]
+
+
 def test_not_gguf_raises_value_error(tmp_path: Path) -> None:
     bad = tmp_path / "model.gguf"
     bad.write_text('{"this is": "json, not gguf"}')

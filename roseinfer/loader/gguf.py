@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 _CONVERTER_VERSION = 2
 KEPT_TYPES: tuple[str, ...] = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")  # kept as blocks with keep_blocks
 QUANTIZATION_FILE = "roseinfer_quantization.json"
+_SOURCE_FILE = "roseinfer_gguf_source.json"
 _GGUF_MAGIC = b"GGUF"
 _SHARD_BYTES = 2 * 2**30  # big models are written in shards of this size
 # transformers reads no config of these (or, for gpt-oss, fails on its rope scaling fields)
@@ -95,6 +96,7 @@ def convert_gguf(gguf_path: str | os.PathLike[str], cache_dir: str | None = None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    _prune_stale(parent, src)
     return final
 
 
@@ -168,8 +170,30 @@ def _convert_into(src: Path, out: Path, keep_blocks: bool) -> None:
     if keep_blocks:
         kept = {p.hf_name: {"type": p.blocks[0], "shape": list(p.shape)} for p in plans if p.blocks is not None}
         (out / QUANTIZATION_FILE).write_text(json.dumps({"quant_method": "gguf", "tensors": kept}, indent=1) + "\n")
-    source = {"source": str(src), "converter_version": _CONVERTER_VERSION}
-    (out / "roseinfer_gguf_source.json").write_text(json.dumps(source, indent=2) + "\n")
+    (out / _SOURCE_FILE).write_text(json.dumps(_source_record(src), indent=2) + "\n")
+
+
+def _source_record(src: Path) -> dict[str, Any]:
+    st = src.stat()
+    return {"source": str(src), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "converter_version": _CONVERTER_VERSION}
+
+
+def _prune_stale(parent: Path, src: Path) -> None:
+    """Remove cached folders that no load can hit again: those of an older version of `src` (the file
+    was replaced, or the converter changed) and those whose GGUF file is gone. Each is as big as its
+    model, so without this the cache only grows."""
+    current = _source_record(src)
+    for folder in parent.iterdir():
+        try:
+            record = json.loads((folder / _SOURCE_FILE).read_text())
+            source = Path(record["source"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # a folder being built, or not one of ours
+        replaced = source == src and record != current
+        if replaced or not source.exists():
+            logger.info("removing %s from the GGUF cache: %s", folder,
+                        "its source changed" if replaced else f"{source} no longer exists")
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _kept_as_blocks(plan: TensorPlan, tensor: _RawTensor) -> TensorPlan:
