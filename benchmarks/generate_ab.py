@@ -22,7 +22,7 @@ model, options, n, prompt_len, max_tokens, threads = sys.argv[1], json.loads(sys
 llm = LLM(model=model, num_threads=threads, **options)
 prompts = [[(i * 7 + j) % 300 + 50 for j in range(prompt_len)] for i in range(n)]
 llm.generate(prompts[:16], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
-llm.engine.block_manager.reset_prefix_cache()
+llm.reset_prefix_cache()
 start, cpu = time.perf_counter(), time.process_time()
 outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
 wall, cpu = time.perf_counter() - start, time.process_time() - cpu

@@ -61,9 +61,9 @@ HELP = {
                           "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 1, \"prompt_lookup_max\": 4, "
                           "\"disable_by_batch_size\": 1}', or '{\"model\": DRAFT, \"num_speculative_tokens\": 4}' "
                           "for a draft model with the target's vocabulary (default: none)",
-    "engine_process": "serve: run the engine core (scheduler, forward, sampler) in a process of its own, the "
-                      "server's process keeping HTTP, detokenization and stop strings (on), or in a thread of the "
-                      "server's process (off); auto (default): on",
+    "engine_process": "run the engine core (scheduler, forward, sampler) in a process of its own, the caller's "
+                      "process keeping HTTP, detokenization and stop strings (on), or in a thread of the caller's "
+                      "process (off); auto (default): on for serve, off for LLM and bench throughput",
 }
 
 

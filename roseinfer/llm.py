@@ -1,21 +1,29 @@
-"""LLM: the offline API (vLLM's shape) over LLMEngine."""
+"""LLM: the offline API (vLLM's shape) over LLMEngine, in this thread or in an engine process of its own."""
 from __future__ import annotations
 
+import itertools
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from tqdm import tqdm
 
 from roseinfer.config import EngineConfig
-from roseinfer.engine.llm_engine import LLMEngine
-from roseinfer.engine.request import Request, TokenLogprobs
+from roseinfer.engine.llm_engine import EMBEDDING_SAMPLING, LLMEngine
+from roseinfer.engine.request import TokenLogprobs
+from roseinfer.engine.speculative import SpecStats
+from roseinfer.engine_client.engine_view import EngineView
+from roseinfer.engine_client.process_client import EngineProcessClient
 from roseinfer.output_processor import OutputProcessor, StreamDelta
 from roseinfer.pooling_params import PoolingParams
 from roseinfer.reasoning import pick_reasoning_parser
 from roseinfer.sampling_params import SamplingParams
 
 Conversation = list[dict[str, Any]]
+Prompt = str | list[int]
+# what a run hands back per prompt: its request id, prompt ids, sampling params and final delta
+Finished = tuple[str, list[int], SamplingParams, StreamDelta]
 
 
 @dataclass
@@ -50,8 +58,18 @@ class LLM:
     def __init__(self, model: str | None = None, reasoning_parser: str = "none", **engine_options: Any) -> None:
         """reasoning_parser: how chat() splits a thinking model's reasoning from its answer, as
         `roseinfer serve --reasoning-parser` does: "none" (the default: the reply as written),
-        "auto", "qwen3" or "deepseek_r1"."""
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_options))
+        "auto", "qwen3" or "deepseek_r1". engine_process="on" runs the engine core in a process of its
+        own, as `serve` does; "auto" and "off" step it in the calling thread, which is faster offline
+        (docs/profiling.md §9)."""
+        config = EngineConfig.from_kwargs(model=model, **engine_options)
+        self._client: EngineProcessClient | None = None
+        self.engine: LLMEngine | EngineView
+        if config.engine_process == "on":
+            self._client = EngineProcessClient(config)
+            self._client.start()
+            self.engine = self._client.engine
+        else:
+            self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
         self.think_tags = pick_reasoning_parser(self.tokenizer.chat_template, reasoning_parser, self.tokenizer)
 
@@ -67,25 +85,32 @@ class LLM:
             params_list = list(sampling_params)
         else:
             params_list = [sampling_params or self.get_default_sampling_params()] * len(prompts)
-        requests = [self.engine.new_request(prompt, params) for prompt, params in zip(prompts, params_list)]
-        finals = self._run(requests, use_tqdm)
-        return [_completion(req.request_id, req.prompt_token_ids, req.sampling_params, finals[req.request_id])
-                for req in requests]
+        return [_completion(*finished) for finished in self._run(prompts, params_list, None, use_tqdm)]
 
     def embed(self, prompts: str | list[int] | Sequence[str | list[int]], pooling_params: PoolingParams | None = None,
               use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
         """Each prompt's final hidden state pooled into one vector, in order; vLLM's shape. Without
         PoolingParams, the checkpoint's sentence-transformers pooling, else the last token's, normalized."""
+        prompts = _prompt_list(prompts)
         params = pooling_params or self.engine.pooling_defaults
-        requests = [self.engine.new_request(prompt, pooling_params=params) for prompt in _prompt_list(prompts)]
-        finals = self._run(requests, use_tqdm)
-        return [EmbeddingRequestOutput(req.request_id, req.prompt_token_ids,
-                                       EmbeddingOutput(finals[req.request_id].embedding or []))
-                for req in requests]
+        finished = self._run(prompts, [EMBEDDING_SAMPLING] * len(prompts), params, use_tqdm)
+        return [EmbeddingRequestOutput(request_id, prompt_ids, EmbeddingOutput(final.embedding or []))
+                for request_id, prompt_ids, _, final in finished]
 
-    def _run(self, requests: list[Request], use_tqdm: bool) -> dict[str, StreamDelta]:
-        """Step the engine until every request is done; their final deltas by request id."""
+    def _run(self, prompts: list[Prompt], params_list: list[SamplingParams], pooling: PoolingParams | None,
+             use_tqdm: bool) -> list[Finished]:
+        """Every prompt run to its end, in order; each validated before any reaches the engine."""
+        if self._client is None:
+            return self._run_here(prompts, params_list, pooling, use_tqdm)
+        return self._run_in_engine_process(prompts, params_list, pooling, use_tqdm)
+
+    def _run_here(self, prompts: list[Prompt], params_list: list[SamplingParams], pooling: PoolingParams | None,
+                  use_tqdm: bool) -> list[Finished]:
+        """Step the engine in this thread until every request is done."""
         engine = self.engine
+        assert isinstance(engine, LLMEngine)
+        requests = [engine.new_request(prompt, params, pooling_params=pooling)
+                    for prompt, params in zip(prompts, params_list)]
         processor = OutputProcessor(self.tokenizer)
         finals: dict[str, StreamDelta] = {}
         try:
@@ -104,7 +129,27 @@ class LLM:
             for req in requests:
                 engine.abort_request(req.request_id)  # no-op for finished ones; frees blocks if interrupted
             engine.pop_finished_ids()
-        return finals
+        return [(req.request_id, req.prompt_token_ids, req.sampling_params, finals[req.request_id]) for req in requests]
+
+    def _run_in_engine_process(self, prompts: list[Prompt], params_list: list[SamplingParams],
+                               pooling: PoolingParams | None, use_tqdm: bool) -> list[Finished]:
+        """Submit every prompt to the engine process and wait for their final deltas."""
+        client = self._client
+        assert client is not None
+        prompt_ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        for ids, params in zip(prompt_ids, params_list):
+            self.engine.validate(ids, params)
+        request_ids = [f"llm-{next(_request_numbers)}" for _ in prompts]
+        # a thread of its own: a stream submitted where an event loop runs (a notebook) is read with `async for`
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            collecting = pool.submit(_collect, client, request_ids, prompt_ids, params_list, pooling, use_tqdm)
+            try:
+                finals = collecting.result()
+            except BaseException:
+                for request_id in request_ids:
+                    client.abort(request_id)  # ends their streams, so the collecting thread returns too
+                raise
+        return list(zip(request_ids, prompt_ids, params_list, finals))
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
@@ -126,22 +171,59 @@ class LLM:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What a call without SamplingParams uses: the model's generation-config defaults (vLLM's name)."""
-        return self.engine.default_sampling_params()
+        return SamplingParams(**self.engine.sampling_defaults)
 
     def kv_cache_stats(self) -> dict[str, int]:
-        return self.engine.kv_cache_stats()
+        """The block manager's counters (in an engine process: as its last output reported them)."""
+        if self._client is None:
+            return self.engine.kv_cache_stats()
+        stats = self._client.stats()
+        return {key: stats[f"kv_{key}"] for key in ("used_blocks", "free_blocks", "total_blocks")} | {
+            key: stats[key] for key in ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits")}
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix block no request uses (vLLM's name): the next prompts compute in full."""
+        if self._client is not None:
+            self._client.reset_prefix_cache()
+        else:
+            self.engine.block_manager.reset_prefix_cache()
 
     def shutdown(self) -> None:
-        """Stop the engine's tensor-parallel worker processes now (else when the LLM is garbage
-        collected, or at exit); a no-op without tensor parallelism."""
-        self.engine.shutdown()
+        """Stop the engine process, or the tensor-parallel worker processes, now (else when the LLM is
+        garbage collected, or at exit); a no-op without either."""
+        if self._client is not None:
+            self._client.shutdown()
+        else:
+            self.engine.shutdown()
 
     def speculative_stats(self) -> dict[str, float]:
-        return self.engine.speculative_stats()
+        if self._client is None:
+            return self.engine.speculative_stats()
+        stats = self._client.stats()
+        return {key: stats[key] for key in SpecStats().as_dict()}
 
     def apply_chat_template(self, messages: Conversation, add_generation_prompt: bool = True,
                             **template_kwargs: Any) -> list[int]:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt, **template_kwargs)
+
+
+_request_numbers = itertools.count()
+
+
+def _collect(client: EngineProcessClient, request_ids: list[str], prompt_ids: list[list[int]],
+             params_list: list[SamplingParams], pooling: PoolingParams | None, use_tqdm: bool) -> list[StreamDelta]:
+    """Submit the requests and read each one's final delta; an engine failure raises."""
+    streams = [client.submit(ids, params, request_id, pooling_params=pooling, final_only=True)
+               for request_id, ids, params in zip(request_ids, prompt_ids, params_list)]
+    finals = []
+    with _Progress(len(streams), use_tqdm) as progress:
+        for stream in streams:
+            final = stream.get()
+            if final.error is not None and final.error_status >= 500:
+                raise RuntimeError(f"request {stream.request_id} failed: {final.error}")
+            progress.finished(final)
+            finals.append(final)
+    return finals
 
 
 def _prompt_list(prompts: str | list[int] | Sequence[str | list[int]]) -> list[str | list[int]]:

@@ -149,11 +149,14 @@ class RoseinferRunner:
     def __init__(self, args: argparse.Namespace, batch_size: int) -> None:
         from roseinfer.llm import LLM
 
+        if args.engine_process == "on":
+            raise ValueError("bench offline steps the engine in this process: --engine-process on is for serve, "
+                             "LLM and bench throughput")
         self.llm = LLM(**vars(engine_config_from_flags(args, max_num_seqs=batch_size)))
         self.engine = self.llm.engine
 
     def reset_prefix_cache(self) -> None:
-        self.engine.block_manager.reset_prefix_cache()
+        self.llm.reset_prefix_cache()
 
     def run(self, mode: str, prompts: list[list[int]], params: SamplingParams) -> list[RequestTiming]:
         if mode == "naive":

@@ -76,7 +76,7 @@ def run_roseinfer(args: argparse.Namespace, workload: Workload, warmup: Workload
 
     llm = LLM(**vars(engine_config_from_args(args)))
     _generate(llm, warmup)
-    llm.engine.block_manager.reset_prefix_cache()  # the timed run computes every prompt
+    llm.reset_prefix_cache()  # the timed run computes every prompt
     _synchronize(args.device)
     start = time.perf_counter()
     made = _generate(llm, workload)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 from roseinfer.engine.structured_output import CompiledGrammar
 from roseinfer.engine_client.request_stream import RequestStream
 from roseinfer.output_processor import StreamDelta
+from roseinfer.pooling_params import PoolingParams
 from roseinfer.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -38,9 +39,11 @@ class EngineClient(Protocol):
     def start(self) -> None: ...
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-               submit_start: float | None = None, grammar: CompiledGrammar | None = None) -> RequestStream:
+               submit_start: float | None = None, grammar: CompiledGrammar | None = None,
+               pooling_params: PoolingParams | None = None) -> RequestStream:
         """Queue a request; ValueError on bad input (nothing reached the engine), OverloadedError past
-        the limit, ShuttingDownError when the client takes no more."""
+        the limit, ShuttingDownError when the client takes no more. `pooling_params`: an embedding
+        request. The local clients also take final_only (LLM's way: OutputProcessor.add_request)."""
 
     def abort(self, request_id: str) -> None: ...
 

@@ -21,7 +21,8 @@ from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.engine.outputs import EngineCoreOutput
 from roseinfer.engine.structured_output import CompiledGrammar, compile_pool
 from roseinfer.engine_client.in_process import engine_stats
-from roseinfer.engine_client.messages import ABORT, ADD, AddRequest, CoreOutputs, add_decoder, encoder, ids_decoder
+from roseinfer.engine_client.messages import (ABORT, ADD, RESET_PREFIX_CACHE, AddRequest, CoreOutputs, add_decoder, encoder,
+                                              ids_decoder)
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,8 @@ class CoreLoop:
                     outputs += self._add(body)
                 elif kind == ABORT:
                     outputs += [out for out in map(self._abort, ids_decoder.decode(body)) if out is not None]
+                elif kind == RESET_PREFIX_CACHE:
+                    engine.block_manager.reset_prefix_cache()
             failure = None
             if engine.has_unfinished():
                 try:

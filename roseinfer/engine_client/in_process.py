@@ -42,6 +42,7 @@ class _Submission:
     request: Request  # opaque here: built by engine.new_request, handed to the engine core
     prompt_ids: list[int]
     params: SamplingParams
+    final_only: bool
 
 
 class InProcessClient:
@@ -111,7 +112,7 @@ class InProcessClient:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                submit_start: float | None = None, grammar: CompiledGrammar | None = None,
-               pooling_params: PoolingParams | None = None) -> RequestStream:
+               pooling_params: PoolingParams | None = None, final_only: bool = False) -> RequestStream:
         """Queue a request; raises ValueError on bad input and OverloadedError past the limit.
         `grammar`: params.structured_outputs compiled by the caller (engine.compile_grammar), so that
         the worker never stalls a step on it. `pooling_params`: an embedding request (its final
@@ -131,7 +132,7 @@ class InProcessClient:
                 raise ShuttingDownError(SHUTDOWN_MESSAGE)
             admit(self._inflight, request_id, self.max_inflight_requests)
             timings["submit_end"] = time.perf_counter()
-            self._new.append(_Submission(stream, request, prompt_ids, params))
+            self._new.append(_Submission(stream, request, prompt_ids, params, final_only))
             self._cond.notify()
         return stream
 
@@ -187,7 +188,7 @@ class InProcessClient:
                 logger.exception("could not add request %s", sub.stream.request_id)
                 self._table.refuse(sub.stream, exc, deltas)
                 continue
-            self._table.open(sub.stream, sub.prompt_ids, sub.params)
+            self._table.open(sub.stream, sub.prompt_ids, sub.params, sub.final_only)
         if stopping:
             self._fail_all(SHUTDOWN_MESSAGE, deltas, status=503)
             return

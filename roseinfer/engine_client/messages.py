@@ -11,6 +11,7 @@ from roseinfer.sampling_params import SamplingParams
 
 ADD = b"a"  # body: AddRequest
 ABORT = b"x"  # body: a list of request ids
+RESET_PREFIX_CACHE = b"r"  # no body
 
 
 class AddRequest(msgspec.Struct, array_like=True, gc=False):

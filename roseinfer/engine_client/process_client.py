@@ -31,7 +31,7 @@ from roseinfer.engine.structured_output import CompiledGrammar
 from roseinfer.engine_client.client import SHUTDOWN_MESSAGE, FinishedHook, ShuttingDownError, admit
 from roseinfer.engine_client.core_process import run_engine_core
 from roseinfer.engine_client.engine_view import EngineView
-from roseinfer.engine_client.messages import ABORT, ADD, AddRequest, encoder, outputs_decoder
+from roseinfer.engine_client.messages import ABORT, ADD, RESET_PREFIX_CACHE, AddRequest, encoder, outputs_decoder
 from roseinfer.engine_client.request_stream import RequestStream, deliver
 from roseinfer.engine_client.stream_table import Deltas, StreamTable
 from roseinfer.pooling_params import PoolingParams
@@ -68,7 +68,7 @@ class EngineProcessClient:
         self.engine = EngineView.of(config, info["max_model_len"], info["num_kv_blocks"])
         self._lock = threading.Lock()
         # guarded by _lock
-        self._pending: list[tuple[RequestStream, list[int], SamplingParams]] = []  # sent, not yet in the table
+        self._pending: list[tuple[RequestStream, list[int], SamplingParams, bool]] = []  # sent, not yet in the table
         self._inflight: set[str] = set()
         self._stopping = self._draining = self._deadline_passed = False
         self._dead: str | None = None  # why the engine process is gone
@@ -102,7 +102,7 @@ class EngineProcessClient:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                submit_start: float | None = None, grammar: CompiledGrammar | None = None,
-               pooling_params: PoolingParams | None = None) -> RequestStream:
+               pooling_params: PoolingParams | None = None, final_only: bool = False) -> RequestStream:
         """Queue a request; ValueError on bad input, before anything is sent. `grammar`: the caller's
         compiled constraint, which proves it compiles; the engine process compiles its own.
         `pooling_params`: an embedding request (its final delta carries the vector)."""
@@ -120,7 +120,7 @@ class EngineProcessClient:
                 raise ShuttingDownError(reason)
             admit(self._inflight, request_id, self.max_inflight_requests)
             stream = RequestStream(request_id, len(prompt_ids), timings)
-            self._pending.append((stream, prompt_ids, params))
+            self._pending.append((stream, prompt_ids, params, final_only))
             self._to_core.send_multipart((ADD, encoder.encode(AddRequest(request_id, prompt_ids, params, tokenized, pooling_params))))
             timings["submit_end"] = time.perf_counter()
         return stream
@@ -131,6 +131,12 @@ class EngineProcessClient:
         with self._lock:
             self._inflight.discard(request_id)
             self._send_aborts([request_id])
+
+    def reset_prefix_cache(self) -> None:
+        """Forget the cached blocks nobody uses; requests submitted after this call find none of them."""
+        with self._lock:
+            if self._dead is None:
+                self._to_core.send_multipart((RESET_PREFIX_CACHE, b""))
 
     def stats(self) -> dict:
         """The engine's counters as of its last message, plus requests in flight here."""
@@ -239,8 +245,8 @@ class EngineProcessClient:
         """The requests submitted since the last call, into the table."""
         with self._lock:
             pending, self._pending = self._pending, []
-        for stream, prompt_ids, params in pending:
-            self._table.open(stream, prompt_ids, params)
+        for stream, prompt_ids, params, final_only in pending:
+            self._table.open(stream, prompt_ids, params, final_only)
 
     def _send_aborts(self, request_ids: list[str]) -> None:
         """Under the lock."""

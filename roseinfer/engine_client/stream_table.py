@@ -26,9 +26,10 @@ class StreamTable:
         self.streams: dict[str, RequestStream] = {}
         self.done: list[str] = []  # finalized since the owner last took them (its in-flight count)
 
-    def open(self, stream: RequestStream, prompt_ids: list[int], params: SamplingParams) -> None:
+    def open(self, stream: RequestStream, prompt_ids: list[int], params: SamplingParams,
+             final_only: bool = False) -> None:
         self.streams[stream.request_id] = stream
-        self.processor.add_request(stream.request_id, prompt_ids, params)
+        self.processor.add_request(stream.request_id, prompt_ids, params, final_only)
 
     def refuse(self, stream: RequestStream, exc: Exception, deltas: Deltas) -> None:
         """End a request the core would not take (a ValueError is the request's fault: a 400)."""
