@@ -22,7 +22,7 @@ from roseinfer.loader.gguf import convert_gguf
 from test_native_kernels import needs_kernels
 from tiny_models import hf_greedy
 
-QTYPES = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q4_K, QT.Q5_K, QT.Q6_K]
+QTYPES = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K, QT.Q6_K]
 
 
 def random_blocks(qtype: QT, rows: int, cols: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,7 +67,7 @@ def test_quant_matmul_refuses_types_and_widths_it_does_not_handle() -> None:
     with pytest.raises(ValueError, match="not supported"):
         ops.quant_matmul(torch.randn(2, 32), blocks[:, :18], int(QT.Q4_K), None)  # 32 is not whole 256-blocks
     with pytest.raises(ValueError, match="not supported"):
-        ops.quant_matmul(torch.randn(2, 32), blocks[:, :18], int(QT.Q5_0), None)
+        ops.quant_matmul(torch.randn(2, 32), blocks[:, :18], int(QT.Q2_K), None)
 
 
 def _tiny_hf(model_type: str, hidden: int, vocab: int, **overrides) -> torch.nn.Module:
@@ -215,7 +215,7 @@ def test_a_weight_in_parts_gives_each_parts_own_matmul_bit_for_bit(rows: int) ->
     """Each part computed by its type's kernel into its columns of the output: the values of that
     part's own quant_matmul bit for bit, at every row count (block kernels, the tiles from 17/32 rows),
     with the norm before it in the same call too."""
-    parts = [(QT.Q4_K, 37), (QT.Q6_K, 21), (QT.Q5_K, 5)]
+    parts = [(QT.Q4_K, 37), (QT.Q6_K, 21), (QT.Q5_K, 5), (QT.Q5_0, 11), (QT.Q5_1, 3)]
     blocks, array, address, layout = _parts_weight(parts, 512)
     n = sum(r for _, r in parts)
     x, bias = torch.randn(rows, 512), torch.randn(n)
