@@ -265,6 +265,31 @@ def test_engine_with_fused_weights_in_mixed_types_matches_hf_and_the_layer_path(
     assert [o.logprobs for o in outs] == [o.logprobs for o in layer_by_layer]
 
 
+@needs_kernels
+def test_gemma3_in_q5_0_with_a_q8_0_v_keeps_its_blocks_and_matches_hf(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Gemma-3-1B Q4_K_M file's layout where rows are not whole 256-blocks (llama-quantize falls back
+    to Q5_0, and v to Q8_0): every linear keeps its blocks, q/k/v in parts of two types, and greedy
+    tokens equal HF's on the dequantized weights."""
+    from roseinfer.backends.cpu.quantized import QuantizedPartsLinear
+    from test_gemma import _tiny_gemma
+
+    monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(tmp_path / "cache"))
+    tok = make_tiny_tokenizer(300)
+    src = write_tiny_gguf(tmp_path / "tiny.gguf", _tiny_gemma("gemma3_text", len(tok)), tok, "Q5_0",
+                          qtypes={"attn_v": "Q8_0"})
+    llm = LLM(model=str(src), quantization="gguf", num_kv_blocks=32)
+    for layer in llm.engine.runner.model.model.layers:
+        assert isinstance(layer.self_attn.qkv_proj, QuantizedPartsLinear)
+        assert layer.mlp.gate_up_proj.weight.ggml_type == int(QT.Q5_0)
+    prompts = [[5, 17, 42, 9], list(range(3, 40))]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    folder = convert_gguf(src)
+    refs = [hf_greedy(folder, p, 12) for p in prompts]
+    assert any(len(set(r)) > 2 for r in refs), "degenerate reference"
+    assert [o.token_ids for o in outs] == refs
+
+
 def test_quantization_gguf_needs_a_backend_and_a_model_that_have_blocks(tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """--quantization gguf with the torch backend is an error naming the way out; auto there falls back
