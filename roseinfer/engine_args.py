@@ -23,13 +23,13 @@ HELP = {
                          "C call (fp32); triton: Triton kernels (CUDA); torch: torch ops only, any device (the "
                          "reference, and the switch to run without any kernel of ours); auto (default): cpu on "
                          "a CPU where the kernels build, triton on CUDA, else torch",
-    "quantization": "GGUF models: gguf keeps Q8_0/Q4_0/Q4_1/Q4_K/Q6_K matrices in their blocks and dequantizes "
-                    "them inside the matmul (cpu backend; an error on one that cannot); none dequantizes every "
-                    "tensor to fp32 at load; auto (default): gguf where the backend can, else fp32",
+    "quantization": "GGUF models: gguf keeps Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K matrices in their blocks "
+                    "and dequantizes them inside the matmul (cpu backend; an error on one that cannot); none "
+                    "dequantizes every tensor to fp32 at load; auto (default): gguf where the backend can, else fp32",
     "cpu_activations": "cpu backend, GGUF blocks kept (--quantization gguf/auto): fp32 multiplies them by fp32 rows "
                        "(exact on the dequantized weights); int8 quantizes each row of x to 8 bits (Q8_K for "
-                       "Q4_K/Q6_K, Q8_0 for Q8_0/Q4_0/Q4_1) and multiplies with integer dot products, as llama.cpp "
-                       "does (faster, not exact: docs/quantization.md); auto (default): fp32",
+                       "Q4_K/Q6_K, Q8_0 for Q8_0/Q4_0/Q4_1/Q5_0/Q5_1) and multiplies with integer dot products, "
+                       "as llama.cpp does (faster, not exact: docs/quantization.md); auto (default): fp32",
     "enforce_eager": "CUDA: run decode steps eagerly instead of replaying CUDA graphs captured at start-up",
     "generation_config": "sampling defaults for request fields left unset: auto (the model's "
                          "generation_config.json, where it has one), vllm (none: the API's defaults), or a folder "

@@ -12,7 +12,8 @@
 
 #define INT8_ACTIVATIONS 0x100 /* csrc/quants.h's */
 
-static const int64_t TYPES[][3] = {{2, 18, 32}, {3, 20, 32}, {8, 34, 32}, {12, 144, 256}, {14, 210, 256}};
+static const int64_t TYPES[][3] = {{2, 18, 32}, {3, 20, 32},    {6, 22, 32},
+                                   {7, 24, 32}, {8, 34, 32},    {12, 144, 256}, {14, 210, 256}};
 
 static uint8_t *blocks(int64_t count, int64_t bytes) {
     uint8_t *p = malloc((size_t)(count * bytes));
@@ -25,7 +26,7 @@ static uint8_t *blocks(int64_t count, int64_t bytes) {
 }
 
 int main(void) {
-    for (int t = 0; t < 5; t++) {
+    for (int t = 0; t < 7; t++) {
         const int64_t type = TYPES[t][0] | INT8_ACTIVATIONS, bytes = TYPES[t][1], per_block = TYPES[t][2];
         for (int64_t blocks_per_row = 1; blocks_per_row <= 3; blocks_per_row += 2) {
             const int64_t k = blocks_per_row * per_block, n = 37;

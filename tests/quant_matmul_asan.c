@@ -8,7 +8,8 @@
 
 #include "kernels.h"
 
-static const int64_t TYPES[][3] = {{2, 18, 32}, {3, 20, 32}, {8, 34, 32}, {12, 144, 256}, {13, 176, 256}, {14, 210, 256}};
+static const int64_t TYPES[][3] = {{2, 18, 32},   {3, 20, 32},    {6, 22, 32},    {7, 24, 32},
+                                   {8, 34, 32},   {12, 144, 256}, {13, 176, 256}, {14, 210, 256}};
 
 static uint8_t *blocks(int64_t count, int64_t bytes) {
     uint8_t *p = malloc((size_t)(count * bytes));
@@ -21,7 +22,7 @@ static uint8_t *blocks(int64_t count, int64_t bytes) {
 }
 
 int main(void) {
-    for (int t = 0; t < 6; t++) {
+    for (int t = 0; t < 8; t++) {
         const int64_t type = TYPES[t][0], bytes = TYPES[t][1], per_block = TYPES[t][2];
         for (int64_t blocks_per_row = 1; blocks_per_row <= 3; blocks_per_row += 2) {
             const int64_t k = blocks_per_row * per_block, n = 37;
@@ -48,7 +49,7 @@ int main(void) {
         }
     }
     /* a type not handled and a row that is not whole blocks are refused */
-    if (quant_matmul_f32(NULL, 0, NULL, 6, NULL, NULL, 1, 1, 32, 1) == 0 ||
+    if (quant_matmul_f32(NULL, 0, NULL, 10, NULL, NULL, 1, 1, 32, 1) == 0 ||
         quant_matmul_f32(NULL, 0, NULL, 12, NULL, NULL, 1, 1, 32, 1) == 0) {
         printf("an unsupported type or width was accepted\n");
         return 1;

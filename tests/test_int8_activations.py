@@ -84,7 +84,7 @@ def test_int8_matmul_in_every_build(build: str, tmp_path: Path, monkeypatch: pyt
 
 
 # llama (an untied head) in each type: Q4_K and Q6_K take Q8_K rows, the 32-weight types Q8_0 rows
-AGREEMENT_TYPES = ["Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1"]
+AGREEMENT_TYPES = ["Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
 
 
 @needs_kernels

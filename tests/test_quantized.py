@@ -22,7 +22,7 @@ from roseinfer.loader.gguf import convert_gguf
 from test_native_kernels import needs_kernels
 from tiny_models import hf_greedy
 
-QTYPES = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q4_K, QT.Q5_K, QT.Q6_K]
+QTYPES = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K, QT.Q6_K]
 
 
 def random_blocks(qtype: QT, rows: int, cols: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,7 +67,7 @@ def test_quant_matmul_refuses_types_and_widths_it_does_not_handle() -> None:
     with pytest.raises(ValueError, match="not supported"):
         ops.quant_matmul(torch.randn(2, 32), blocks[:, :18], int(QT.Q4_K), None)  # 32 is not whole 256-blocks
     with pytest.raises(ValueError, match="not supported"):
-        ops.quant_matmul(torch.randn(2, 32), blocks[:, :18], int(QT.Q5_0), None)
+        ops.quant_matmul(torch.randn(2, 32), blocks[:, :18], int(QT.Q2_K), None)
 
 
 def _tiny_hf(model_type: str, hidden: int, vocab: int, **overrides) -> torch.nn.Module:
@@ -215,7 +215,7 @@ def test_a_weight_in_parts_gives_each_parts_own_matmul_bit_for_bit(rows: int) ->
     """Each part computed by its type's kernel into its columns of the output: the values of that
     part's own quant_matmul bit for bit, at every row count (block kernels, the tiles from 17/32 rows),
     with the norm before it in the same call too."""
-    parts = [(QT.Q4_K, 37), (QT.Q6_K, 21), (QT.Q5_K, 5)]
+    parts = [(QT.Q4_K, 37), (QT.Q6_K, 21), (QT.Q5_K, 5), (QT.Q5_0, 11), (QT.Q5_1, 3)]
     blocks, array, address, layout = _parts_weight(parts, 512)
     n = sum(r for _, r in parts)
     x, bias = torch.randn(rows, 512), torch.randn(n)
@@ -263,6 +263,31 @@ def test_engine_with_fused_weights_in_mixed_types_matches_hf_and_the_layer_path(
     monkeypatch.setattr(CPULlamaForCausalLM, "decode_layers", lambda self, kv_caches: None)
     layer_by_layer = LLM(model=str(src), quantization="gguf", num_kv_blocks=32).generate(prompts, params)
     assert [o.logprobs for o in outs] == [o.logprobs for o in layer_by_layer]
+
+
+@needs_kernels
+def test_gemma3_in_q5_0_with_a_q8_0_v_keeps_its_blocks_and_matches_hf(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Gemma-3-1B Q4_K_M file's layout where rows are not whole 256-blocks (llama-quantize falls back
+    to Q5_0, and v to Q8_0): every linear keeps its blocks, q/k/v in parts of two types, and greedy
+    tokens equal HF's on the dequantized weights."""
+    from roseinfer.backends.cpu.quantized import QuantizedPartsLinear
+    from test_gemma import _tiny_gemma
+
+    monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(tmp_path / "cache"))
+    tok = make_tiny_tokenizer(300)
+    src = write_tiny_gguf(tmp_path / "tiny.gguf", _tiny_gemma("gemma3_text", len(tok)), tok, "Q5_0",
+                          qtypes={"attn_v": "Q8_0"})
+    llm = LLM(model=str(src), quantization="gguf", num_kv_blocks=32)
+    for layer in llm.engine.runner.model.model.layers:
+        assert isinstance(layer.self_attn.qkv_proj, QuantizedPartsLinear)
+        assert layer.mlp.gate_up_proj.weight.ggml_type == int(QT.Q5_0)
+    prompts = [[5, 17, 42, 9], list(range(3, 40))]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    folder = convert_gguf(src)
+    refs = [hf_greedy(folder, p, 12) for p in prompts]
+    assert any(len(set(r)) > 2 for r in refs), "degenerate reference"
+    assert [o.token_ids for o in outs] == refs
 
 
 def test_quantization_gguf_needs_a_backend_and_a_model_that_have_blocks(tmp_path: Path,

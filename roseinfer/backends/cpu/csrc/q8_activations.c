@@ -14,7 +14,7 @@
 #define Q8_TILE 16
 
 int q8_handles(int64_t type) {
-    return type == Q4_K || type == Q6_K || type == Q8_0 || type == Q4_0 || type == Q4_1;
+    return type == Q4_K || type == Q6_K || type == Q8_0 || type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1;
 }
 
 int q8_k_activations(int64_t type) { return type == Q4_K || type == Q6_K; }

@@ -4,8 +4,8 @@
  *   Q8_K (for Q4_K, Q6_K weights): 256 values, d = max / -127 of the value largest in magnitude,
  *        q = round-to-nearest-even(x / d) capped at 127, and the 16 sums of 16 q's (bsums), which
  *        carry a K-quant's per-sub-block minimum (Q4_K) or its -32 offset (Q6_K) in 16 products.
- *   Q8_0 (for Q8_0, Q4_0, Q4_1 weights): 32 values, d = amax / 127 the same way, and the sum of the
- *        32 q's (Q4_0's -8 offset, Q4_1's minimum).
+ *   Q8_0 (for Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 weights): 32 values, d = amax / 127 the same way, and the
+ *        sum of the 32 q's (Q4_0's -8 and Q5_0's -16 offsets, Q4_1's and Q5_1's minimum).
  * Every integer sum is exact; a block's sum becomes a float once, times the weight's and x's scales. */
 #ifndef ROSEINFER_Q8_ACTIVATIONS_H
 #define ROSEINFER_Q8_ACTIVATIONS_H

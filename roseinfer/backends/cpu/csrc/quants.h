@@ -5,6 +5,9 @@
  *   Q8_0  34 B / 32:  d, int8 q[32]                        w = d * q
  *   Q4_0  18 B / 32:  d, q[16] (low nibbles: 0-15, high: 16-31)   w = d * (q - 8)
  *   Q4_1  20 B / 32:  d, m, q[16] as Q4_0                  w = d * q + m
+ *   Q5_0  22 B / 32:  d, qh[4], q[16] as Q4_0; bit l of qh (a little-endian 32-bit word) is weight l's
+ *         fifth bit                                         w = d * (q + 16 h - 16)
+ *   Q5_1  24 B / 32:  d, m, qh[4], q[16] as Q5_0           w = d * (q + 16 h) + m
  *   Q4_K  144 B / 256: d, dmin, 12 B of 6-bit scales/mins, q[128]; chunk s of 32 reads bytes
  *         32 (s / 2) .. + 31, low nibbles for even s, high for odd   w = (d * sc[s]) * q - dmin * mn[s]
  *   Q5_K  176 B / 256: d, dmin, 12 B of scales/mins as Q4_K, qh[32], q[128] as Q4_K's; weight l of chunk
@@ -24,7 +27,7 @@
 #include "simd.h"
 
 /* GGML type ids (gguf.GGMLQuantizationType) */
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
 /* A weight type with this bit set: the same blocks, multiplied by rows of x quantized to 8 bits
  * (--cpu-activations int8: csrc/q8_activations.c) instead of by fp32 rows */
@@ -39,6 +42,8 @@ static inline int64_t quant_block_bytes(int64_t type) {
     switch (type & ~(int64_t)INT8_ACTIVATIONS) {
     case Q4_0: return 18;
     case Q4_1: return 20;
+    case Q5_0: return 22;
+    case Q5_1: return 24;
     case Q8_0: return 34;
     case Q4_K: return 144;
     case Q5_K: return 176;
@@ -159,6 +164,24 @@ static inline vec8 nibbles8(const uint8_t *q, int high) {
 #endif
 }
 
+/* 8 weights of a Q5_0/Q5_1 block as floats: the low or high nibbles of q[0..7] with the 8 bits of
+ * `fifth` (one a weight, lowest first) on top as 16s. On AVX2 each bit is shifted into its lane's
+ * bit 4 before the one conversion, as nibbles8 cuts the nibbles. */
+static inline vec8 nibbles8_fifth(const uint8_t *q, int high, uint8_t fifth) {
+#if defined(__AVX2__)
+    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
+    const __m256i low = high ? _mm256_srli_epi32(bytes, 4) : _mm256_and_si256(bytes, _mm256_set1_epi32(15));
+    const __m256i bits = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(fifth << 4),
+                                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
+                                          _mm256_set1_epi32(16));
+    return (vec8)_mm256_cvtepi32_ps(_mm256_or_si256(low, bits));
+#else
+    uint64_t bits = 0;
+    for (int i = 0; i < 8; i++) bits |= (uint64_t)(fifth >> i & 1) << (8 * i + 4);
+    return u8_lanes((load64(q) >> (4 * high) & NIBBLES) | bits);
+#endif
+}
+
 /* (sc, mn) of chunk s of a Q4_K block's 12 scale bytes: 6 bits each, the top two of chunks 4-7
  * kept in the high bits of bytes 0-7 */
 static inline void q4_k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
@@ -171,11 +194,14 @@ static inline void q4_k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
     }
 }
 
-/* Whether a type's chunk is one block of the form w = d * q + m with q integers (Q8_0, Q4_0, Q4_1). */
-static inline int scaled_chunk_type(int type) { return type == Q8_0 || type == Q4_0 || type == Q4_1; }
+/* Whether a type's chunk is one block of the form w = d * q + m with q integers (Q8_0, Q4_0, Q4_1,
+ * Q5_0, Q5_1). */
+static inline int scaled_chunk_type(int type) {
+    return type == Q8_0 || type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1;
+}
 
 /* Chunk c of a row of such blocks: its integers q as floats (exact), with the block's d and m (0 for
- * Q8_0, -8 d for Q4_0). `type` is a constant where this is inlined. */
+ * Q8_0, -8 d for Q4_0, -16 d for Q5_0). `type` is a constant where this is inlined. */
 static inline __attribute__((always_inline)) void scaled_chunk(int type, const uint8_t *row, int64_t c, vec8 q[4],
                                                                float *d, float *m) {
     const uint8_t *b = row + c * quant_block_bytes(type);
@@ -185,11 +211,17 @@ static inline __attribute__((always_inline)) void scaled_chunk(int type, const u
         for (int i = 0; i < 4; i++) q[i] = bytes8(b + 2 + 8 * i);
         return;
     }
-    if (type == Q4_1) {
+    if (type == Q4_1 || type == Q5_1) {
         fp16_pair_to_f32(b, d, m);
     } else {
         *d = fp16_to_f32(b);
-        *m = -8.0f * *d;
+        *m = (type == Q5_0 ? -16.0f : -8.0f) * *d;
+    }
+    if (type == Q5_0 || type == Q5_1) {
+        const uint8_t *qh = b + (type == Q5_1 ? 4 : 2), *nibbles = qh + 4;
+        /* chunk i's 8 weights are 8 i .. 8 i + 7: byte i of qh holds their fifth bits */
+        for (int i = 0; i < 4; i++) q[i] = nibbles8_fifth(nibbles + 8 * (i & 1), i >> 1, qh[i]);
+        return;
     }
     const uint8_t *nibbles = b + (type == Q4_1 ? 4 : 2);
     for (int i = 0; i < 4; i++) q[i] = nibbles8(nibbles + 8 * (i & 1), i >> 1);
@@ -245,6 +277,8 @@ static inline void dequantize_chunks(int64_t type, const uint8_t *row, int64_t f
         switch (type) {
         case Q4_0: dequant_chunk(Q4_0, row, c, w); break;
         case Q4_1: dequant_chunk(Q4_1, row, c, w); break;
+        case Q5_0: dequant_chunk(Q5_0, row, c, w); break;
+        case Q5_1: dequant_chunk(Q5_1, row, c, w); break;
         case Q8_0: dequant_chunk(Q8_0, row, c, w); break;
         case Q4_K: dequant_chunk(Q4_K, row, c, w); break;
         case Q5_K: dequant_chunk(Q5_K, row, c, w); break;
