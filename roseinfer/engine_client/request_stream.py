@@ -45,6 +45,13 @@ class RequestStream:
         return delta
 
     async def __aiter__(self) -> AsyncIterator[StreamDelta]:
+        async for batch in self.batches():
+            for delta in batch:
+                yield delta
+
+    async def batches(self) -> AsyncIterator[list[StreamDelta]]:
+        """The deltas in order, each time everything delivered since the reader last took: a reader
+        that fell behind catches up in one go (a response writes them as one chunk)."""
         if self._loop is None:
             raise RuntimeError("this stream was submitted outside an event loop; read it with get()")
         pending = self._pending
@@ -52,9 +59,10 @@ class RequestStream:
             if not pending:
                 self._waiter = self._loop.create_future()
                 await self._waiter
-            delta = pending.popleft()
-            self.finished = delta.finished
-            yield delta
+            batch = list(pending)
+            pending.clear()
+            self.finished = batch[-1].finished
+            yield batch
 
 
 def deliver(deltas: list[tuple[RequestStream, StreamDelta]]) -> None:
