@@ -243,7 +243,8 @@ class IncrementalDetokenizer:
     (decoded as U+FFFD), so it never emits half a character. The prompt's last tokens seed the
     window so that the first word's leading space comes out as the full decode would give it.
     Where the tokenizer allows, `tokenizers`' DecodeStream runs that window in Rust (one call a
-    step); the window's offsets are kept here as well, for flush() and for the Python path.
+    step); the window's offsets are kept here as well, for flush() and for the Python path, which
+    hands the window back to a stream at the first emission that a stream can start from.
     """
 
     CONTEXT = 5
@@ -255,6 +256,7 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""
+        self._streamable = True  # False once a stream failed or the text was flushed
         self._step = tokenizer.stream_decoder(self.ids, skip_special_tokens)
 
     def add(self, new_ids: list[int]) -> str:
@@ -263,7 +265,7 @@ class IncrementalDetokenizer:
             try:
                 delta = self._step(new_ids)
             except Exception:  # noqa: BLE001 -- a decoder that rewrites earlier text: the Python window takes over
-                self._step = None
+                self._step, self._streamable = None, False
             else:
                 return "" if delta is None else self._emit(delta)
         prefix, full = self._window_texts()
@@ -276,7 +278,7 @@ class IncrementalDetokenizer:
         (U+FFFD for a truly incomplete character), so the streamed text equals decode(all ids)."""
         if self.read_offset >= len(self.ids):
             return ""
-        self._step = None
+        self._step, self._streamable = None, False
         prefix, full = self._window_texts()
         return self._emit(full[len(prefix):])
 
@@ -292,5 +294,8 @@ class IncrementalDetokenizer:
             drop = self.prefix_offset
             self.ids = self.ids[drop:]
             self.prefix_offset, self.read_offset = 0, self.read_offset - drop
+        if self._step is None and self._streamable:
+            self._step = self.tokenizer.stream_decoder(self.ids[self.prefix_offset:self.read_offset],
+                                                       self.skip_special_tokens)
         self.text += delta
         return delta

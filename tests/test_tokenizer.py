@@ -46,14 +46,16 @@ def test_a_failing_decode_stream_hands_its_window_to_the_python_path(tokenizer_d
     assert all("\ufffd" not in d for d in deltas)
 
 
-def test_a_prompt_ending_inside_a_character_streams_through_the_python_window(tokenizer_dir):
+def test_a_prompt_ending_inside_a_character_starts_on_the_python_window(tokenizer_dir):
     tok = Tokenizer(tokenizer_dir)
     emoji = tok.encode("🙂", add_special_tokens=False)
     prompt = tok.encode("Say:") + emoji[:1]
     assert tok.stream_decoder(prompt) is None  # DecodeStream would emit the prompt's text with the first delta
     rest = emoji[1:] + tok.encode(" " + TEXT, add_special_tokens=False)
     detok = IncrementalDetokenizer(tok, prompt)
-    deltas = [detok.add([i]) for i in rest] + [detok.flush()]
+    deltas = [detok.add([i]) for i in rest]
+    assert detok._step is not None  # the window went back to a stream at its first emission
+    deltas.append(detok.flush())
     context = prompt[-IncrementalDetokenizer.CONTEXT:]
     assert "".join(deltas) == tok.decode(context + rest)[len(tok.decode(context)):]
 
