@@ -24,6 +24,9 @@ class RequestStream:
         # submit_start, tokenized, submit_end, admitted, first_token, finished (perf_counter)
         self.timings = timings
         self.finished = False  # the consumer has received the final delta
+        # set by an async reader that writes nothing for a delta without text: such a delta then
+        # waits, unread, for the next one that has text (or the final one) to wake the reader
+        self.wake_on_text = False
         try:
             self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
@@ -97,6 +100,8 @@ def _drain(loop: asyncio.AbstractEventLoop, inbox: deque[tuple[RequestStream, St
         stream, delta = inbox.popleft()
         stream._pending.append(delta)
         waiter = stream._waiter
+        if stream.wake_on_text and not (delta.text or delta.finished):
+            continue
         if waiter is not None and not waiter.done():  # done: woken already, or its reader was cancelled
             waiter.set_result(None)
             woken += 1

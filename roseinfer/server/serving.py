@@ -107,6 +107,8 @@ class OpenAIServing:
         reply = Reply(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name, "text_completion",
                       [len(ids) for ids, _ in prompts], body.include_usage, body.continuous_usage)
         if body.stream:
+            for stream in streams:  # a chunk needs text, or the prompt echoed, or logprobs
+                stream.wake_on_text = body.logprobs is None and not body.echo
             return EventStream(self._stream_completion(streams, reply, echoes, prompt_ids, body.logprobs, prompt_only),
                                lambda: self.abort_unfinished(streams))
         choices = await self.collect(streams, raw, prompt_only)
@@ -149,6 +151,8 @@ class OpenAIServing:
                       reasoning_tokens={} if self.think_tags else None)
         parsers = [tools.parser() if tools.parser else None for _ in streams]
         if body.stream:
+            for stream, parser, reasoner in zip(streams, parsers, reasoners):  # parsers may act on ids alone
+                stream.wake_on_text = not body.logprobs and parser is None and reasoner is None
             return EventStream(self._stream_chat(streams, reply, body.logprobs, parsers, reasoners),
                                lambda: self.abort_unfinished(streams))
         choices = await self.collect(streams, raw)
