@@ -8,8 +8,9 @@ without a tokenizer.json (sentencepiece-only) fall back to transformers' AutoTok
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from roseinfer.chat_template import compile_template, pick_template, template_messages, template_source
 
@@ -104,6 +105,23 @@ class Tokenizer:
             return self._hf.decode(ids, skip_special_tokens=skip_special_tokens)
         text = self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return _clean_up_tokenization(text) if self._clean_up_spaces else text
+
+    def stream_decoder(self, context_ids: list[int],
+                       skip_special_tokens: bool = True) -> Callable[[list[int]], str | None] | None:
+        """`tokenizers`' incremental decoder (DecodeStream.step: the new ids in, the text they complete
+        out, None while held back), its window seeded with context_ids, where it gives what
+        IncrementalDetokenizer's Python window gives: None for the transformers fallback, the
+        clean-up pass, and a context that ends inside a character (the stream would then emit the
+        context's text with the first delta)."""
+        if self._hf is not None or self._clean_up_spaces:
+            return None
+        from tokenizers.decoders import DecodeStream
+
+        stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        held = bool(context_ids) and stream.step(self._tok, context_ids) is None
+        if held and self.decode(context_ids, skip_special_tokens):
+            return None
+        return partial(stream.step, self._tok)
 
     def render_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                              **template_kwargs: Any) -> str:
@@ -224,6 +242,9 @@ class IncrementalDetokenizer:
     O(new tokens); holds text back while the window ends in an incomplete UTF-8 sequence
     (decoded as U+FFFD), so it never emits half a character. The prompt's last tokens seed the
     window so that the first word's leading space comes out as the full decode would give it.
+    Where the tokenizer allows, `tokenizers`' DecodeStream runs that window in Rust (one call a
+    step); the window's offsets are kept here as well, for flush() and for the Python path, which
+    hands the window back to a stream at the first emission that a stream can start from.
     """
 
     CONTEXT = 5
@@ -235,9 +256,18 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""
+        self._streamable = True  # False once a stream failed or the text was flushed
+        self._step = tokenizer.stream_decoder(self.ids, skip_special_tokens)
 
     def add(self, new_ids: list[int]) -> str:
         self.ids.extend(new_ids)
+        if self._step is not None:
+            try:
+                delta = self._step(new_ids)
+            except Exception:  # noqa: BLE001 -- a decoder that rewrites earlier text: the Python window takes over
+                self._step, self._streamable = None, False
+            else:
+                return "" if delta is None else self._emit(delta)
         prefix, full = self._window_texts()
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""
@@ -248,6 +278,7 @@ class IncrementalDetokenizer:
         (U+FFFD for a truly incomplete character), so the streamed text equals decode(all ids)."""
         if self.read_offset >= len(self.ids):
             return ""
+        self._step, self._streamable = None, False
         prefix, full = self._window_texts()
         return self._emit(full[len(prefix):])
 
@@ -263,5 +294,8 @@ class IncrementalDetokenizer:
             drop = self.prefix_offset
             self.ids = self.ids[drop:]
             self.prefix_offset, self.read_offset = 0, self.read_offset - drop
+        if self._step is None and self._streamable:
+            self._step = self.tokenizer.stream_decoder(self.ids[self.prefix_offset:self.read_offset],
+                                                       self.skip_special_tokens)
         self.text += delta
         return delta

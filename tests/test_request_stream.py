@@ -46,3 +46,47 @@ def test_a_burst_reaches_every_reader_in_order_a_slice_per_loop_turn() -> None:
     got, first_turns = asyncio.run(run())
     assert all(counts == [1, 2, 3] for counts in got.values())
     assert max(first_turns.values()) <= WAKE_PER_TURN and len(first_turns) >= 4
+
+
+def test_a_reader_behind_takes_everything_delivered_as_one_batch() -> None:
+    async def run() -> list[list[int]]:
+        stream = RequestStream("r", 1, {})
+        batches: list[list[int]] = []
+
+        async def read() -> None:
+            async for batch in stream.batches():
+                batches.append([delta.num_output_tokens for delta in batch])
+                await asyncio.sleep(0.05)  # a slow writer: the next steps pile up meanwhile
+
+        reader = asyncio.create_task(read())
+        await asyncio.sleep(0)
+        await asyncio.to_thread(deliver, [(stream, _delta(1, False))])
+        await asyncio.sleep(0.01)  # the reader took the first step and is writing it
+        for k in (2, 3, 4):
+            await asyncio.to_thread(deliver, [(stream, _delta(k, k == 4))])
+        await reader
+        return batches
+
+    assert asyncio.run(run()) == [[1], [2, 3, 4]]
+
+
+def test_a_reader_that_writes_only_text_is_woken_by_text_or_the_end() -> None:
+    async def run() -> list[list[tuple[int, str]]]:
+        stream = RequestStream("r", 1, {})
+        stream.wake_on_text = True
+        batches: list[list[tuple[int, str]]] = []
+
+        async def read() -> None:
+            async for batch in stream.batches():
+                batches.append([(delta.num_output_tokens, delta.text) for delta in batch])
+
+        reader = asyncio.create_task(read())
+        await asyncio.sleep(0)
+        for k, text in ((1, ""), (2, ""), (3, "é"), (4, ""), (5, "")):  # pieces of a character carry no text
+            delta = StreamDelta(text, [k], [], k == 5, "length" if k == 5 else None, 1, k, 0.0)
+            await asyncio.to_thread(deliver, [(stream, delta)])
+            await asyncio.sleep(0.01)  # each its own turn: only text and the end wake the reader
+        await reader
+        return batches
+
+    assert asyncio.run(run()) == [[(1, ""), (2, ""), (3, "é")], [(4, ""), (5, "")]]

@@ -22,12 +22,42 @@ def test_streamed_text_equals_full_decode_and_never_emits_half_a_character(token
     prompt = tok.encode("Say:")
     ids = tok.encode(" " + TEXT, add_special_tokens=False)
     assert len(ids) > len(TEXT) // 2  # byte-level pieces: many characters span several tokens
+    assert tok.stream_decoder(prompt) is not None  # tokenizers' DecodeStream runs the window
     detok = IncrementalDetokenizer(tok, prompt)
     deltas = [detok.add([i]) for i in ids]
     deltas.append(detok.flush())
     assert "".join(deltas) == tok.decode(ids) == detok.text
     assert all("\ufffd" not in d for d in deltas)
     assert detok.flush() == ""
+
+
+def test_a_failing_decode_stream_hands_its_window_to_the_python_path(tokenizer_dir):
+    tok = Tokenizer(tokenizer_dir)
+    ids = tok.encode(" " + TEXT, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, tok.encode("Say:"))
+    deltas = [detok.add([i]) for i in ids[:7]]
+
+    def invalid_prefix(new_ids: list[int]) -> str | None:  # what DecodeStream raises when a decoder rewrites text
+        raise RuntimeError("Invalid prefix encountered")
+
+    detok._step = invalid_prefix
+    deltas += [detok.add([i]) for i in ids[7:]] + [detok.flush()]
+    assert "".join(deltas) == tok.decode(ids)
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_a_prompt_ending_inside_a_character_starts_on_the_python_window(tokenizer_dir):
+    tok = Tokenizer(tokenizer_dir)
+    emoji = tok.encode("🙂", add_special_tokens=False)
+    prompt = tok.encode("Say:") + emoji[:1]
+    assert tok.stream_decoder(prompt) is None  # DecodeStream would emit the prompt's text with the first delta
+    rest = emoji[1:] + tok.encode(" " + TEXT, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, prompt)
+    deltas = [detok.add([i]) for i in rest]
+    assert detok._step is not None  # the window went back to a stream at its first emission
+    deltas.append(detok.flush())
+    context = prompt[-IncrementalDetokenizer.CONTEXT:]
+    assert "".join(deltas) == tok.decode(context + rest)[len(tok.decode(context)):]
 
 
 def test_flush_releases_a_truly_incomplete_tail(tokenizer_dir):

@@ -24,6 +24,9 @@ class RequestStream:
         # submit_start, tokenized, submit_end, admitted, first_token, finished (perf_counter)
         self.timings = timings
         self.finished = False  # the consumer has received the final delta
+        # set by an async reader that writes nothing for a delta without text: such a delta then
+        # waits, unread, for the next one that has text (or the final one) to wake the reader
+        self.wake_on_text = False
         try:
             self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
@@ -45,6 +48,13 @@ class RequestStream:
         return delta
 
     async def __aiter__(self) -> AsyncIterator[StreamDelta]:
+        async for batch in self.batches():
+            for delta in batch:
+                yield delta
+
+    async def batches(self) -> AsyncIterator[list[StreamDelta]]:
+        """The deltas in order, each time everything delivered since the reader last took: a reader
+        that fell behind catches up in one go (a response writes them as one chunk)."""
         if self._loop is None:
             raise RuntimeError("this stream was submitted outside an event loop; read it with get()")
         pending = self._pending
@@ -52,9 +62,10 @@ class RequestStream:
             if not pending:
                 self._waiter = self._loop.create_future()
                 await self._waiter
-            delta = pending.popleft()
-            self.finished = delta.finished
-            yield delta
+            batch = list(pending)
+            pending.clear()
+            self.finished = batch[-1].finished
+            yield batch
 
 
 def deliver(deltas: list[tuple[RequestStream, StreamDelta]]) -> None:
@@ -89,6 +100,8 @@ def _drain(loop: asyncio.AbstractEventLoop, inbox: deque[tuple[RequestStream, St
         stream, delta = inbox.popleft()
         stream._pending.append(delta)
         waiter = stream._waiter
+        if stream.wake_on_text and not (delta.text or delta.finished):
+            continue
         if waiter is not None and not waiter.done():  # done: woken already, or its reader was cancelled
             waiter.set_result(None)
             woken += 1

@@ -111,22 +111,23 @@ class AnthropicServing:
             "usage": {"input_tokens": run.input_tokens, "output_tokens": 0}}})
         yield event("ping", {})
         blocks = Blocks()
-        async for _, delta in self.serving.merge_streams([run.stream]):
-            if delta.error:
-                yield event("error", error_body(delta.error_status, delta.error))
-                return
-            reasoning, content, calls = split_delta(delta, run.reasoner, run.parser)
-            lines = blocks.text(reasoning, "thinking") + blocks.text(content)
-            for call in calls:
-                lines += blocks.tool_call(call)
-            for line in lines:
-                yield line
-            if delta.finished:
-                for line in blocks.close():
+        async for batch in self.serving.merge_streams([run.stream]):
+            for _, delta in batch:
+                if delta.error:
+                    yield event("error", error_body(delta.error_status, delta.error))
+                    return
+                reasoning, content, calls = split_delta(delta, run.reasoner, run.parser)
+                lines = blocks.text(reasoning, "thinking") + blocks.text(content)
+                for call in calls:
+                    lines += blocks.tool_call(call)
+                for line in lines:
                     yield line
-                stop_reason, stop_sequence = run.stop_reason(delta.finish_reason, delta.stop_reason)
-                yield event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                                              "usage": {"output_tokens": delta.num_output_tokens}})
+                if delta.finished:
+                    for line in blocks.close():
+                        yield line
+                    stop_reason, stop_sequence = run.stop_reason(delta.finish_reason, delta.stop_reason)
+                    yield event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                                                  "usage": {"output_tokens": delta.num_output_tokens}})
         yield event("message_stop", {})
 
 

@@ -9,11 +9,14 @@ the prefix-cache counters are engine state, read from the engine client's stats(
 """
 from __future__ import annotations
 
+import threading
 from typing import Any
 
+import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import HistogramMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.utils import floatToGoString
 
 from roseinfer.output_processor import StreamDelta
 from roseinfer.engine_client.request_stream import RequestStream
@@ -64,8 +67,8 @@ class ServerMetrics:
                                       "draft since the engine started (0 before the first)", registry=r)
         self.ttft = Histogram("roseinfer_time_to_first_token_seconds", "Submission to first token",
                               buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("roseinfer_inter_token_latency_seconds", "Gap between consecutive tokens",
-                             buckets=TOKEN_GAP_BUCKETS, registry=r)
+        self.itl = GapHistogram("roseinfer_inter_token_latency_seconds", "Gap between consecutive tokens",
+                                TOKEN_GAP_BUCKETS, r)
         self.e2e = Histogram("roseinfer_e2e_request_latency_seconds", "Submission to the last token",
                              buckets=REQUEST_BUCKETS, registry=r)
         self.queue_time = Histogram("roseinfer_request_queue_time_seconds", "Engine arrival to admission",
@@ -92,9 +95,7 @@ class ServerMetrics:
         if core.first_token is not None:
             self.ttft.observe(core.first_token - start)
             self.prefill_time.observe(core.first_token - core.admitted)
-        times = core.token_times
-        for earlier, later in zip(times, times[1:]):
-            self.itl.observe(later - earlier)
+        self.itl.observe_gaps(core.token_times)
 
     def render(self, stats: dict) -> bytes:
         """The Prometheus text exposition, gauges refreshed from `stats` first."""
@@ -109,6 +110,37 @@ class ServerMetrics:
             counter.inc(max(0, stats[key] - self._seen[key]))
             self._seen[key] = stats[key]
         return generate_latest(self.registry)
+
+
+class GapHistogram:
+    """A Prometheus histogram of the gaps between consecutive timestamps, a request's whole list
+    bucketed at once with numpy: prometheus_client's Histogram takes one value a call, and a
+    request has one gap per output token."""
+
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...],
+                 registry: CollectorRegistry) -> None:
+        self.name, self.documentation = name, documentation
+        self.edges = np.array(buckets)
+        self.counts = np.zeros(len(buckets) + 1, dtype=np.int64)  # the last: above every edge (+Inf)
+        self.total = 0.0
+        self._lock = threading.Lock()  # observed on the engine client's thread, collected on a scrape's
+        registry.register(self)
+
+    def observe_gaps(self, times: list[float]) -> None:
+        if len(times) < 2:
+            return
+        gaps = np.diff(times)
+        # le buckets: a gap equal to an edge counts in that edge's bucket, as Histogram.observe does
+        counts = np.bincount(np.searchsorted(self.edges, gaps), minlength=len(self.counts))
+        with self._lock:
+            self.counts += counts
+            self.total += float(gaps.sum())
+
+    def collect(self) -> list[Metric]:
+        with self._lock:
+            cumulative, total = np.cumsum(self.counts).tolist(), self.total
+        bounds = [floatToGoString(edge) for edge in self.edges.tolist()] + ["+Inf"]
+        return [HistogramMetricFamily(self.name, self.documentation, list(zip(bounds, cumulative)), total)]
 
 
 def rejected_counter(registry: CollectorRegistry) -> Counter:

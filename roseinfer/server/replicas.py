@@ -55,14 +55,18 @@ class ReplicaStream:
     finished: bool = False
     streamed: bool = False  # a delta arrived: a failure can no longer be retried elsewhere
     tried: list[int] = field(default_factory=list)
+    wake_on_text: bool = False  # RequestStream's flag; a replica's deltas reach the ingress whole
     _queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     _pump: asyncio.Task | None = None
 
-    async def __aiter__(self) -> AsyncIterator[StreamDelta]:
+    async def batches(self) -> AsyncIterator[list[StreamDelta]]:
+        """As RequestStream.batches: every delta queued since the last take, up to the final one."""
         while not self.finished:
-            delta = await self._queue.get()
-            self.finished = delta.finished
-            yield delta
+            batch = [await self._queue.get()]
+            while not batch[-1].finished and not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            self.finished = batch[-1].finished
+            yield batch
 
     def end(self, message: str, status: int) -> None:
         """Finish the stream with an error event (its replica died, or the server is shutting down)."""

@@ -3,10 +3,10 @@ request shares (and its usage), the choices a non-streaming request accumulates,
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
@@ -56,6 +56,14 @@ class Reply:
     continuous_usage: bool = False  # vLLM's continuous_usage_stats: every chunk carries the usage so far
     completion_tokens: dict[int, int] = field(default_factory=dict)  # per choice, totals
     reasoning_tokens: dict[int, int] | None = None  # per choice, with a reasoning parser (reasoning.py)
+    # every chunk of a stream opens and closes the same way: encoded once, around each choice
+    _chunk_open: bytes = field(init=False, repr=False)
+    _chunk_close: bytes = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        head = _json.encode(self._head(stream=True))
+        self._chunk_open = b"data: " + head[:-1] + b',"choices":['
+        self._chunk_close = b']' + (b',"usage":null' if self.include_usage else b"") + b"}\n\n"
 
     def record(self, index: int, delta: StreamDelta) -> None:
         self.completion_tokens[index] = delta.num_output_tokens
@@ -72,16 +80,16 @@ class Reply:
         suffix = ".chunk" if stream and self.object == "chat.completion" else ""
         return {"id": self.id, "object": self.object + suffix, "created": self.created, "model": self.model}
 
-    def chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
-        chunk = {**self._head(stream=True), "choices": [choice]}
-        if self.include_usage:
-            chunk["usage"] = self.usage() if self.continuous_usage else None
-        return chunk
+    def chunk(self, choice: dict[str, Any]) -> bytes:
+        """One SSE event of a stream, carrying one choice."""
+        if self.include_usage and self.continuous_usage:
+            return self._chunk_open + _json.encode(choice) + b'],"usage":' + _json.encode(self.usage()) + b"}\n\n"
+        return self._chunk_open + _json.encode(choice) + self._chunk_close
 
-    def tail(self) -> list[str]:
+    def tail(self) -> list[bytes]:
         """The usage chunk (when asked for) and the end marker."""
         usage = [sse({**self._head(stream=True), "choices": [], "usage": self.usage()})] if self.include_usage else []
-        return usage + ["data: [DONE]\n\n"]
+        return usage + [b"data: [DONE]\n\n"]
 
     def body(self, choices: list[dict[str, Any]], results: list[Choice]) -> dict[str, Any]:
         failed = next((r for r in results if r.error), None)
@@ -103,8 +111,11 @@ def without_output(delta: StreamDelta) -> StreamDelta:
     return dataclasses.replace(delta, text="", token_ids=[], logprobs=[], num_output_tokens=0, finish_reason=reason)
 
 
-def sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+_json = msgspec.json.Encoder()
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + _json.encode(obj) + b"\n\n"
 
 
 class EventStream(StreamingResponse):
@@ -112,7 +123,7 @@ class EventStream(StreamingResponse):
     cancels the send loop, possibly while our generator sits at a yield and so never sees it),
     or server shutdown. That is where unfinished requests are aborted, deterministically."""
 
-    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+    def __init__(self, events: AsyncIterator[str] | AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
         super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self.on_close = on_close
 

@@ -113,21 +113,22 @@ class ResponsesServing:
         events = Events()
         yield events.emit("response.created", response=run.response("in_progress", [], None))
         yield events.emit("response.in_progress", response=run.response("in_progress", [], None))
-        async for _, delta in self.serving.merge_streams([run.stream]):
-            if delta.error:
-                yield events.emit("error", code=str(delta.error_status), message=delta.error, param=None)
-                return
-            reasoning, content, calls = split_delta(delta, run.reasoner, run.parser)
-            lines = events.text(reasoning, "reasoning") + events.text(content, "message")
-            for call in calls:
-                lines += events.tool_call(call)
-            for line in lines:
-                yield line
-            if delta.finished:
-                for line in events.close():
+        async for batch in self.serving.merge_streams([run.stream]):
+            for _, delta in batch:
+                if delta.error:
+                    yield events.emit("error", code=str(delta.error_status), message=delta.error, param=None)
+                    return
+                reasoning, content, calls = split_delta(delta, run.reasoner, run.parser)
+                lines = events.text(reasoning, "reasoning") + events.text(content, "message")
+                for call in calls:
+                    lines += events.tool_call(call)
+                for line in lines:
                     yield line
-                response = run.response("completed", events.output, delta.num_output_tokens, delta.finish_reason)
-                yield events.emit(f"response.{response['status']}", response=response)
+                if delta.finished:
+                    for line in events.close():
+                        yield line
+                    response = run.response("completed", events.output, delta.num_output_tokens, delta.finish_reason)
+                    yield events.emit(f"response.{response['status']}", response=response)
 
 
 @dataclass

@@ -107,6 +107,8 @@ class OpenAIServing:
         reply = Reply(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name, "text_completion",
                       [len(ids) for ids, _ in prompts], body.include_usage, body.continuous_usage)
         if body.stream:
+            for stream in streams:  # a chunk needs text, or the prompt echoed, or logprobs
+                stream.wake_on_text = body.logprobs is None and not body.echo
             return EventStream(self._stream_completion(streams, reply, echoes, prompt_ids, body.logprobs, prompt_only),
                                lambda: self.abort_unfinished(streams))
         choices = await self.collect(streams, raw, prompt_only)
@@ -149,6 +151,8 @@ class OpenAIServing:
                       reasoning_tokens={} if self.think_tags else None)
         parsers = [tools.parser() if tools.parser else None for _ in streams]
         if body.stream:
+            for stream, parser, reasoner in zip(streams, parsers, reasoners):  # parsers may act on ids alone
+                stream.wake_on_text = not body.logprobs and parser is None and reasoner is None
             return EventStream(self._stream_chat(streams, reply, body.logprobs, parsers, reasoners),
                                lambda: self.abort_unfinished(streams))
         choices = await self.collect(streams, raw)
@@ -253,79 +257,90 @@ class OpenAIServing:
     # ---- engine -> response ------------------------------------------------------------------
     async def _stream_completion(self, streams: list[RequestStream], reply: Reply, echoes: list[str],
                                  prompt_ids: list[list[int]], num_logprobs: int | None,
-                                 prompt_only: bool) -> AsyncIterator[str]:
+                                 prompt_only: bool) -> AsyncIterator[bytes]:
         """The first chunk of each choice carries the echoed prompt (and its tokens' logprobs)."""
         offsets = [0] * len(echoes)  # text_offset of the next token, per choice
         echoed = [False] * len(echoes)
-        async for index, delta in self.merge_streams(streams):
-            if prompt_only:
-                delta = without_output(delta)
-            text, entries = delta.text, [(lp.token_id, lp) for lp in delta.logprobs]
-            if not echoed[index]:
-                text, echoed[index] = echoes[index] + text, True
-                entries = prompt_entries(prompt_ids[index], delta.prompt_logprobs) + entries
-            logprobs = self.logprobs.completion(entries, offsets[index], num_logprobs) if num_logprobs is not None else None
-            if logprobs is not None and logprobs["tokens"]:
-                offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
-            reply.record(index, delta)
-            if delta.error:
-                yield sse(error_body(delta.error_status, delta.error))
-            elif text or delta.finished or (logprobs is not None and logprobs["tokens"]):
-                yield sse(reply.chunk({"index": index, "text": text, "logprobs": logprobs,
-                                       "finish_reason": delta.finish_reason}))
-        for line in reply.tail():
-            yield line
+        async for batch in self.merge_streams(streams):
+            events = []
+            for index, delta in batch:
+                if prompt_only:
+                    delta = without_output(delta)
+                text, entries = delta.text, [(lp.token_id, lp) for lp in delta.logprobs]
+                if not echoed[index]:
+                    text, echoed[index] = echoes[index] + text, True
+                    entries = prompt_entries(prompt_ids[index], delta.prompt_logprobs) + entries
+                logprobs = self.logprobs.completion(entries, offsets[index], num_logprobs) \
+                    if num_logprobs is not None else None
+                if logprobs is not None and logprobs["tokens"]:
+                    offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+                reply.record(index, delta)
+                if delta.error:
+                    events.append(sse(error_body(delta.error_status, delta.error)))
+                elif text or delta.finished or (logprobs is not None and logprobs["tokens"]):
+                    events.append(reply.chunk({"index": index, "text": text, "logprobs": logprobs,
+                                               "finish_reason": delta.finish_reason}))
+            if events:  # what a batch made, one write
+                yield b"".join(events)
+        yield b"".join(reply.tail())
 
     async def _stream_chat(self, streams: list[RequestStream], reply: Reply, want_logprobs: bool,
                            parsers: list[ToolParser | None],
-                           reasoners: list[Reasoner | None]) -> AsyncIterator[str]:
+                           reasoners: list[Reasoner | None]) -> AsyncIterator[bytes]:
         """Content as it comes, after the reasoning (delta.reasoning_content and delta.reasoning)
         when a reasoning parser splits it off; with a tool parser, each call in OpenAI's
         delta.tool_calls chunks (its id and name first, then its arguments), one chunk per entry."""
-        for index in range(len(streams)):  # OpenAI's first chunk per choice names the role
-            yield sse(reply.chunk({"index": index, "delta": {"role": "assistant", "content": ""},
-                                   "logprobs": None, "finish_reason": None}))
-        async for index, delta in self.merge_streams(streams):
-            reply.record(index, delta)
-            if delta.error:
-                yield sse(error_body(delta.error_status, delta.error))
-                continue
-            logprobs = self.logprobs.chat(delta.logprobs) if want_logprobs and delta.logprobs else None
-            parser, reasoner = parsers[index], reasoners[index]
-            reasoning, content, calls = split_delta(delta, reasoner, parser)
-            if reasoner is not None:
-                reply.reasoning_tokens[index] = reasoner.reasoning_tokens
-            parts = ([{"reasoning_content": reasoning, "reasoning": reasoning}] if reasoning else []) + \
-                ([{"content": content}] if content else []) + [{"tool_calls": [call]} for call in calls]
-            if not parts and (delta.finished or logprobs):
-                parts = [{}]
-            for i, part in enumerate(parts):  # logprobs with the first, the finish reason with the last
-                last = i == len(parts) - 1
-                yield sse(reply.chunk({"index": index, "delta": part, "logprobs": None if i else logprobs,
-                                       "finish_reason": finish_reason(delta.finish_reason, parser) if last else None}))
-        for line in reply.tail():
-            yield line
+        # OpenAI's first chunk per choice names the role
+        yield b"".join(reply.chunk({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                    "finish_reason": None}) for index in range(len(streams)))
+        async for batch in self.merge_streams(streams):
+            events = []
+            for index, delta in batch:
+                reply.record(index, delta)
+                if delta.error:
+                    events.append(sse(error_body(delta.error_status, delta.error)))
+                    continue
+                logprobs = self.logprobs.chat(delta.logprobs) if want_logprobs and delta.logprobs else None
+                parser, reasoner = parsers[index], reasoners[index]
+                reasoning, content, calls = split_delta(delta, reasoner, parser)
+                if reasoner is not None:
+                    reply.reasoning_tokens[index] = reasoner.reasoning_tokens
+                parts = ([{"reasoning_content": reasoning, "reasoning": reasoning}] if reasoning else []) + \
+                    ([{"content": content}] if content else []) + [{"tool_calls": [call]} for call in calls]
+                if not parts and (delta.finished or logprobs):
+                    parts = [{}]
+                for i, part in enumerate(parts):  # logprobs with the first, the finish reason with the last
+                    last = i == len(parts) - 1
+                    events.append(reply.chunk({"index": index, "delta": part, "logprobs": None if i else logprobs,
+                                               "finish_reason": finish_reason(delta.finish_reason, parser) if last
+                                               else None}))
+            if events:  # what a batch made, one write
+                yield b"".join(events)
+        yield b"".join(reply.tail())
 
-    async def merge_streams(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, StreamDelta]]:
-        """(choice index, delta) from all streams as they come."""
+    async def merge_streams(self, streams: list[RequestStream]) -> AsyncIterator[list[tuple[int, StreamDelta]]]:
+        """(choice index, delta) pairs from all streams as they come, in batches: everything that
+        arrived since the caller last took."""
         tasks: list[asyncio.Task] = []
         try:
             if len(streams) == 1:
-                async for delta in streams[0]:
-                    yield 0, delta
+                async for deltas in streams[0].batches():
+                    yield [(0, delta) for delta in deltas]
                 return
-            merged: asyncio.Queue[tuple[int, StreamDelta]] = asyncio.Queue()
+            merged: asyncio.Queue[list[tuple[int, StreamDelta]]] = asyncio.Queue()
 
             async def pump(index: int, stream: RequestStream) -> None:
-                async for delta in stream:
-                    merged.put_nowait((index, delta))
+                async for deltas in stream.batches():
+                    merged.put_nowait([(index, delta) for delta in deltas])
 
             tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
             remaining = len(streams)
             while remaining:
-                index, delta = await merged.get()
-                remaining -= delta.finished
-                yield index, delta
+                batch = await merged.get()
+                while not merged.empty():
+                    batch += merged.get_nowait()
+                remaining -= sum(delta.finished for _, delta in batch)
+                yield batch
         finally:
             for task in tasks:
                 task.cancel()
@@ -336,8 +351,9 @@ class OpenAIServing:
         choices = [Choice() for _ in streams]
 
         async def gather() -> None:
-            async for index, delta in self.merge_streams(streams):
-                choices[index].add(without_output(delta) if prompt_only else delta)
+            async for batch in self.merge_streams(streams):
+                for index, delta in batch:
+                    choices[index].add(without_output(delta) if prompt_only else delta)
 
         work = asyncio.ensure_future(gather())
         watch = asyncio.ensure_future(wait_disconnect(raw))
