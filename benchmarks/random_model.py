@@ -84,13 +84,14 @@ def write_tokenizer(out: Path, max_length: int) -> None:
 
 def copy_gguf_tokenizer(gguf: Path, out: Path, vocab_size: int) -> None:
     """The tokenizer transformers rebuilds from a GGUF's metadata, saved into out, padded with unused
-    special tokens to the model's vocabulary: Gemma's converter cuts the embedding to the tokenizer's size."""
+    special tokens to the model's vocabulary: Gemma's converter cuts the embedding to the tokenizer's size.
+    They are added tokens, not `additional_special_tokens`: transformers checks each of those against a
+    list on load, which at Qwen3.5's 200k extra tokens kept the converter loading it for many minutes."""
     from tokenizers import AddedToken
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    tokenizer.add_special_tokens({"additional_special_tokens": [
-        AddedToken(f"<unused{i}>", special=True) for i in range(vocab_size - len(tokenizer))]})
+    tokenizer.add_tokens([AddedToken(f"<unused{i}>", special=True) for i in range(vocab_size - len(tokenizer))])
     tokenizer.save_pretrained(str(out))
 
 

@@ -80,8 +80,12 @@ void gated_delta_prefill_f32(const float *q, const float *k, const float *v, con
                 }
                 for (int64_t t = 0; t < lens[i]; t++) {
                     const int64_t at = (i * length + t) * heads + h;
-                    delta_rule_token(s, v_dim, width, k_dim, q + at * k_dim, k + at * k_dim, v + at * v_dim + c0,
-                                     expf(g[at]), beta[at], out + at * v_dim + c0);
+                    const float *qt = q + at * k_dim, *kt = k + at * k_dim, *vt = v + at * v_dim + c0;
+                    float *ot = out + at * v_dim + c0;
+                    if (width == COLUMNS) /* a constant width: the slab's prediction stays in registers */
+                        delta_rule_token(s, v_dim, COLUMNS, k_dim, qt, kt, vt, expf(g[at]), beta[at], ot);
+                    else
+                        delta_rule_token(s, v_dim, width, k_dim, qt, kt, vt, expf(g[at]), beta[at], ot);
                 }
             }
         }
