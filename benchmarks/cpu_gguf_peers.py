@@ -16,6 +16,8 @@ step is reported as a fraction of it (floor time / step time; 1.0 is at the floo
         [--types Q4_K_M,Q8_0] [--batch-sizes 1,16,64] [--threads 2] [--work-dir /tmp/gguf-peers] [--gguf FILE]
     python benchmarks/cpu_gguf_peers.py --llama-cpp LLAMA_CPP/build/bin --shape qwen3-30b-a3b --num-layers 8 \
         --types Q4_K_M --prefill-batch 4     (issue 39's mixture-of-experts table)
+    python benchmarks/cpu_gguf_peers.py --llama-cpp LLAMA_CPP/build/bin --shape qwen3.5-small --types Q4_K_M \
+        --prefill-batch 4     (issue 40's hybrid table: Gated DeltaNet beside gated full attention)
 
 LLAMA_CPP is the llama.cpp checkout the binaries were built from (its convert_hf_to_gguf.py and gguf-py
 are found two folders above build/bin; --llama-cpp-src overrides). The converter imports sentencepiece
