@@ -16,6 +16,8 @@ step is reported as a fraction of it (floor time / step time; 1.0 is at the floo
         [--types Q4_K_M,Q8_0] [--batch-sizes 1,16,64] [--threads 2] [--work-dir /tmp/gguf-peers] [--gguf FILE]
     python benchmarks/cpu_gguf_peers.py --llama-cpp LLAMA_CPP/build/bin --shape qwen3-30b-a3b --num-layers 8 \
         --types Q4_K_M --prefill-batch 4     (issue 39's mixture-of-experts table)
+    python benchmarks/cpu_gguf_peers.py --llama-cpp LLAMA_CPP/build/bin --shape qwen3.5-small --types Q4_K_M \
+        --prefill-batch 4     (issue 40's hybrid table: Gated DeltaNet beside gated full attention)
 
 LLAMA_CPP is the llama.cpp checkout the binaries were built from (its convert_hf_to_gguf.py and gguf-py
 are found two folders above build/bin; --llama-cpp-src overrides). The converter imports sentencepiece
@@ -34,6 +36,9 @@ import time
 import torch
 from cpu_peers import llama_cpp_rows, roseinfer_summaries  # beside this script
 from random_model import SHAPES, write_model
+
+# the converter's Qwen3.5 expects a multi-token-prediction head, which transformers' random model lacks
+CONVERTER_FLAGS = {"qwen3_5_text": ["--no-mtp"]}
 
 
 def build_ggufs(shape: str, types: list[str], work_dir: pathlib.Path, bin_dir: pathlib.Path,
@@ -55,7 +60,7 @@ def build_ggufs(shape: str, types: list[str], work_dir: pathlib.Path, bin_dir: p
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(src / "gguf-py"),
                                                                           os.environ.get("PYTHONPATH")]))}
         subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(checkpoint), "--outtype", "bf16",
-                        "--outfile", str(bf16)], check=True, env=env, capture_output=True)
+                        "--outfile", str(bf16), *CONVERTER_FLAGS.get(SHAPES[shape]["model_type"], [])], check=True, env=env, capture_output=True)
     for qtype in types:
         if not files[qtype].exists():
             subprocess.run([str(bin_dir / "llama-quantize"), str(bf16), str(files[qtype]), qtype], check=True,
@@ -107,23 +112,24 @@ def compare(gguf: pathlib.Path, args: argparse.Namespace, bandwidth: float) -> N
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     shape = (args.prompt_len, args.max_new_tokens, args.threads)
     ours = roseinfer_summaries(gguf, "gguf", sizes, *shape)
-    ours_int8 = roseinfer_summaries(gguf, "gguf", sizes, *shape, cpu_activations="int8")
+    ours_int8 = roseinfer_summaries(gguf, "gguf", sizes, *shape, cpu_activations="int8") if args.int8 else None
     peer = llama_cpp_rows(args.llama_cpp, gguf, sizes, *shape)
     ours_prefill = roseinfer_summaries(gguf, "gguf", [args.prefill_batch], args.prefill_len, 1,
                                        args.threads)[args.prefill_batch]
-    ours_int8_prefill = roseinfer_summaries(gguf, "gguf", [args.prefill_batch], args.prefill_len, 1,
-                                            args.threads, "int8")[args.prefill_batch]
+    ours_int8_prefill = roseinfer_summaries(gguf, "gguf", [args.prefill_batch], args.prefill_len, 1, args.threads,
+                                            "int8")[args.prefill_batch] if args.int8 else None
     peer_prefill = llama_cpp_rows(args.llama_cpp, gguf, [args.prefill_batch], args.prefill_len, 1,
                                   args.threads)[args.prefill_batch]
     rows = [(f"batch {b}, output tok/s", ours[b]["throughput_completion_total"],
-             ours_int8[b]["throughput_completion_total"], peer[b].e2e) for b in sizes]
+             ours_int8[b]["throughput_completion_total"] if ours_int8 else None, peer[b].e2e) for b in sizes]
     rows.append((f"prefill, {args.prefill_batch} x {args.prefill_len} tokens, tok/s", ours_prefill["throughput_prefill"],
-                 ours_int8_prefill["throughput_prefill"], peer_prefill.prefill_rate))
+                 ours_int8_prefill["throughput_prefill"] if ours_int8_prefill else None, peer_prefill.prefill_rate))
     print(f"\n{gguf.name}, {args.threads} threads, {args.prompt_len} prompt + {args.max_new_tokens} output tokens "
           f"a sequence, load average {os.getloadavg()[0]:.2f}")
     print("| | roseinfer | roseinfer int8 | llama.cpp | ratio | int8 ratio |\n|---|---:|---:|---:|---:|---:|")
     for label, exact, int8, theirs in rows:
-        print(f"| {label} | {exact:.1f} | {int8:.1f} | {theirs:.1f} | {exact / theirs:.2f} | {int8 / theirs:.2f} |")
+        int8_cells = (f"{int8:.1f}", f"{int8 / theirs:.2f}") if int8 is not None else ("-", "-")
+        print(f"| {label} | {exact:.1f} | {int8_cells[0]} | {theirs:.1f} | {exact / theirs:.2f} | {int8_cells[1]} |")
     weights, read_experts, all_experts = decode_weight_bytes(gguf)
     if all_experts:
         print(f"expert weights: {all_experts / 1e9:.3f} GB in all; a batch-1 decode step reads "
@@ -133,10 +139,13 @@ def compare(gguf: pathlib.Path, args: argparse.Namespace, bandwidth: float) -> N
     floor = weights / bandwidth
     if 1 in sizes:
         step, peer_step = 1 / ours[1]["throughput_decode_tokens"], 1 / peer[1].decode_rate
-        int8_step = 1 / ours_int8[1]["throughput_decode_tokens"]
+        int8 = ""
+        if ours_int8:
+            int8_step = 1 / ours_int8[1]["throughput_decode_tokens"]
+            int8 = f", int8 {int8_step * 1e3:.1f} ms ({floor / int8_step:.2f})"
         print(f"batch-1 decode: floor {weights / 1e9:.3f} GB / {bandwidth / 1e9:.1f} GB/s = {floor * 1e3:.1f} ms; "
-              f"roseinfer step {step * 1e3:.1f} ms (floor/step {floor / step:.2f}), int8 {int8_step * 1e3:.1f} ms "
-              f"({floor / int8_step:.2f}), llama.cpp {peer_step * 1e3:.1f} ms ({floor / peer_step:.2f})")
+              f"roseinfer step {step * 1e3:.1f} ms (floor/step {floor / step:.2f}){int8}, llama.cpp "
+              f"{peer_step * 1e3:.1f} ms ({floor / peer_step:.2f})")
 
 
 def main() -> None:
@@ -155,6 +164,8 @@ def main() -> None:
     parser.add_argument("--prefill-len", type=int, default=512)
     parser.add_argument("--prefill-batch", type=int, default=1, help="prompts prefilled together (issue 39's table: 4)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--int8", action=argparse.BooleanOptionalAction, default=True,
+                        help="the roseinfer int8-activations column too (--no-int8: the exact one only)")
     parser.add_argument("--work-dir", type=pathlib.Path, default=pathlib.Path("/tmp/gguf-peers"),
                         help="where the checkpoint and its GGUFs are built and kept")
     parser.add_argument("--gguf", type=pathlib.Path, action="append", default=None,

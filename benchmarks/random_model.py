@@ -11,7 +11,8 @@ SHAPE: gpt2-small (the roseinfer blog's benchmark model), qwen3-0.6b (nano-vllm'
 so short that the server's own costs show: benchmarks/server_overhead.py), the CPU shapes people
 run quantized (benchmarks/cpu_gguf_peers.py): smollm2-1.7b, llama-3.2-3b, qwen3-8b, gemma3-1b, or qwen3-30b-a3b
 (Qwen3-30B-A3B's layer shape: 128 experts, top-8, expert width 768; pick the layers that fit with
---num-layers), or qwen3.5-small (the hybrid layer shape: benchmarks/hybrid_prefix_cost.py).
+--num-layers), or qwen3.5-small (the hybrid layer shape: benchmarks/hybrid_prefix_cost.py, and issue 40's table against
+llama.cpp, benchmarks/cpu_gguf_peers.py --shape qwen3.5-small).
 
 The mixture-of-experts comparison against llama.cpp (issue 39's table) is benchmarks/cpu_gguf_peers.py
 --shape qwen3-30b-a3b --num-layers N (it builds, converts and quantizes this checkpoint itself).
@@ -84,13 +85,14 @@ def write_tokenizer(out: Path, max_length: int) -> None:
 
 def copy_gguf_tokenizer(gguf: Path, out: Path, vocab_size: int) -> None:
     """The tokenizer transformers rebuilds from a GGUF's metadata, saved into out, padded with unused
-    special tokens to the model's vocabulary: Gemma's converter cuts the embedding to the tokenizer's size."""
+    special tokens to the model's vocabulary: Gemma's converter cuts the embedding to the tokenizer's size.
+    They are added tokens, not `additional_special_tokens`: transformers checks each of those against a
+    list on load, which at Qwen3.5's 200k extra tokens kept the converter loading it for many minutes."""
     from tokenizers import AddedToken
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    tokenizer.add_special_tokens({"additional_special_tokens": [
-        AddedToken(f"<unused{i}>", special=True) for i in range(vocab_size - len(tokenizer))]})
+    tokenizer.add_tokens([AddedToken(f"<unused{i}>", special=True) for i in range(vocab_size - len(tokenizer))])
     tokenizer.save_pretrained(str(out))
 
 

@@ -113,3 +113,28 @@ def test_cpu_decode_kernel_matches_float64_reference() -> None:
                                   torch.zeros(1))
     torch.testing.assert_close(out.double(), fresh_out[:, 0], rtol=0, atol=1e-5)
     torch.testing.assert_close(pool[3:4].double(), fresh_state, rtol=0, atol=1e-5)
+
+
+def test_cpu_prefill_kernel_matches_float64_reference() -> None:
+    """The CPU backend's C prefill (csrc/gated_delta_rule.c), in place on a pool: three right-padded
+    sequences of 300, 170 and 1 tokens (values of 20 columns: a full slab of 16 and a part one) equal
+    the float64 recurrence over their own tokens, whatever the padding holds; the second starts from
+    zeros (keep 0) whatever its slot holds; the pool's other slots stay as they were."""
+    from roseinfer.backends.cpu import ops
+    from roseinfer.backends.cpu.kernels import kernels_available
+
+    if not kernels_available():
+        pytest.skip("the C kernels cannot be built here")
+    lens, keep, slots = [300, 170, 1], [1.0, 0.0, 1.0], torch.tensor([3, 1, 0])
+    inputs64 = _delta_rule_inputs(3, 300, 2, 8, 20, torch.float64)
+    pool = torch.randn(5, 2, 8, 20)
+    untouched = pool.clone()
+    pool[slots] = inputs64[5].float()
+    out = ops.gated_delta_prefill_(*(t.float() for t in inputs64[:5]), pool, slots, torch.tensor(keep),
+                                   torch.tensor(lens))
+    for i, (n, kept) in enumerate(zip(lens, keep)):
+        start = inputs64[5][i:i + 1] * kept
+        ref_out, ref_state = _reference(*(t[i:i + 1, :n] for t in inputs64[:5]), start)
+        torch.testing.assert_close(out[i:i + 1, :n].double(), ref_out, rtol=0, atol=1e-4)
+        torch.testing.assert_close(pool[slots[i]].double(), ref_state[0], rtol=0, atol=1e-4)
+    assert torch.equal(pool[[2, 4]], untouched[[2, 4]])

@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from roseinfer.layers.gated_delta_rule import LinearStateBatch, recurrent_step
+from roseinfer.layers.gated_delta_rule import LinearStateBatch, chunked_prefill, recurrent_step
 from roseinfer.layers.rotary import apply_rotary
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -40,6 +40,16 @@ class AttentionMetadata(ABC):
         states[slots[i]] (from zeros where keep[i] is 0) and leaves its next state there. Returns o
         [n, H, Dv]; a backend may update the states in place."""
         o, states[slots] = recurrent_step(q, k, v, g, beta, states[slots] * keep[:, None, None, None])
+        return o
+
+    def delta_rule_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                           beta: torch.Tensor, states: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor,
+                           lens: torch.Tensor) -> torch.Tensor:
+        """The gated delta rule over prefill chunks (layers/gated_delta_rule.py chunked_prefill): q, k
+        [n, L, H, Dk], v [n, L, H, Dv], g, beta [n, L, H], right-padded (padding zeroed), sequence i's
+        first lens[i] tokens continuing states[slots[i]] as delta_rule_decode does. Returns o
+        [n, L, H, Dv], whose padding rows a backend need not write."""
+        o, states[slots] = chunked_prefill(q, k, v, g, beta, states[slots] * keep[:, None, None, None])
         return o
 
     def rotate(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:

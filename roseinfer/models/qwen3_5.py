@@ -17,7 +17,7 @@ from torch import nn
 
 from roseinfer.distributed.parallel import TensorParallel, column_parallel
 from roseinfer.layers.attention import AttentionMetadata, KVCache, PagedAttention
-from roseinfer.layers.gated_delta_rule import chunked_prefill, conv_decode, conv_prefill, l2_normalise
+from roseinfer.layers.gated_delta_rule import conv_decode, conv_prefill, l2_normalise
 from roseinfer.layers.linear import Linear
 from roseinfer.layers.rope_parameters import rotary_dim
 from roseinfer.layers.rotary import interleave_rotary_rows
@@ -105,9 +105,8 @@ class GatedDeltaNet(nn.Module):
                                                   batch.prefill_lens)
             mask = valid.unsqueeze(-1).unsqueeze(-1)  # padding: zero q/k/v, g and beta leave the state as it was
             q, k, v = (t * mask for t in self._heads(conv))
-            o, recurrent_pool[slots] = chunked_prefill(q, k, v, g[rows] * valid.unsqueeze(-1),
-                                                       beta[rows] * valid.unsqueeze(-1),
-                                                       recurrent_pool[slots] * keep[:, None, None, None])
+            o = meta.delta_rule_prefill(q, k, v, g[rows] * valid.unsqueeze(-1), beta[rows] * valid.unsqueeze(-1),
+                                        recurrent_pool, slots, keep, batch.prefill_lens)
             out[rows[valid > 0]] = o[valid > 0]
         gated = self.norm.forward(out, z.view(tokens, self.v_heads, self.v_dim), x.dtype)
         return self.out_proj.forward(gated.view(tokens, self.value_size))

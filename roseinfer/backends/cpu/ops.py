@@ -339,3 +339,24 @@ def gated_delta_decode_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
                                             keep=keep.data_ptr(), out=out.data_ptr(), n=n, heads=heads,
                                             k_dim=k_dim, v_dim=v.shape[-1], num_threads=torch.get_num_threads())
     return out
+
+
+def gated_delta_prefill_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                         states: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor,
+                         lens: torch.Tensor) -> torch.Tensor:
+    """The gated delta rule over sequences of several tokens (layers/gated_delta_rule.py chunked_prefill,
+    token by token) on the state pool in place: q, k [n, L, H, Dk], v [n, L, H, Dv], g, beta [n, L, H]
+    right-padded, sequence i's first lens[i] tokens continuing states[slots[i]] (zeroed first where
+    keep[i] is 0). Returns o [n, L, H, Dv], its padding rows unwritten."""
+    if not states.is_contiguous():
+        raise ValueError("gated_delta_prefill_ updates the state pool in place and needs it contiguous")
+    q, k, v, g, beta = (t.float().contiguous() for t in (q, k, v, g, beta))
+    slots, keep, lens = slots.contiguous(), keep.float().contiguous(), lens.contiguous()
+    n, length, heads, k_dim = k.shape
+    out = torch.empty(n, length, heads, v.shape[-1], dtype=torch.float32)
+    native_library().gated_delta_prefill_f32(q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), g=g.data_ptr(),
+                                             beta=beta.data_ptr(), states=states.data_ptr(), slots=slots.data_ptr(),
+                                             keep=keep.data_ptr(), lens=lens.data_ptr(), out=out.data_ptr(), n=n,
+                                             length=length, heads=heads, k_dim=k_dim, v_dim=v.shape[-1],
+                                             num_threads=torch.get_num_threads())
+    return out

@@ -77,5 +77,9 @@ int dequantize_rows_f32(const uint8_t *weight, int64_t type, const int64_t *ids,
 void gated_delta_decode_f32(const float *q, const float *k, const float *v, const float *g, const float *beta,
                             float *states, const int64_t *slots, const float *keep, float *out, int64_t n,
                             int64_t heads, int64_t k_dim, int64_t v_dim, int num_threads);
+void gated_delta_prefill_f32(const float *q, const float *k, const float *v, const float *g, const float *beta,
+                             float *states, const int64_t *slots, const float *keep, const int64_t *lens, float *out,
+                             int64_t n, int64_t length, int64_t heads, int64_t k_dim, int64_t v_dim,
+                             int num_threads);
 
 #endif
