@@ -1,7 +1,8 @@
 /* Runs csrc/moe_experts.c's one-call routed experts for tests/test_native_kernels.py, built with
  * AddressSanitizer: any read or write outside a buffer aborts with a report. Every type (gate/up and
- * down of the same type, and of two types), 1, 7 and 40 tokens (partial row groups, the tiled
- * kernel's rows), an expert no token routes to, rows of x wider than hidden (a stride). The blocks
+ * down of the same type, and of two types), 1, 7 and 48 tokens (partial row groups, the tiled
+ * kernel's rows; on one thread, whole experts as work items), an expert no token routes to, rows of x
+ * wider than hidden (a stride). The blocks
  * are random bytes with small fp16 scales (values do not matter here). */
 #include <stdint.h>
 #include <stdio.h>
@@ -24,7 +25,7 @@ static uint8_t *blocks(int64_t count, int64_t bytes) {
 }
 
 /* one call; returns its result */
-static int run(int gate_up_t, int down_t, int64_t tokens) {
+static int run(int gate_up_t, int down_t, int64_t tokens, int threads) {
     const int64_t hidden = 256, width = 256, stride = hidden + 16;
     const int64_t gu_type = TYPES[gate_up_t][0], down_type = TYPES[down_t][0];
     uint8_t *gate_up = blocks(EXPERTS * 2 * width * hidden / TYPES[gate_up_t][2], TYPES[gate_up_t][1]);
@@ -39,15 +40,15 @@ static int run(int gate_up_t, int down_t, int64_t tokens) {
             weights[t * TOP_K + s] = 0.25f;
         }
     const int failed = moe_experts_f32(x, stride, ids, weights, tokens, TOP_K, gate_up, gu_type, down, down_type,
-                                       EXPERTS, hidden, width, out, 2);
+                                       EXPERTS, hidden, width, out, threads);
     free(gate_up); free(down); free(x); free(out); free(weights); free(ids);
     return failed;
 }
 
 int main(void) {
     for (int t = 0; t < 6; t++)
-        for (int64_t tokens = 1; tokens <= 40; tokens = tokens == 1 ? 7 : tokens == 7 ? 40 : 41)
-            if (run(t, t, tokens) != 0 || run(t, (t + 3) % 6, tokens) != 0) {
+        for (int64_t tokens = 1; tokens <= 48; tokens = tokens == 1 ? 7 : tokens == 7 ? 48 : 49)
+            if (run(t, t, tokens, 2) != 0 || run(t, (t + 3) % 6, tokens, 2) != 0 || run(t, t, tokens, 1) != 0) {
                 printf("types %d: moe_experts_f32 returned nonzero\n", t);
                 return 1;
             }

@@ -116,6 +116,24 @@ def test_one_call_equals_the_per_expert_loop_bit_for_bit(types: tuple[QT, QT], t
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3 * want.abs().max().item())
 
 
+
+@needs_kernels
+@pytest.mark.parametrize("types", [(QT.Q4_K, QT.Q6_K), (QT.Q8_0, QT.Q8_0)], ids=["Q4_K+Q6_K", "Q8_0"])
+def test_one_call_with_whole_experts_as_items_equals_the_loop(types: tuple[QT, QT]) -> None:
+    """48 tokens of top-3 over 4 experts on one thread: 36 rows an expert on average, enough experts
+    for the thread, so each expert is one work item (a prefill's case) rather than slices of rows."""
+    blocks, _ = _experts(*types, seed=6)
+    torch.manual_seed(6)
+    x = torch.randn(48, HIDDEN)
+    weights, ids = select_experts(torch.randn(48, EXPERTS), 3, renormalize=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        got = blocks.forward(x, weights, ids)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(got, _per_expert_loop(blocks, x, weights, ids))
+
 @needs_kernels
 @pytest.mark.parametrize("tokens", [1, 5, 40])
 def test_one_call_with_every_token_on_one_expert(tokens: int) -> None:
