@@ -40,15 +40,15 @@ def test_deepseek2_gguf_file_gives_hf_greedy_tokens(tiny_model_factory, tmp_path
 
 def test_deepseek2_experts_in_q8_0_blocks_give_the_dequantized_tokens(tiny_model_factory, tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """A Q8_0 file: on the CPU backend the stacked experts stay in their blocks and the engine gives
-    the tokens it gives on the same file dequantized at load."""
+    """A Q8_0 file: on the CPU backend the stacked experts stay in their blocks (one C call a layer)
+    and the engine gives the tokens it gives on the same file dequantized at load."""
     monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(tmp_path / "cache"))
     model_dir = tiny_model_factory("deepseek_v3")
     src = write_deepseek_gguf(tmp_path / "v3.gguf", load_hf_model(model_dir), _trained_tokenizer(), "Q8_0")
     prompts = sample_prompts(model_dir, 3, seed=6)
     blocks = LLM(model=str(src), quantization="gguf", num_kv_blocks=64)
     experts = blocks.engine.runner.model.model.layers[1].mlp.experts
-    assert type(experts).__name__ == "QuantizedExperts" and hasattr(experts.down_proj, "ggml_type")
+    assert type(experts).__name__ == "OneCallQuantizedExperts" and hasattr(experts.down_proj, "ggml_type")
     dense = LLM(model=str(src), quantization="none", num_kv_blocks=64)
     assert ([o.token_ids for o in blocks.generate(prompts, GREEDY, use_tqdm=False)]
             == [o.token_ids for o in dense.generate(prompts, GREEDY, use_tqdm=False)])

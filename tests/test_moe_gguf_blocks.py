@@ -1,7 +1,8 @@
 """Mixture-of-experts weights kept as GGUF blocks on the CPU backend (backends/cpu/quantized_experts.py):
 the grouped expert compute against a per-token reference through the same block kernel and against
-the dequantized weights, routing with ties and with every token on one expert, and whole models
-written to GGUF in Q8_0 / Q4_K against HF on the dequantized weights."""
+the dequantized weights, the one-call path (csrc/moe_experts.c) against the per-expert loop bit for
+bit, routing with ties and with every token on one expert, and whole models written to GGUF in
+Q8_0 / Q4_K against HF on the dequantized weights in every scheduling mode the CPU backend runs."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,11 +18,12 @@ from roseinfer import LLM, SamplingParams
 from roseinfer.backends.cpu import layers as cpu_layers
 from roseinfer.backends.cpu import quantized_experts
 from roseinfer.backends.cpu import ops
-from roseinfer.backends.cpu.quantized_experts import QuantizedExperts
+from roseinfer.backends.cpu.quantized_experts import OneCallQuantizedExperts, QuantizedExperts
 from roseinfer.distributed.parallel import SINGLE
 from roseinfer.loader.gguf import convert_gguf
 from roseinfer.models.config import MoeLayout
 from roseinfer.models.moe import SparseMoeBlock, StackedExperts, select_experts
+from test_moe import MODES
 from test_native_kernels import needs_kernels
 from test_quantized import QTYPES, random_blocks
 
@@ -88,6 +90,73 @@ def test_grouped_experts_equal_each_token_alone(qtype: QT) -> None:
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3 * want.abs().max().item())
 
 
+
+def _per_expert_loop(experts: OneCallQuantizedExperts, x: torch.Tensor, weights: torch.Tensor,
+                     ids: torch.Tensor) -> torch.Tensor:
+    """The same module through QuantizedExperts' loop: two block-kernel calls per routed expert."""
+    return QuantizedExperts.forward(experts, x, weights, ids)
+
+
+@needs_kernels
+@pytest.mark.parametrize("types", [(q, q) for q in QTYPES] + [(QT.Q4_K, QT.Q6_K), (QT.Q8_0, QT.Q4_0)],
+                         ids=[q.name for q in QTYPES] + ["Q4_K+Q6_K", "Q8_0+Q4_0"])
+@pytest.mark.parametrize("tokens", [1, 7, 40])
+def test_one_call_equals_the_per_expert_loop_bit_for_bit(types: tuple[QT, QT], tokens: int) -> None:
+    """Random top-3 routing of 1, 7 and 40 tokens over 4 experts (40: every expert past the tiled
+    kernel's 17 rows, 7: partial row groups): the one C call gives the loop's bits; a Q4_K_M file's
+    gate/up and down types differ."""
+    blocks, dense = _experts(*types, seed=4)
+    assert type(blocks) is OneCallQuantizedExperts
+    torch.manual_seed(tokens)
+    x = torch.randn(tokens, HIDDEN)
+    weights, ids = select_experts(torch.randn(tokens, EXPERTS), 3, renormalize=False)
+    got = blocks.forward(x, weights, ids)
+    assert torch.equal(got, _per_expert_loop(blocks, x, weights, ids))
+    want = dense.forward(x, weights, ids)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3 * want.abs().max().item())
+
+
+
+@needs_kernels
+@pytest.mark.parametrize("types", [(QT.Q4_K, QT.Q6_K), (QT.Q8_0, QT.Q8_0)], ids=["Q4_K+Q6_K", "Q8_0"])
+def test_one_call_with_whole_experts_as_items_equals_the_loop(types: tuple[QT, QT]) -> None:
+    """48 tokens of top-3 over 4 experts on one thread: 36 rows an expert on average, enough experts
+    for the thread, so each expert is one work item (a prefill's case) rather than slices of rows."""
+    blocks, _ = _experts(*types, seed=6)
+    torch.manual_seed(6)
+    x = torch.randn(48, HIDDEN)
+    weights, ids = select_experts(torch.randn(48, EXPERTS), 3, renormalize=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        got = blocks.forward(x, weights, ids)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(got, _per_expert_loop(blocks, x, weights, ids))
+
+@needs_kernels
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_one_call_with_every_token_on_one_expert(tokens: int) -> None:
+    """Every token on experts 3 and 1, given in that order (the sum still adds expert 1's row first);
+    the other experts get no rows."""
+    blocks, dense = _experts(QT.Q4_K, QT.Q6_K, seed=5)
+    assert type(blocks) is OneCallQuantizedExperts
+    torch.manual_seed(5)
+    x = torch.randn(tokens, HIDDEN)
+    ids = torch.tensor([[3, 1]]).expand(tokens, 2).contiguous()
+    weights = torch.rand(tokens, 2)
+    got = blocks.forward(x, weights, ids)
+    assert torch.equal(got, _per_expert_loop(blocks, x, weights, ids))
+    want = dense.forward(x, weights, ids)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+@needs_kernels
+def test_one_call_refuses_an_expert_id_out_of_range() -> None:
+    blocks, _ = _experts(QT.Q8_0, QT.Q8_0)
+    with pytest.raises(ValueError, match="expert id"):
+        blocks.forward(torch.randn(2, HIDDEN), torch.rand(2, 2), torch.tensor([[0, 1], [2, EXPERTS]]))
+
 @needs_kernels
 @pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_K], ids=["Q8_0", "Q4_K"])
 def test_each_experts_biases_are_added_on_the_block_path(qtype: QT) -> None:
@@ -136,6 +205,7 @@ def test_router_ties_pick_the_experts_torch_topk_picks() -> None:
     weights, ids = select_experts(moe.gate.forward(x), 2, renormalize=True)
     assert len({tuple(row) for row in ids.tolist()}) == 1 and torch.equal(weights, torch.full_like(weights, 0.5))
     got = moe.forward(x)
+    assert type(blocks) is OneCallQuantizedExperts and torch.equal(got, _per_expert_loop(blocks, x, weights, ids))
     want = reference.forward(x)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3 * want.abs().max().item())
 
@@ -180,23 +250,38 @@ def _hf_greedy_on_dequantized(model: torch.nn.Module, folder: Path, prompts: lis
     return outs
 
 
-@needs_kernels
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
-def test_moe_model_in_blocks_matches_hf_on_the_dequantized_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                    qtype: str) -> None:
-    """The experts stay in their 3-D blocks (quantization gguf) and the engine generates what HF
-    generates from the dequantized weights, token for token, in decode and in prefill of many rows."""
-    monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(tmp_path / "cache"))
+# the scheduling modes of tests/test_moe.py that run on the CPU backend (the others dequantize the experts)
+CPU_MODES = {name: options for name, options in MODES.items() if "attention_backend" not in options}
+
+
+@pytest.fixture(scope="module", params=["Q8_0", "Q4_K"])
+def moe_gguf(request, tmp_path_factory) -> tuple[str, Path, list[list[int]], list[list[int]]]:
+    """(type, a tiny Qwen3-MoE GGUF of that type, prompts, HF's greedy tokens on its dequantized weights)."""
+    folder = tmp_path_factory.mktemp(f"moe_{request.param}")
     hf = _tiny_moe_hf()
-    src = write_tiny_gguf(tmp_path / "moe.gguf", hf, make_tiny_tokenizer(300), qtype)
-    llm = LLM(model=str(src), quantization="gguf", num_kv_blocks=32)
-    experts = llm.engine.runner.model.model.layers[1].mlp.experts
-    assert type(experts) is QuantizedExperts and experts.gate_up_proj.dtype == torch.uint8
-    assert experts.gate_up_proj.shape[:2] == (EXPERTS, 2 * WIDTH) and int(experts.down_proj.ggml_type) == int(QT[qtype])
-    prompts = [[5, 17, 42, 9], list(range(3, 60))]
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
-    refs = _hf_greedy_on_dequantized(hf, convert_gguf(src), prompts, 12)
+    src = write_tiny_gguf(folder / "moe.gguf", hf, make_tiny_tokenizer(300), request.param)
+    prompts = [[5, 17, 42, 9], list(range(3, 60)), [7, 7, 8, 7, 7, 8, 7, 7, 8, 7, 7]]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("ROSEINFER_CACHE_DIR", str(folder / "cache"))
+        refs = _hf_greedy_on_dequantized(hf, convert_gguf(src), prompts, 12)
     assert any(len(set(r)) > 2 for r in refs), "degenerate reference"
+    return request.param, src, prompts, refs
+
+
+@needs_kernels
+@pytest.mark.parametrize("mode", list(CPU_MODES))
+def test_moe_model_in_blocks_matches_hf_on_the_dequantized_weights(moe_gguf, monkeypatch: pytest.MonkeyPatch,
+                                                                    mode: str) -> None:
+    """The experts stay in their 3-D blocks (quantization gguf) and run in one call a layer; the
+    engine generates what HF generates from the dequantized weights, token for token, in decode and
+    in prefill of many rows, in every scheduling mode."""
+    qtype, src, prompts, refs = moe_gguf
+    monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(src.parent / "cache"))
+    llm = LLM(model=str(src), quantization="gguf", **{"num_kv_blocks": 32, **CPU_MODES[mode]})
+    experts = llm.engine.runner.model.model.layers[1].mlp.experts
+    assert type(experts) is OneCallQuantizedExperts and experts.gate_up_proj.dtype == torch.uint8
+    assert experts.gate_up_proj.shape[:2] == (EXPERTS, 2 * WIDTH) and int(experts.down_proj.ggml_type) == int(QT[qtype])
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     assert [o.token_ids for o in outs] == refs
     assert llm.kv_cache_stats()["used_blocks"] == 0
 

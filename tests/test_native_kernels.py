@@ -102,8 +102,8 @@ def test_paged_prefill_attention_matches_sdpa_under_a_causal_mask(heads: int, kv
 def test_attention_kernels_stay_inside_their_buffers_under_address_sanitizer(tmp_path) -> None:
     """Prefill's lane blocks that run past a tile's last lane once read past the scores scratch (head
     dim 128, 64 lanes) while results stayed right, so only a sanitizer saw it; decode (rotary and K/V
-    write fused in) runs there too, and so do a whole decode step through csrc/decode_layers.c and
-    the GGUF-block matmul of csrc/quant_matmul.c."""
+    write fused in) runs there too, and so do a whole decode step through csrc/decode_layers.c, the
+    GGUF-block matmul of csrc/quant_matmul.c and the routed experts of csrc/moe_experts.c."""
     compiler = shutil.which("gcc") or shutil.which("clang")
     if compiler is None:
         pytest.skip("no gcc or clang to build the AddressSanitizer harness")
@@ -146,6 +146,12 @@ def test_attention_kernels_stay_inside_their_buffers_under_address_sanitizer(tmp
                         kernels.CSRC / "quant_matmul.c", kernels.CSRC / "kquant_avx512.c",
                         kernels.CSRC / "quant_tiled_matmul.c", kernels.CSRC / "packed_matmul.c", *Q8_SOURCES)
     assert run is not None, "the int8-activation harness did not build although an empty ASan program did"
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr
+    # a mixture-of-experts layer's routed experts in one call: every type, alone and paired, 1 to 48 tokens
+    run = build_and_run("moe_experts_asan", pathlib.Path(__file__).with_name("moe_experts_asan.c"),
+                        kernels.CSRC / "moe_experts.c", kernels.CSRC / "quant_matmul.c", kernels.CSRC / "kquant_avx512.c",
+                        kernels.CSRC / "quant_tiled_matmul.c", *Q8_SOURCES)
+    assert run is not None, "the routed-experts harness did not build although an empty ASan program did"
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr
 
 

@@ -37,8 +37,8 @@ class CPUBackend(Backend):
     def prepare_model(self, model: nn.Module, cpu_activations: str = "auto") -> None:
         # weights kept as GGUF blocks: their own layers, which layers.install leaves
         quantized.install(model, int8_activations=cpu_activations == "int8")
-        quantized_experts.install(model)
         layers.install(model)
+        quantized_experts.install(model)  # after layers: its one-call path needs their native SiLU * up
         # the one-call decoder stack computes whole layers in C: no place for a tensor-parallel all-reduce
         llama.install(model, whole_stack=self.world_size == 1)
         super().prepare_model(model, cpu_activations)

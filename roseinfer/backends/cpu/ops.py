@@ -310,6 +310,25 @@ def quant_matmul(x: torch.Tensor, weight: torch.Tensor, qtype: int, bias: torch.
     return out
 
 
+def moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
+                down: torch.Tensor) -> torch.Tensor:
+    """A mixture-of-experts layer's routed experts in one call: x [T, H], routing weights (fp32) and
+    expert ids (int64) [T, k] -> sum over each token's experts of weight * down(silu(gate) * up) [T, H].
+    gate_up [E, 2 w, bytes] and down [E, H, bytes] are GGUF blocks (their `ggml_type` on them)."""
+    x = _rows(x)
+    weights, experts = weights.to(torch.float32).contiguous(), experts.to(torch.int64).contiguous()
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    failed = native_library().moe_experts_f32(
+        x=x.data_ptr(), x_stride=x.stride(0), experts=experts.data_ptr(), weights=weights.data_ptr(),
+        tokens=experts.shape[0], top_k=experts.shape[1], gate_up=gate_up.data_ptr(), gate_up_type=gate_up.ggml_type,
+        down=down.data_ptr(), down_type=down.ggml_type, num_experts=gate_up.shape[0], hidden=x.shape[1],
+        width=gate_up.shape[1] // 2, out=out.data_ptr(), num_threads=torch.get_num_threads())
+    if failed:
+        raise ValueError(f"moe_experts: GGML types {int(gate_up.ggml_type)}/{int(down.ggml_type)} with {x.shape[1]} "
+                         f"and {gate_up.shape[1] // 2} weights a row, an expert id outside {gate_up.shape[0]} "
+                         "experts, or buffers that could not be allocated")
+    return out
+
 def dequantize_rows(weight: torch.Tensor, qtype: int, ids: torch.Tensor, k: int) -> torch.Tensor:
     """Rows `ids` (int64) of the quantized table weight (uint8 [rows, bytes per row], GGML type
     qtype, k weights a row), dequantized: [len(ids), k] fp32."""

@@ -5,8 +5,11 @@
 StackedExperts groups a step's tokens by expert and runs each routed expert once on its rows; here an
 expert's slice of blocks (its rows are contiguous) goes through the same 2-D block matmul a dense
 GGUF linear uses (csrc/quant_matmul.c through ops.quant_matmul), so the sums are that linear's, SiLU
-* up computed inside the down projection's call. Only the experts the step routes to are read. The other backends dequantize these
-tensors at load."""
+* up computed inside the down projection's call. Only the experts the step routes to are read.
+Where both projections are blocks, the activation SiLU * up and there are no biases (every GGUF
+Qwen-MoE, Mixtral, OLMoE), the whole layer's routed experts run in one C call instead
+(csrc/moe_experts.c: the same kernels on the same rows in the same order, so the same bits, without
+a Python loop of two calls per routed expert). The other backends dequantize these tensors at load."""
 from __future__ import annotations
 
 import torch
@@ -42,9 +45,23 @@ class QuantizedExperts(StackedExperts):
         return out
 
 
+class OneCallQuantizedExperts(QuantizedExperts):
+    """QuantizedExperts with gate/up and down both in blocks, SiLU * up and no biases: all of a step's
+    routed experts in one C call, equal bit for bit to QuantizedExperts' loop over them."""
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        return ops.moe_experts(x, weights, experts, self.gate_up_proj, self.down_proj)
+
+
+def takes_one_call(module: StackedExperts) -> bool:
+    return (is_blocks(module.gate_up_proj) and is_blocks(module.down_proj) and module.gate_up_proj_bias is None
+            and module.down_proj_bias is None and isinstance(module.act_and_mul, NativeSiluAndMul))
+
+
 @torch.inference_mode()
 def install(model: nn.Module) -> None:
-    """QuantizedExperts in place of the StackedExperts whose weights hold blocks."""
+    """OneCallQuantizedExperts, or QuantizedExperts, in place of the StackedExperts whose weights hold
+    blocks (after the backend's layers: the activation must be the native SiLU * up by then)."""
     for module in model.modules():
         if type(module) is StackedExperts and (is_blocks(module.gate_up_proj) or is_blocks(module.down_proj)):
-            module.__class__ = QuantizedExperts
+            module.__class__ = OneCallQuantizedExperts if takes_one_call(module) else QuantizedExperts

@@ -81,5 +81,10 @@ void gated_delta_prefill_f32(const float *q, const float *k, const float *v, con
                              float *states, const int64_t *slots, const float *keep, const int64_t *lens, float *out,
                              int64_t n, int64_t length, int64_t heads, int64_t k_dim, int64_t v_dim,
                              int num_threads);
+/* a mixture-of-experts layer's routed experts in GGUF blocks, in one call (moe_experts.c) */
+int moe_experts_f32(const float *x, int64_t x_stride, const int64_t *experts, const float *weights, int64_t tokens,
+                    int64_t top_k, const uint8_t *gate_up, int64_t gate_up_type, const uint8_t *down,
+                    int64_t down_type, int64_t num_experts, int64_t hidden, int64_t width, float *out,
+                    int num_threads);
 
 #endif

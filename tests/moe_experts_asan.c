@@ -1,0 +1,66 @@
+/* Runs csrc/moe_experts.c's one-call routed experts for tests/test_native_kernels.py, built with
+ * AddressSanitizer: any read or write outside a buffer aborts with a report. Every type (gate/up and
+ * down of the same type, and of two types), 1, 7 and 48 tokens (partial row groups, the tiled
+ * kernel's rows; on one thread, whole experts as work items), an expert no token routes to, rows of x
+ * wider than hidden (a stride). The blocks
+ * are random bytes with small fp16 scales (values do not matter here). */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "kernels.h"
+
+static const int64_t TYPES[][3] = {{2, 18, 32}, {3, 20, 32}, {8, 34, 32}, {12, 144, 256}, {13, 176, 256}, {14, 210, 256}};
+#define EXPERTS 5
+#define TOP_K 3
+
+static uint8_t *blocks(int64_t count, int64_t bytes) {
+    uint8_t *p = malloc((size_t)(count * bytes));
+    for (int64_t i = 0; i < count * bytes; i++) p[i] = (uint8_t)rand();
+    for (int64_t b = 0; b < count; b++) { /* 0x2000: an fp16 of 2^-7 wherever a type keeps its scales */
+        p[b * bytes] = 0, p[b * bytes + 1] = 0x20, p[b * bytes + 2] = 0, p[b * bytes + 3] = 0x20;
+        p[b * bytes + bytes - 2] = 0, p[b * bytes + bytes - 1] = 0x20;
+    }
+    return p;
+}
+
+/* one call; returns its result */
+static int run(int gate_up_t, int down_t, int64_t tokens, int threads) {
+    const int64_t hidden = 256, width = 256, stride = hidden + 16;
+    const int64_t gu_type = TYPES[gate_up_t][0], down_type = TYPES[down_t][0];
+    uint8_t *gate_up = blocks(EXPERTS * 2 * width * hidden / TYPES[gate_up_t][2], TYPES[gate_up_t][1]);
+    uint8_t *down = blocks(EXPERTS * hidden * width / TYPES[down_t][2], TYPES[down_t][1]);
+    float *x = malloc(sizeof(float) * (size_t)(tokens * stride)), *out = malloc(sizeof(float) * (size_t)(tokens * hidden));
+    float *weights = malloc(sizeof(float) * (size_t)(tokens * TOP_K));
+    int64_t *ids = malloc(sizeof(int64_t) * (size_t)(tokens * TOP_K));
+    for (int64_t i = 0; i < tokens * stride; i++) x[i] = (float)rand() / RAND_MAX - 0.5f;
+    for (int64_t t = 0; t < tokens; t++)
+        for (int64_t s = 0; s < TOP_K; s++) { /* experts 0..3, distinct per token; expert 4 gets none */
+            ids[t * TOP_K + s] = (t + s) % 4;
+            weights[t * TOP_K + s] = 0.25f;
+        }
+    const int failed = moe_experts_f32(x, stride, ids, weights, tokens, TOP_K, gate_up, gu_type, down, down_type,
+                                       EXPERTS, hidden, width, out, threads);
+    free(gate_up); free(down); free(x); free(out); free(weights); free(ids);
+    return failed;
+}
+
+int main(void) {
+    for (int t = 0; t < 6; t++)
+        for (int64_t tokens = 1; tokens <= 48; tokens = tokens == 1 ? 7 : tokens == 7 ? 48 : 49)
+            if (run(t, t, tokens, 2) != 0 || run(t, (t + 3) % 6, tokens, 2) != 0 || run(t, t, tokens, 1) != 0) {
+                printf("types %d: moe_experts_f32 returned nonzero\n", t);
+                return 1;
+            }
+    /* an expert id out of range and a width that is not whole blocks are refused */
+    const int64_t bad_ids[2] = {0, EXPERTS};
+    const float weights[2] = {0.5f, 0.5f};
+    float x[32] = {0}, out[32];
+    if (moe_experts_f32(x, 32, bad_ids, weights, 1, 2, NULL, 8, NULL, 8, EXPERTS, 32, 32, out, 2) == 0 ||
+        moe_experts_f32(x, 32, bad_ids, weights, 1, 2, NULL, 12, NULL, 8, EXPERTS, 32, 32, out, 2) == 0) {
+        printf("an expert id out of range or a width that is not whole blocks was accepted\n");
+        return 1;
+    }
+    printf("ok\n");
+    return 0;
+}
