@@ -77,5 +77,10 @@ int dequantize_rows_f32(const uint8_t *weight, int64_t type, const int64_t *ids,
 void gated_delta_decode_f32(const float *q, const float *k, const float *v, const float *g, const float *beta,
                             float *states, const int64_t *slots, const float *keep, float *out, int64_t n,
                             int64_t heads, int64_t k_dim, int64_t v_dim, int num_threads);
+/* the int8 path's GEMM (q8_gemm.c): a Q4_K or Q6_K weight [n, k] in GGUF blocks repacked into tiles of 16
+ * rows, q8_repacked_bytes(type, n, k) bytes at out, for a weight type with INT8_ACTIVATIONS and
+ * INT8_REPACKED (quants.h); returns nonzero for another type or a k not whole blocks */
+int64_t q8_repacked_bytes(int64_t type, int64_t n, int64_t k);
+int q8_repack(const uint8_t *weight, int64_t type, int64_t n, int64_t k, uint8_t *out, int num_threads);
 
 #endif

@@ -1,0 +1,403 @@
+/* The int8 path's GEMM for Q4_K and Q6_K weights repacked at load (--cpu-activations int8): a tile
+ * of GEMM_ROWS = 16 weight rows is interleaved so that one 64-byte vector holds 4 consecutive
+ * weights of each of its 16 rows (a 32-bit lane a row), and one integer dot product (vpdpbusd on
+ * AVX-512 VNNI; vpmaddubsw + vpmaddwd on AVX2) multiplies it by 4 values of one row of x broadcast
+ * to every lane: a weight load feeds up to GEMM_COLS rows of x, and the 16 outputs of a tile stay in
+ * the lanes, never reduced across them. A sub-block's integer dot is multiplied by the 16 rows'
+ * scales once; the rows of x are quantized to Q8_K as the unpacked path quantizes them.
+ *
+ * Repacked record of a tile's block b (the tile's records back to back, block after block; rows past
+ * n are zeros):
+ *   Q4_K (2368 B): fp16 d[16], dmin[16]; u8 scales[8 sub-blocks][16 rows]; u8 mins[4 pairs][16 rows][2]
+ *                  (sub-blocks 2p, 2p + 1); qs[8][4][64]: byte 4r + i of qs[s][t] holds row r's value
+ *                  32s + 4t + i in its low nibble and value 32s + 16 + 4t + i in its high one.
+ *   Q6_K (4384 B): fp16 d[16]; i8 scales[16 sub-blocks of 16][16 rows]; qs[16][4][64]: byte 4r + i of
+ *                  qs[s][t] is row r's value 16s + 4t + i, 0..63 (a byte each: no decoding).
+ * Output (row j, row i of x), in this order, the one every ISA build and the test's reference keep:
+ *   acc = 0; for each block b:  I = sum over sub-blocks of scale * (integer dot of q and x's q),
+ *     Q4_K: acc = fma((float)I, d * dx, acc); acc = fma((float)M, -(dmin * dx), acc), M = sum of
+ *           min * (sum of x's q over the sub-block);
+ *     Q6_K: I with q - 32 (the -32 from x's 16-value sums), acc = fma((float)I, d * dx, acc);
+ *   out = acc + bias. Every integer sum is exact in 32 bits. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+#include "q8_activations.h"
+#include "quants.h"
+
+#define GEMM_ROWS 16
+#define Q4_K_RECORD 2368
+#define Q6_K_RECORD 4384
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define GEMM_COLS 4 /* rows of x a tile's weights are multiplied into at once: 12 accumulators in registers */
+
+typedef __m512i lanes_i;
+typedef __m512 lanes_f;
+
+static inline lanes_i zeros_i(void) { return _mm512_setzero_si512(); }
+static inline lanes_i broadcast_i(int32_t v) { return _mm512_set1_epi32(v); }
+static inline lanes_i load_bytes(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
+static inline lanes_i low_nibbles(lanes_i v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0f)); }
+static inline lanes_i high_nibbles(lanes_i v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0f)); }
+/* acc + the sum of 4 products of unsigned bytes w and x's 4 signed bytes, in each lane */
+static inline lanes_i dot4(lanes_i acc, lanes_i w, const int8_t *x) {
+    int32_t x4;
+    memcpy(&x4, x, sizeof x4);
+    return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(x4));
+}
+static inline lanes_i widen_u8(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+static inline lanes_i widen_i8(const uint8_t *p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+static inline lanes_i add_product(lanes_i acc, lanes_i a, lanes_i b) { return _mm512_add_epi32(acc, _mm512_mullo_epi32(a, b)); }
+/* 16 pairs of unsigned bytes as pairs of 16-bit integers, one pair a lane */
+static inline lanes_i widen_pairs(const uint8_t *p) { return _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p)); }
+/* acc + each lane's pair times the pair of 16-bit integers `pair` */
+static inline lanes_i dot2(lanes_i acc, lanes_i pairs, int32_t pair) {
+    return _mm512_dpwssd_epi32(acc, pairs, _mm512_set1_epi32(pair));
+}
+static inline lanes_f halves(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+static inline lanes_f times(lanes_f v, float s) { return _mm512_mul_ps(v, _mm512_set1_ps(s)); }
+static inline lanes_f zeros_f(void) { return _mm512_setzero_ps(); }
+static inline lanes_f fma_lanes(lanes_i i, lanes_f scale, lanes_f acc) {
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), scale, acc);
+}
+static inline void store_f(float *out, lanes_f v) { _mm512_storeu_ps(out, v); }
+
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define GEMM_COLS 2 /* 16 lanes are two registers here: more rows of x spill */
+
+typedef struct { __m256i lo, hi; } lanes_i; /* rows 0-7, 8-15 */
+typedef struct { __m256 lo, hi; } lanes_f;
+
+static inline lanes_i zeros_i(void) { return (lanes_i){_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+static inline lanes_i broadcast_i(int32_t v) { return (lanes_i){_mm256_set1_epi32(v), _mm256_set1_epi32(v)}; }
+static inline lanes_i load_bytes(const uint8_t *p) {
+    return (lanes_i){_mm256_loadu_si256((const __m256i *)p), _mm256_loadu_si256((const __m256i *)(p + 32))};
+}
+static inline __m256i low4(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0f)); }
+static inline lanes_i low_nibbles(lanes_i v) { return (lanes_i){low4(v.lo), low4(v.hi)}; }
+static inline lanes_i high_nibbles(lanes_i v) {
+    return (lanes_i){low4(_mm256_srli_epi16(v.lo, 4)), low4(_mm256_srli_epi16(v.hi, 4))};
+}
+/* the byte products summed in pairs to 16 bits (at most 2 * 63 * 128: no saturation), then in fours */
+static inline __m256i dot4_half(__m256i acc, __m256i w, __m256i x) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+}
+static inline lanes_i dot4(lanes_i acc, lanes_i w, const int8_t *x) {
+    int32_t x4;
+    memcpy(&x4, x, sizeof x4);
+    const __m256i xv = _mm256_set1_epi32(x4);
+    return (lanes_i){dot4_half(acc.lo, w.lo, xv), dot4_half(acc.hi, w.hi, xv)};
+}
+static inline lanes_i widen_u8(const uint8_t *p) {
+    return (lanes_i){_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)),
+                     _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)))};
+}
+static inline lanes_i widen_i8(const uint8_t *p) {
+    return (lanes_i){_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)),
+                     _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)))};
+}
+static inline lanes_i add_product(lanes_i acc, lanes_i a, lanes_i b) {
+    return (lanes_i){_mm256_add_epi32(acc.lo, _mm256_mullo_epi32(a.lo, b.lo)),
+                     _mm256_add_epi32(acc.hi, _mm256_mullo_epi32(a.hi, b.hi))};
+}
+static inline lanes_i widen_pairs(const uint8_t *p) {
+    return (lanes_i){_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)),
+                     _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(p + 16)))};
+}
+static inline lanes_i dot2(lanes_i acc, lanes_i pairs, int32_t pair) {
+    const __m256i pv = _mm256_set1_epi32(pair);
+    return (lanes_i){_mm256_add_epi32(acc.lo, _mm256_madd_epi16(pairs.lo, pv)),
+                     _mm256_add_epi32(acc.hi, _mm256_madd_epi16(pairs.hi, pv))};
+}
+static inline lanes_f halves(const uint8_t *p) {
+    return (lanes_f){_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)),
+                     _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)))};
+}
+static inline lanes_f times(lanes_f v, float s) {
+    const __m256 sv = _mm256_set1_ps(s);
+    return (lanes_f){_mm256_mul_ps(v.lo, sv), _mm256_mul_ps(v.hi, sv)};
+}
+static inline lanes_f zeros_f(void) { return (lanes_f){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static inline lanes_f fma_lanes(lanes_i i, lanes_f scale, lanes_f acc) {
+    return (lanes_f){_mm256_fmadd_ps(_mm256_cvtepi32_ps(i.lo), scale.lo, acc.lo),
+                     _mm256_fmadd_ps(_mm256_cvtepi32_ps(i.hi), scale.hi, acc.hi)};
+}
+static inline void store_f(float *out, lanes_f v) {
+    _mm256_storeu_ps(out, v.lo);
+    _mm256_storeu_ps(out + 8, v.hi);
+}
+
+#else
+#define GEMM_COLS 4
+
+typedef struct { int32_t v[GEMM_ROWS]; } lanes_i;
+typedef struct { float v[GEMM_ROWS]; } lanes_f;
+
+static inline lanes_i zeros_i(void) { return (lanes_i){{0}}; }
+static inline lanes_i broadcast_i(int32_t v) {
+    lanes_i out;
+    for (int r = 0; r < GEMM_ROWS; r++) out.v[r] = v;
+    return out;
+}
+static inline lanes_i load_bytes(const uint8_t *p) {
+    lanes_i out;
+    memcpy(out.v, p, sizeof out.v);
+    return out;
+}
+static inline lanes_i low_nibbles(lanes_i v) {
+    for (int r = 0; r < GEMM_ROWS; r++) v.v[r] &= 0x0f0f0f0f;
+    return v;
+}
+static inline lanes_i high_nibbles(lanes_i v) {
+    for (int r = 0; r < GEMM_ROWS; r++) v.v[r] = (int32_t)(((uint32_t)v.v[r] >> 4) & 0x0f0f0f0fu);
+    return v;
+}
+static inline lanes_i dot4(lanes_i acc, lanes_i w, const int8_t *x) {
+    for (int r = 0; r < GEMM_ROWS; r++) {
+        const uint32_t u = (uint32_t)w.v[r];
+        for (int i = 0; i < 4; i++) acc.v[r] += (int32_t)((u >> (8 * i)) & 0xff) * x[i];
+    }
+    return acc;
+}
+static inline lanes_i widen_u8(const uint8_t *p) {
+    lanes_i out;
+    for (int r = 0; r < GEMM_ROWS; r++) out.v[r] = p[r];
+    return out;
+}
+static inline lanes_i widen_i8(const uint8_t *p) {
+    lanes_i out;
+    for (int r = 0; r < GEMM_ROWS; r++) out.v[r] = (int8_t)p[r];
+    return out;
+}
+static inline lanes_i add_product(lanes_i acc, lanes_i a, lanes_i b) {
+    for (int r = 0; r < GEMM_ROWS; r++) acc.v[r] += a.v[r] * b.v[r];
+    return acc;
+}
+/* each lane's pair of 16-bit integers, low half first */
+static inline lanes_i widen_pairs(const uint8_t *p) {
+    lanes_i out;
+    for (int r = 0; r < GEMM_ROWS; r++) out.v[r] = (int32_t)((uint32_t)p[2 * r] | (uint32_t)p[2 * r + 1] << 16);
+    return out;
+}
+static inline lanes_i dot2(lanes_i acc, lanes_i pairs, int32_t pair) {
+    for (int r = 0; r < GEMM_ROWS; r++)
+        acc.v[r] += (int16_t)(pairs.v[r] & 0xffff) * (int16_t)(pair & 0xffff)
+                    + (int16_t)((uint32_t)pairs.v[r] >> 16) * (int16_t)((uint32_t)pair >> 16);
+    return acc;
+}
+static inline lanes_f halves(const uint8_t *p) {
+    lanes_f out;
+    for (int r = 0; r < GEMM_ROWS; r++) out.v[r] = fp16_to_f32(p + 2 * r);
+    return out;
+}
+static inline lanes_f times(lanes_f v, float s) {
+    for (int r = 0; r < GEMM_ROWS; r++) v.v[r] *= s;
+    return v;
+}
+static inline lanes_f zeros_f(void) { return (lanes_f){{0}}; }
+static inline lanes_f fma_lanes(lanes_i i, lanes_f scale, lanes_f acc) {
+    for (int r = 0; r < GEMM_ROWS; r++) acc.v[r] = fmaf((float)i.v[r], scale.v[r], acc.v[r]);
+    return acc;
+}
+static inline void store_f(float *out, lanes_f v) { memcpy(out, v.v, sizeof v.v); }
+#endif
+
+static inline int64_t record_bytes(int64_t type) { return type == Q4_K ? Q4_K_RECORD : Q6_K_RECORD; }
+
+int64_t q8_repacked_bytes(int64_t type, int64_t n, int64_t k) {
+    return (n + GEMM_ROWS - 1) / GEMM_ROWS * (k / 256) * record_bytes(type);
+}
+
+/* One tile-block record from the blocks of rows[0..count) (count <= 16; the rest stay zero). */
+static void repack_q4_k(const uint8_t *const *rows, int count, uint8_t *out) {
+    for (int r = 0; r < count; r++) {
+        const uint8_t *blk = rows[r];
+        uint8_t sm[16];
+        q4_k_unpack_scales(blk + 4, sm);
+        memcpy(out + 2 * r, blk, 2);
+        memcpy(out + 32 + 2 * r, blk + 2, 2);
+        for (int s = 0; s < 8; s++) {
+            out[64 + 16 * s + r] = sm[s];
+            out[192 + 32 * (s / 2) + 2 * r + s % 2] = sm[8 + s];
+        }
+        for (int s = 0; s < 8; s++)
+            for (int t = 0; t < 4; t++)
+                for (int i = 0; i < 4; i++) {
+                    /* value l of sub-block s: byte 32 (s / 2) + l, the high nibble for odd s */
+                    const uint8_t *q = blk + 16 + 32 * (s / 2);
+                    const int low = (q[4 * t + i] >> (4 * (s & 1))) & 15, high = (q[16 + 4 * t + i] >> (4 * (s & 1))) & 15;
+                    out[320 + 256 * s + 64 * t + 4 * r + i] = (uint8_t)(low | high << 4);
+                }
+    }
+}
+
+static void repack_q6_k(const uint8_t *const *rows, int count, uint8_t *out) {
+    for (int r = 0; r < count; r++) {
+        const uint8_t *blk = rows[r];
+        memcpy(out + 2 * r, blk + 208, 2);
+        for (int s = 0; s < 16; s++) out[32 + 16 * s + r] = blk[192 + s];
+        for (int v = 0; v < 256; v++) {
+            /* value v: half h = v / 128, chunk t of 32 in it; quants.h's Q6_K layout */
+            const int h = v / 128, t = (v % 128) / 32, l = v % 32;
+            const int q = ((blk[64 * h + 32 * (t & 1) + l] >> (4 * (t >> 1))) & 15)
+                          | ((blk[128 + 32 * h + l] >> (2 * t)) & 3) << 4;
+            out[288 + 256 * (v / 16) + 64 * ((v % 16) / 4) + 4 * r + v % 4] = (uint8_t)q;
+        }
+    }
+}
+
+int q8_repack(const uint8_t *weight, int64_t type, int64_t n, int64_t k, uint8_t *out, int num_threads) {
+    if ((type != Q4_K && type != Q6_K) || !quant_shape_ok(type, k)) return 1;
+    const int64_t blocks = k / 256, row_bytes = quant_row_bytes(type, k), record = record_bytes(type);
+    const int64_t tiles = (n + GEMM_ROWS - 1) / GEMM_ROWS;
+    memset(out, 0, (size_t)q8_repacked_bytes(type, n, k));
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int count = n - t * GEMM_ROWS < GEMM_ROWS ? (int)(n - t * GEMM_ROWS) : GEMM_ROWS;
+        for (int64_t b = 0; b < blocks; b++) {
+            const uint8_t *rows[GEMM_ROWS];
+            for (int r = 0; r < count; r++) rows[r] = weight + (t * GEMM_ROWS + r) * row_bytes + b * quant_block_bytes(type);
+            uint8_t *dst = out + (t * blocks + b) * record;
+            if (type == Q4_K)
+                repack_q4_k(rows, count, dst);
+            else
+                repack_q6_k(rows, count, dst);
+        }
+    }
+    return 0;
+}
+
+/* x's integer sums a kernel reads besides its q's, 16 a block: Q4_K: 4 pairs of 16-bit sums over
+ * sub-blocks (2p, 2p + 1) of 32; Q6_K: -32 times each 16-value sum */
+static void row_sums(int64_t type, const block_q8_k *x, int32_t *sums) {
+    for (int s = 0; s < 16; s++) sums[s] = 0;
+    if (type == Q6_K) {
+        for (int s = 0; s < 16; s++) sums[s] = -32 * x->bsums[s];
+        return;
+    }
+    for (int p = 0; p < 4; p++) {
+        const int first = x->bsums[4 * p] + x->bsums[4 * p + 1], second = x->bsums[4 * p + 2] + x->bsums[4 * p + 3];
+        sums[p] = (int32_t)((uint32_t)(uint16_t)first | (uint32_t)(uint16_t)second << 16);
+    }
+}
+
+/* acc[c] for rows of x c < cols: a tile's 16 outputs, every block */
+static inline __attribute__((always_inline)) void q4_k_tile(const uint8_t *tile, const block_q8_k *x,
+                                                           const int32_t *sums, int64_t blocks, const int cols,
+                                                           lanes_f *acc) {
+    for (int c = 0; c < cols; c++) acc[c] = zeros_f();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *rec = tile + b * Q4_K_RECORD;
+        lanes_i isum[GEMM_COLS], msum[GEMM_COLS];
+        for (int c = 0; c < cols; c++) isum[c] = zeros_i(), msum[c] = zeros_i();
+        for (int s = 0; s < 8; s++) {
+            lanes_i dot[GEMM_COLS];
+            for (int c = 0; c < cols; c++) dot[c] = zeros_i();
+            for (int t = 0; t < 4; t++) {
+                const lanes_i q = load_bytes(rec + 320 + 256 * s + 64 * t), low = low_nibbles(q), high = high_nibbles(q);
+                for (int c = 0; c < cols; c++) {
+                    const int8_t *xq = x[c * blocks + b].qs + 32 * s + 4 * t;
+                    dot[c] = dot4(dot4(dot[c], low, xq), high, xq + 16);
+                }
+            }
+            const lanes_i scale = widen_u8(rec + 64 + 16 * s);
+            for (int c = 0; c < cols; c++) isum[c] = add_product(isum[c], dot[c], scale);
+        }
+        for (int p = 0; p < 4; p++) {
+            const lanes_i mins = widen_pairs(rec + 192 + 32 * p);
+            for (int c = 0; c < cols; c++) msum[c] = dot2(msum[c], mins, sums[(c * blocks + b) * 16 + p]);
+        }
+        const lanes_f d = halves(rec), dmin = halves(rec + 32);
+        for (int c = 0; c < cols; c++) {
+            const float dx = x[c * blocks + b].d;
+            acc[c] = fma_lanes(isum[c], times(d, dx), acc[c]);
+            acc[c] = fma_lanes(msum[c], times(dmin, -dx), acc[c]);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void q6_k_tile(const uint8_t *tile, const block_q8_k *x,
+                                                           const int32_t *sums, int64_t blocks, const int cols,
+                                                           lanes_f *acc) {
+    for (int c = 0; c < cols; c++) acc[c] = zeros_f();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *rec = tile + b * Q6_K_RECORD;
+        lanes_i isum[GEMM_COLS];
+        for (int c = 0; c < cols; c++) isum[c] = zeros_i();
+        for (int s = 0; s < 16; s++) {
+            lanes_i dot[GEMM_COLS];
+            for (int c = 0; c < cols; c++) dot[c] = broadcast_i(sums[(c * blocks + b) * 16 + s]);
+            for (int t = 0; t < 4; t++) {
+                const lanes_i q = load_bytes(rec + 288 + 256 * s + 64 * t);
+                for (int c = 0; c < cols; c++) dot[c] = dot4(dot[c], q, x[c * blocks + b].qs + 16 * s + 4 * t);
+            }
+            const lanes_i scale = widen_i8(rec + 32 + 16 * s);
+            for (int c = 0; c < cols; c++) isum[c] = add_product(isum[c], dot[c], scale);
+        }
+        const lanes_f d = halves(rec);
+        for (int c = 0; c < cols; c++) acc[c] = fma_lanes(isum[c], times(d, x[c * blocks + b].d), acc[c]);
+    }
+}
+
+/* constant column counts, so the accumulators stay in registers */
+static void tile_times_rows(int64_t type, const uint8_t *tile, const block_q8_k *x, const int32_t *sums,
+                            int64_t blocks, int cols, lanes_f *acc) {
+#define TILE_COLS(kernel)                                                   \
+    switch (cols) {                                                         \
+    case 1: kernel(tile, x, sums, blocks, 1, acc); break;                   \
+    case 2: kernel(tile, x, sums, blocks, 2, acc); break;                   \
+    case 3: kernel(tile, x, sums, blocks, GEMM_COLS > 3 ? 3 : GEMM_COLS, acc); break; /* 4 cols only */ \
+    default: kernel(tile, x, sums, blocks, GEMM_COLS, acc); break;          \
+    }
+    if (type == Q4_K) {
+        TILE_COLS(q4_k_tile)
+    } else {
+        TILE_COLS(q6_k_tile)
+    }
+#undef TILE_COLS
+}
+
+void q8_gemm_tasks(const float *x, int64_t x_stride, const uint8_t *packed, int64_t type, const float *bias,
+                   float *out, int64_t out_stride, int64_t m, int64_t n, int64_t k) {
+    const int64_t blocks = k / 256, tiles = (n + GEMM_ROWS - 1) / GEMM_ROWS;
+    void *buffer = NULL;
+#pragma omp single copyprivate(buffer)
+    buffer = malloc((size_t)(m * blocks) * (sizeof(block_q8_k) + 16 * sizeof(int32_t)));
+    if (buffer == NULL) { /* NaN outputs rather than silently wrong ones */
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < m; i++)
+            for (int64_t j = 0; j < n; j++) out[i * out_stride + j] = NAN;
+        return;
+    }
+    block_q8_k *activations = buffer;
+    int32_t *sums = (int32_t *)(activations + m * blocks);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < m; i++) {
+        quantize_row_q8_k(x + i * x_stride, k, activations + i * blocks);
+        for (int64_t b = 0; b < blocks; b++) row_sums(type, activations + i * blocks + b, sums + (i * blocks + b) * 16);
+    }
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const uint8_t *tile = packed + t * blocks * record_bytes(type);
+        const int64_t first = t * GEMM_ROWS, count = n - first < GEMM_ROWS ? n - first : GEMM_ROWS;
+        for (int64_t g = 0; g < m; g += GEMM_COLS) {
+            const int cols = m - g < GEMM_COLS ? (int)(m - g) : GEMM_COLS;
+            lanes_f acc[GEMM_COLS];
+            tile_times_rows(type, tile, activations + g * blocks, sums + g * blocks * 16, blocks, cols, acc);
+            for (int c = 0; c < cols; c++) {
+                float lanes[GEMM_ROWS];
+                store_f(lanes, acc[c]);
+                float *row = out + (g + c) * out_stride + first;
+                for (int64_t r = 0; r < count; r++) row[r] = lanes[r] + (bias != NULL ? bias[first + r] : 0.0f);
+            }
+        }
+    }
+#pragma omp single
+    free(buffer);
+}
