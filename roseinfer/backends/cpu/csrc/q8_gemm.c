@@ -52,6 +52,7 @@ static inline lanes_i dot4(lanes_i acc, lanes_i w, const int8_t *x) {
 }
 static inline lanes_i widen_u8(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
 static inline lanes_i widen_i8(const uint8_t *p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+static inline lanes_i add_i(lanes_i a, lanes_i b) { return _mm512_add_epi32(a, b); }
 static inline lanes_i add_product(lanes_i acc, lanes_i a, lanes_i b) { return _mm512_add_epi32(acc, _mm512_mullo_epi32(a, b)); }
 /* 16 pairs of unsigned bytes as pairs of 16-bit integers, one pair a lane */
 static inline lanes_i widen_pairs(const uint8_t *p) { return _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p)); }
@@ -101,6 +102,9 @@ static inline lanes_i widen_u8(const uint8_t *p) {
 static inline lanes_i widen_i8(const uint8_t *p) {
     return (lanes_i){_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)),
                      _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)))};
+}
+static inline lanes_i add_i(lanes_i a, lanes_i b) {
+    return (lanes_i){_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)};
 }
 static inline lanes_i add_product(lanes_i acc, lanes_i a, lanes_i b) {
     return (lanes_i){_mm256_add_epi32(acc.lo, _mm256_mullo_epi32(a.lo, b.lo)),
@@ -174,6 +178,10 @@ static inline lanes_i widen_i8(const uint8_t *p) {
     lanes_i out;
     for (int r = 0; r < GEMM_ROWS; r++) out.v[r] = (int8_t)p[r];
     return out;
+}
+static inline lanes_i add_i(lanes_i a, lanes_i b) {
+    for (int r = 0; r < GEMM_ROWS; r++) a.v[r] += b.v[r];
+    return a;
 }
 static inline lanes_i add_product(lanes_i acc, lanes_i a, lanes_i b) {
     for (int r = 0; r < GEMM_ROWS; r++) acc.v[r] += a.v[r] * b.v[r];
@@ -297,17 +305,19 @@ static inline __attribute__((always_inline)) void q4_k_tile(const uint8_t *tile,
         lanes_i isum[GEMM_COLS], msum[GEMM_COLS];
         for (int c = 0; c < cols; c++) isum[c] = zeros_i(), msum[c] = zeros_i();
         for (int s = 0; s < 8; s++) {
-            lanes_i dot[GEMM_COLS];
-            for (int c = 0; c < cols; c++) dot[c] = zeros_i();
+            /* two chains of dot products a row of x (low and high nibbles), so more are in flight */
+            lanes_i dot_low[GEMM_COLS], dot_high[GEMM_COLS];
+            for (int c = 0; c < cols; c++) dot_low[c] = zeros_i(), dot_high[c] = zeros_i();
             for (int t = 0; t < 4; t++) {
                 const lanes_i q = load_bytes(rec + 320 + 256 * s + 64 * t), low = low_nibbles(q), high = high_nibbles(q);
                 for (int c = 0; c < cols; c++) {
                     const int8_t *xq = x[c * blocks + b].qs + 32 * s + 4 * t;
-                    dot[c] = dot4(dot4(dot[c], low, xq), high, xq + 16);
+                    dot_low[c] = dot4(dot_low[c], low, xq);
+                    dot_high[c] = dot4(dot_high[c], high, xq + 16);
                 }
             }
             const lanes_i scale = widen_u8(rec + 64 + 16 * s);
-            for (int c = 0; c < cols; c++) isum[c] = add_product(isum[c], dot[c], scale);
+            for (int c = 0; c < cols; c++) isum[c] = add_product(isum[c], add_i(dot_low[c], dot_high[c]), scale);
         }
         for (int p = 0; p < 4; p++) {
             const lanes_i mins = widen_pairs(rec + 192 + 32 * p);
@@ -331,14 +341,18 @@ static inline __attribute__((always_inline)) void q6_k_tile(const uint8_t *tile,
         lanes_i isum[GEMM_COLS];
         for (int c = 0; c < cols; c++) isum[c] = zeros_i();
         for (int s = 0; s < 16; s++) {
-            lanes_i dot[GEMM_COLS];
-            for (int c = 0; c < cols; c++) dot[c] = broadcast_i(sums[(c * blocks + b) * 16 + s]);
-            for (int t = 0; t < 4; t++) {
-                const lanes_i q = load_bytes(rec + 288 + 256 * s + 64 * t);
-                for (int c = 0; c < cols; c++) dot[c] = dot4(dot[c], q, x[c * blocks + b].qs + 16 * s + 4 * t);
+            lanes_i dot_even[GEMM_COLS], dot_odd[GEMM_COLS]; /* two chains a row of x */
+            for (int c = 0; c < cols; c++) dot_even[c] = broadcast_i(sums[(c * blocks + b) * 16 + s]), dot_odd[c] = zeros_i();
+            for (int t = 0; t < 4; t += 2) {
+                const lanes_i even = load_bytes(rec + 288 + 256 * s + 64 * t), odd = load_bytes(rec + 288 + 256 * s + 64 * t + 64);
+                for (int c = 0; c < cols; c++) {
+                    const int8_t *xq = x[c * blocks + b].qs + 16 * s + 4 * t;
+                    dot_even[c] = dot4(dot_even[c], even, xq);
+                    dot_odd[c] = dot4(dot_odd[c], odd, xq + 4);
+                }
             }
             const lanes_i scale = widen_i8(rec + 32 + 16 * s);
-            for (int c = 0; c < cols; c++) isum[c] = add_product(isum[c], dot[c], scale);
+            for (int c = 0; c < cols; c++) isum[c] = add_product(isum[c], add_i(dot_even[c], dot_odd[c]), scale);
         }
         const lanes_f d = halves(rec);
         for (int c = 0; c < cols; c++) acc[c] = fma_lanes(isum[c], times(d, x[c * blocks + b].d), acc[c]);
