@@ -11,8 +11,10 @@
  *   Q4_K (2368 B): fp16 d[16], dmin[16]; u8 scales[8 sub-blocks][16 rows]; u8 mins[4 pairs][16 rows][2]
  *                  (sub-blocks 2p, 2p + 1); qs[8][4][64]: byte 4r + i of qs[s][t] holds row r's value
  *                  32s + 4t + i in its low nibble and value 32s + 16 + 4t + i in its high one.
- *   Q6_K (4384 B): fp16 d[16]; i8 scales[16 sub-blocks of 16][16 rows]; qs[16][4][64]: byte 4r + i of
- *                  qs[s][t] is row r's value 16s + 4t + i, 0..63 (a byte each: no decoding).
+ *   Q6_K (3360 B, as many as the blocks): fp16 d[16]; i8 scales[16 sub-blocks of 16][16 rows];
+ *                  low[16][2][64]: byte 4r + i of low[s][h] holds the low 4 bits of row r's values
+ *                  16s + 8h + i (low nibble) and 16s + 8h + 4 + i (high nibble); high[16][64]: bits
+ *                  2t, 2t + 1 of byte 4r + i of high[s] are the top 2 bits of row r's value 16s + 4t + i.
  * Output (row j, row i of x), in this order, the one every ISA build and the test's reference keep:
  *   acc = 0; for each block b:  I = sum over sub-blocks of scale * (integer dot of q and x's q),
  *     Q4_K: acc = fma((float)I, d * dx, acc); acc = fma((float)M, -(dmin * dx), acc), M = sum of
@@ -30,7 +32,7 @@
 
 #define GEMM_ROWS 16
 #define Q4_K_RECORD 2368
-#define Q6_K_RECORD 4384
+#define Q6_K_RECORD 3360
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -44,6 +46,12 @@ static inline lanes_i broadcast_i(int32_t v) { return _mm512_set1_epi32(v); }
 static inline lanes_i load_bytes(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
 static inline lanes_i low_nibbles(lanes_i v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0f)); }
 static inline lanes_i high_nibbles(lanes_i v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0f)); }
+static inline lanes_i shift_left(lanes_i v, int bits) { return _mm512_slli_epi16(v, bits); }
+static inline lanes_i shift_right(lanes_i v, int bits) { return _mm512_srli_epi16(v, bits); }
+/* each byte's bits 0-3 from low, 4-5 from high: a Q6_K value 0..63 */
+static inline lanes_i six_bits(lanes_i low, lanes_i high) {
+    return _mm512_or_si512(_mm512_and_si512(low, _mm512_set1_epi8(0x0f)), _mm512_and_si512(high, _mm512_set1_epi8(0x30)));
+}
 /* acc + the sum of 4 products of unsigned bytes w and x's 4 signed bytes, in each lane */
 static inline lanes_i dot4(lanes_i acc, lanes_i w, const int8_t *x) {
     int32_t x4;
@@ -84,6 +92,18 @@ static inline __m256i low4(__m256i v) { return _mm256_and_si256(v, _mm256_set1_e
 static inline lanes_i low_nibbles(lanes_i v) { return (lanes_i){low4(v.lo), low4(v.hi)}; }
 static inline lanes_i high_nibbles(lanes_i v) {
     return (lanes_i){low4(_mm256_srli_epi16(v.lo, 4)), low4(_mm256_srli_epi16(v.hi, 4))};
+}
+static inline lanes_i shift_left(lanes_i v, int bits) {
+    return (lanes_i){_mm256_slli_epi16(v.lo, bits), _mm256_slli_epi16(v.hi, bits)};
+}
+static inline lanes_i shift_right(lanes_i v, int bits) {
+    return (lanes_i){_mm256_srli_epi16(v.lo, bits), _mm256_srli_epi16(v.hi, bits)};
+}
+static inline __m256i six_bits_half(__m256i low, __m256i high) {
+    return _mm256_or_si256(low4(low), _mm256_and_si256(high, _mm256_set1_epi8(0x30)));
+}
+static inline lanes_i six_bits(lanes_i low, lanes_i high) {
+    return (lanes_i){six_bits_half(low.lo, high.lo), six_bits_half(low.hi, high.hi)};
 }
 /* the byte products summed in pairs to 16 bits (at most 2 * 63 * 128: no saturation), then in fours */
 static inline __m256i dot4_half(__m256i acc, __m256i w, __m256i x) {
@@ -161,6 +181,18 @@ static inline lanes_i low_nibbles(lanes_i v) {
 static inline lanes_i high_nibbles(lanes_i v) {
     for (int r = 0; r < GEMM_ROWS; r++) v.v[r] = (int32_t)(((uint32_t)v.v[r] >> 4) & 0x0f0f0f0fu);
     return v;
+}
+static inline lanes_i shift_left(lanes_i v, int bits) {
+    for (int r = 0; r < GEMM_ROWS; r++) v.v[r] = (int32_t)((uint32_t)v.v[r] << bits);
+    return v;
+}
+static inline lanes_i shift_right(lanes_i v, int bits) {
+    for (int r = 0; r < GEMM_ROWS; r++) v.v[r] = (int32_t)((uint32_t)v.v[r] >> bits);
+    return v;
+}
+static inline lanes_i six_bits(lanes_i low, lanes_i high) {
+    for (int r = 0; r < GEMM_ROWS; r++) low.v[r] = (int32_t)(((uint32_t)low.v[r] & 0x0f0f0f0fu) | ((uint32_t)high.v[r] & 0x30303030u));
+    return low;
 }
 static inline lanes_i dot4(lanes_i acc, lanes_i w, const int8_t *x) {
     for (int r = 0; r < GEMM_ROWS; r++) {
@@ -255,7 +287,9 @@ static void repack_q6_k(const uint8_t *const *rows, int count, uint8_t *out) {
             const int h = v / 128, t = (v % 128) / 32, l = v % 32;
             const int q = ((blk[64 * h + 32 * (t & 1) + l] >> (4 * (t >> 1))) & 15)
                           | ((blk[128 + 32 * h + l] >> (2 * t)) & 3) << 4;
-            out[288 + 256 * (v / 16) + 64 * ((v % 16) / 4) + 4 * r + v % 4] = (uint8_t)q;
+            const int s = v / 16, group = (v % 16) / 4, byte = 4 * r + v % 4;
+            out[288 + 128 * s + 64 * (group / 2) + byte] |= (uint8_t)((q & 15) << (4 * (group & 1)));
+            out[2336 + 64 * s + byte] |= (uint8_t)((q >> 4) << (2 * group));
         }
     }
 }
@@ -343,10 +377,14 @@ static inline __attribute__((always_inline)) void q6_k_tile(const uint8_t *tile,
         for (int s = 0; s < 16; s++) {
             lanes_i dot_even[GEMM_COLS], dot_odd[GEMM_COLS]; /* two chains a row of x */
             for (int c = 0; c < cols; c++) dot_even[c] = broadcast_i(sums[(c * blocks + b) * 16 + s]), dot_odd[c] = zeros_i();
-            for (int t = 0; t < 4; t += 2) {
-                const lanes_i even = load_bytes(rec + 288 + 256 * s + 64 * t), odd = load_bytes(rec + 288 + 256 * s + 64 * t + 64);
+            const lanes_i high = load_bytes(rec + 2336 + 64 * s);
+            for (int h = 0; h < 2; h++) {
+                const lanes_i low = load_bytes(rec + 288 + 128 * s + 64 * h);
+                /* values 8h + 0..3 and 8h + 4..7 of the sub-block: their top bits at 4h and 4h + 2 */
+                const lanes_i even = six_bits(low, h == 0 ? shift_left(high, 4) : high);
+                const lanes_i odd = six_bits(shift_right(low, 4), h == 0 ? shift_left(high, 2) : shift_right(high, 2));
                 for (int c = 0; c < cols; c++) {
-                    const int8_t *xq = x[c * blocks + b].qs + 16 * s + 4 * t;
+                    const int8_t *xq = x[c * blocks + b].qs + 16 * s + 8 * h;
                     dot_even[c] = dot4(dot_even[c], even, xq);
                     dot_odd[c] = dot4(dot_odd[c], odd, xq + 4);
                 }
