@@ -5,9 +5,9 @@ each type, times 1 to 512 rows of x, the kernels alternating in every round; pri
 time and the process CPU time per call of each (CPU time, both threads' together, is what to read on a
 busy machine), their ratio, and the int8 kernel's weight bytes per wall second. Q4_K and Q6_K also run
 the repacked int8 GEMM (csrc/q8_gemm.c, what the engine runs for them), against the unpacked int8 kernel
-on the same blocks. With --gguf FILE, a
-decode step's matmuls on that file instead: every quantized 2-D weight once (a tied embedding as the
-LM head), times each row count, the CPU time of the whole step.
+on the same blocks. With --gguf FILE, a decode step's matmuls on that file instead: every quantized 2-D
+weight once (a tied embedding as the LM head), times each row count, the CPU time of the whole step,
+exact, int8 on the blocks and int8 as the engine runs it (the GEMM where it repacks).
 
     python benchmarks/int8_matmul_ab.py [--types Q4_K,Q6_K,Q8_0] [--rows-of-x 1,16,64,512] [--threads 2]
         [--gguf FILE]
@@ -59,20 +59,33 @@ def step_weights(path: str) -> list[tuple[torch.Tensor, int, int]]:
 
 
 def gguf_steps(path: str, rows_of_x: list[int], rounds: int) -> None:
+    """The step's matmuls three ways: fp32 rows, int8 rows on the blocks, and int8 rows as the engine runs
+    them (Q4_K and Q6_K repacked for the GEMM, a tied LM head's copy included)."""
     weights = step_weights(path)
     total = sum(blocks.numel() for blocks, _, _ in weights)
+    kinds: dict[str, list[tuple[torch.Tensor, int, int, int]]] = {"exact": [], "int8": [], "int8 GEMM": []}
+    for blocks, code, k in weights:
+        n = blocks.shape[0]
+        kinds["exact"].append((blocks, code, n, k))
+        kinds["int8"].append((blocks, code | INT8_ACTIVATIONS, n, k))
+        if GGMLQuantizationType(code) in REPACKED_TYPES:
+            kinds["int8 GEMM"].append((ops.repack_for_int8_gemm(blocks, code, k),
+                                       code | INT8_ACTIVATIONS | INT8_REPACKED, n, k))
+        else:
+            kinds["int8 GEMM"].append((blocks, code | INT8_ACTIVATIONS, n, k))
     print(f"{path}: {len(weights)} weights, {total / 1e9:.3f} GB; CPU ms of one step's matmuls")
-    print("| rows of x | exact | int8 | exact / int8 |\n|---|---:|---:|---:|")
+    print("| rows of x | exact | int8 | int8 GEMM | int8 / GEMM |\n|---|---:|---:|---:|---:|")
     for m in rows_of_x:
         x = torch.randn(m, max(k for _, _, k in weights))
-        best = {"exact": float("inf"), "int8": float("inf")}
+        best = {name: float("inf") for name in kinds}
         for _ in range(rounds):
-            for name, flag in (("exact", 0), ("int8", INT8_ACTIVATIONS)):
+            for name, calls in kinds.items():
                 start = cpu_seconds()
-                for blocks, code, k in weights:
-                    ops.quant_matmul(x[:, :k], blocks, code | flag, None)
+                for blocks, kind, n, k in calls:
+                    ops.weight_matmul(x[:, :k], blocks.data_ptr(), kind, n, None)
                 best[name] = min(best[name], cpu_seconds() - start)
-        print(f"| {m} | {best['exact'] * 1e3:.0f} | {best['int8'] * 1e3:.0f} | {best['exact'] / best['int8']:.2f} |")
+        print(f"| {m} | {best['exact'] * 1e3:.0f} | {best['int8'] * 1e3:.0f} | {best['int8 GEMM'] * 1e3:.0f} | "
+              f"{best['int8'] / best['int8 GEMM']:.2f} |")
 
 
 def main() -> None:

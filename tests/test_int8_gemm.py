@@ -2,7 +2,8 @@
 quantized to Q8_K as the kernel quantizes it, each block's integer sums exact (int64), and per output
 acc = fma(float32(I), d * dx, acc) (Q4_K then acc = fma(float32(M), -(dmin * dx), acc)) block after
 block, an fp32 fused multiply-add emulated exactly, then + bias; bit for bit, in every build this CPU
-can run, for partial tiles of 16 rows, every group size of rows of x and 1 or 3 blocks a row."""
+can run, for partial tiles of 16 rows, every group size of rows of x and 1 or 3 blocks a row; and a tied
+LM head's repacked copy beside the embedding's blocks."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,12 +14,14 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
+from gguf_writer import make_tiny_tokenizer, write_tiny_gguf
+from roseinfer import LLM
 from roseinfer.backends.cpu import ops
-from roseinfer.backends.cpu.quantized import INT8_ACTIVATIONS, INT8_REPACKED
+from roseinfer.backends.cpu.quantized import INT8_ACTIVATIONS, INT8_REPACKED, QuantizedEmbedding, QuantizedLinear
 from test_int8_activations import quantized_blocks
 from test_native_kernels import needs_kernels
 from test_quant_kernel_builds import BUILDS, kernels_built_for
-from test_quantized import random_blocks
+from test_quantized import _tiny_hf, random_blocks
 
 TYPES = (QT.Q4_K, QT.Q6_K)
 
@@ -140,3 +143,22 @@ def test_repacking_rejects_what_the_gemm_does_not_take() -> None:
         ops.repack_for_int8_gemm(weight, int(QT.Q5_K), 256)
     with pytest.raises(ValueError, match="not supported"):
         ops.weight_matmul(torch.randn(1, 256), weight.data_ptr(), int(QT.Q4_K) | INT8_REPACKED, 4, None)
+
+
+@needs_kernels
+def test_a_tied_lm_head_runs_the_gemm_on_a_copy_and_the_embedding_keeps_its_blocks(tmp_path: Path,
+                                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(tmp_path / "cache"))
+    tok = make_tiny_tokenizer(300)
+    src = write_tiny_gguf(tmp_path / "tied.gguf", _tiny_hf("llama", 256, len(tok), tie_word_embeddings=True), tok, "Q6_K")
+    llm = LLM(model=str(src), quantization="gguf", cpu_activations="int8", num_kv_blocks=32)
+    modules = list(llm.engine.runner.model.modules())
+    embedding = next(m for m in modules if isinstance(m, QuantizedEmbedding))
+    head = next(m for m in modules if isinstance(m, QuantizedLinear) and m.weight is embedding.weight)
+    assert head.native_type == int(QT.Q6_K) | INT8_ACTIVATIONS | INT8_REPACKED
+    assert head.native_weights == head.repacked_weight.data_ptr() != embedding.weight.data_ptr()
+    x = torch.randn(3, 256)
+    assert torch.equal(head(x), gemm(x, embedding.weight, QT.Q6_K, None))
+    ids = torch.tensor([5, 7])
+    dense = torch.from_numpy(gguf.quants.dequantize(embedding.weight.numpy(), QT.Q6_K))
+    assert torch.equal(embedding(ids), dense[ids])

@@ -8,9 +8,10 @@ blocks a tied LM head reads. A fused linear whose sub-projections are stored in 
 With int8 activations (--cpu-activations int8) the linear's type carries INT8_ACTIVATIONS, and every
 matmul of it, the one-call decode stack's included, quantizes the rows of x to 8 bits and multiplies
 with integer dot products (csrc/q8_activations.c) at any row count; a linear in parts keeps fp32 rows.
-A Q4_K or Q6_K weight no other module reads (not a tied embedding) is repacked once, here, into
-csrc/q8_gemm.c's tiles of 16 rows, which replace its blocks (INT8_REPACKED): one weight load there
-feeds several rows of x and the tile's 16 outputs accumulate in vector lanes."""
+A Q4_K or Q6_K weight is repacked once, here, into csrc/q8_gemm.c's tiles of 16 rows (INT8_REPACKED),
+which replace its blocks, except a tied LM head's: the embedding looks its rows up in those, so the
+head keeps a repacked copy beside them (the one weight held twice). One weight load there feeds
+several rows of x and the tile's 16 outputs accumulate in vector lanes."""
 from __future__ import annotations
 
 import ctypes
@@ -85,11 +86,14 @@ def install(model: nn.Module, int8_activations: bool = False) -> None:
             module.__class__ = QuantizedLinear
             qtype = module.weight.ggml_type
             int8 = int8_activations and qtype in INT8_TYPES
-            if int8 and qtype in REPACKED_TYPES and module.weight.data_ptr() not in embedded:
-                module.weight = nn.Parameter(ops.repack_for_int8_gemm(module.weight, qtype, module.in_features),
-                                             requires_grad=False)
-                qtype |= INT8_REPACKED
             module.native_weights = module.weight.data_ptr()
+            if int8 and qtype in REPACKED_TYPES:
+                repacked = ops.repack_for_int8_gemm(module.weight, qtype, module.in_features)
+                if module.weight.data_ptr() in embedded:  # a tied LM head: the embedding reads the blocks
+                    module.repacked_weight = repacked
+                else:
+                    module.weight = nn.Parameter(repacked, requires_grad=False)
+                module.native_weights, qtype = repacked.data_ptr(), qtype | INT8_REPACKED
             module.native_type = qtype | (INT8_ACTIVATIONS if int8 else 0)
         elif type(module) is nn.Embedding and holds_blocks(module):
             module.__class__ = QuantizedEmbedding
