@@ -1,11 +1,13 @@
 """One GGUF-block matmul with fp32 rows (the exact path) against int8 rows (--cpu-activations int8).
 
 A weight of --rows x --cols (default 8192 x 2048: SmolLM2-1.7B's gate/up shape) in random blocks of
-each type, times 1 to 512 rows of x, both kernels alternating in every round; prints the best wall
+each type, times 1 to 512 rows of x, the kernels alternating in every round; prints the best wall
 time and the process CPU time per call of each (CPU time, both threads' together, is what to read on a
-busy machine), their ratio, and the int8 kernel's weight bytes per wall second. With --gguf FILE, a
-decode step's matmuls on that file instead: every quantized 2-D weight once (a tied embedding as the
-LM head), times each row count, the CPU time of the whole step.
+busy machine), their ratio, and the int8 kernel's weight bytes per wall second. Q4_K and Q6_K also run
+the repacked int8 GEMM (csrc/q8_gemm.c, what the engine runs for them), against the unpacked int8 kernel
+on the same blocks. With --gguf FILE, a decode step's matmuls on that file instead: every quantized 2-D
+weight once (a tied embedding as the LM head), times each row count, the CPU time of the whole step,
+exact, int8 on the blocks and int8 as the engine runs it (the GEMM where it repacks).
 
     python benchmarks/int8_matmul_ab.py [--types Q4_K,Q6_K,Q8_0] [--rows-of-x 1,16,64,512] [--threads 2]
         [--gguf FILE]
@@ -23,7 +25,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from roseinfer.backends.cpu import ops
-from roseinfer.backends.cpu.quantized import INT8_ACTIVATIONS
+from roseinfer.backends.cpu.quantized import INT8_ACTIVATIONS, INT8_REPACKED, REPACKED_TYPES
 
 # where each type keeps its fp16 scales: set to 2^-7 so the random blocks hold finite, moderate values
 SCALE_BYTES = {"Q4_K": (0, 2), "Q6_K": (208,), "Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2)}
@@ -57,20 +59,33 @@ def step_weights(path: str) -> list[tuple[torch.Tensor, int, int]]:
 
 
 def gguf_steps(path: str, rows_of_x: list[int], rounds: int) -> None:
+    """The step's matmuls three ways: fp32 rows, int8 rows on the blocks, and int8 rows as the engine runs
+    them (Q4_K and Q6_K repacked for the GEMM, a tied LM head's copy included)."""
     weights = step_weights(path)
     total = sum(blocks.numel() for blocks, _, _ in weights)
+    kinds: dict[str, list[tuple[torch.Tensor, int, int, int]]] = {"exact": [], "int8": [], "int8 GEMM": []}
+    for blocks, code, k in weights:
+        n = blocks.shape[0]
+        kinds["exact"].append((blocks, code, n, k))
+        kinds["int8"].append((blocks, code | INT8_ACTIVATIONS, n, k))
+        if GGMLQuantizationType(code) in REPACKED_TYPES:
+            kinds["int8 GEMM"].append((ops.repack_for_int8_gemm(blocks, code, k),
+                                       code | INT8_ACTIVATIONS | INT8_REPACKED, n, k))
+        else:
+            kinds["int8 GEMM"].append((blocks, code | INT8_ACTIVATIONS, n, k))
     print(f"{path}: {len(weights)} weights, {total / 1e9:.3f} GB; CPU ms of one step's matmuls")
-    print("| rows of x | exact | int8 | exact / int8 |\n|---|---:|---:|---:|")
+    print("| rows of x | exact | int8 | int8 GEMM | int8 / GEMM |\n|---|---:|---:|---:|---:|")
     for m in rows_of_x:
         x = torch.randn(m, max(k for _, _, k in weights))
-        best = {"exact": float("inf"), "int8": float("inf")}
+        best = {name: float("inf") for name in kinds}
         for _ in range(rounds):
-            for name, flag in (("exact", 0), ("int8", INT8_ACTIVATIONS)):
+            for name, calls in kinds.items():
                 start = cpu_seconds()
-                for blocks, code, k in weights:
-                    ops.quant_matmul(x[:, :k], blocks, code | flag, None)
+                for blocks, kind, n, k in calls:
+                    ops.weight_matmul(x[:, :k], blocks.data_ptr(), kind, n, None)
                 best[name] = min(best[name], cpu_seconds() - start)
-        print(f"| {m} | {best['exact'] * 1e3:.0f} | {best['int8'] * 1e3:.0f} | {best['exact'] / best['int8']:.2f} |")
+        print(f"| {m} | {best['exact'] * 1e3:.0f} | {best['int8'] * 1e3:.0f} | {best['int8 GEMM'] * 1e3:.0f} | "
+              f"{best['int8'] / best['int8 GEMM']:.2f} |")
 
 
 def main() -> None:
@@ -89,27 +104,31 @@ def main() -> None:
         gguf_steps(args.gguf, [int(v) for v in args.rows_of_x.split(",")], args.rounds)
         return
     print(f"{args.rows} x {args.cols}, {args.threads} threads, load average {os.getloadavg()[0]:.2f}")
-    print("| type | rows of x | fp32 ms (CPU ms) | int8 ms (CPU ms) | CPU ratio | int8 weight GB/s |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| type | rows of x | fp32 ms (CPU ms) | int8 ms (CPU ms) | CPU ratio | int8 weight GB/s "
+          "| int8 GEMM ms (CPU ms) | GEMM / int8 CPU |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for qtype in args.types.split(","):
         weight = random_blocks(qtype, args.rows, args.cols)
         code = int(GGMLQuantizationType[qtype])
+        kernels = {"fp32": (weight, code), "int8": (weight, code | INT8_ACTIVATIONS)}
+        if GGMLQuantizationType[qtype] in REPACKED_TYPES:
+            kernels["gemm"] = (ops.repack_for_int8_gemm(weight, code, args.cols), code | INT8_ACTIVATIONS | INT8_REPACKED)
         for m in (int(v) for v in args.rows_of_x.split(",")):
             x = torch.randn(m, args.cols)
             calls = max(2, 256 // m)
-            best = {"fp32": (float("inf"), float("inf")), "int8": (float("inf"), float("inf"))}
+            best = {name: (float("inf"), float("inf")) for name in kernels}
             for _ in range(args.rounds):
-                for name, kind in (("fp32", code), ("int8", code | INT8_ACTIVATIONS)):
-                    ops.quant_matmul(x, weight, kind, None)
+                for name, (blocks, kind) in kernels.items():
+                    ops.weight_matmul(x, blocks.data_ptr(), kind, args.rows, None)
                     wall, cpu = time.perf_counter(), cpu_seconds()
                     for _ in range(calls):
-                        ops.quant_matmul(x, weight, kind, None)
+                        ops.weight_matmul(x, blocks.data_ptr(), kind, args.rows, None)
                     wall, cpu = (time.perf_counter() - wall) / calls, (cpu_seconds() - cpu) / calls
                     best[name] = (min(best[name][0], wall), min(best[name][1], cpu))
             (fw, fc), (iw, ic) = best["fp32"], best["int8"]
+            gw, gc = best.get("gemm", (float("nan"), float("nan")))
             print(f"| {qtype} | {m} | {fw * 1e3:.2f} ({fc * 1e3:.2f}) | {iw * 1e3:.2f} ({ic * 1e3:.2f}) | "
-                  f"{fc / ic:.2f} | {weight.numel() / iw / 1e9:.1f} |")
-
+                  f"{fc / ic:.2f} | {weight.numel() / iw / 1e9:.1f} | {gw * 1e3:.2f} ({gc * 1e3:.2f}) | {ic / gc:.2f} |")
 
 if __name__ == "__main__":
     main()

@@ -2,7 +2,8 @@
  * carrying INT8_ACTIVATIONS) for tests/test_native_kernels.py, built with AddressSanitizer: any read or
  * write outside a buffer aborts with a report. Every type it takes, one block per row and three, row
  * counts that leave partial groups of rows, and an output width that leaves a partial tile; also
- * through the norm prologue, as the one-call decode stack calls it. The blocks are random bytes with
+ * through the norm prologue, as the one-call decode stack calls it; Q4_K and Q6_K also repacked into
+ * csrc/q8_gemm.c's tiles of 16 rows (37: a partial tile) and run through its GEMM. The blocks are random bytes with
  * small fp16 scales (values do not matter here). */
 #include <stdint.h>
 #include <stdio.h>
@@ -11,6 +12,7 @@
 #include "kernels.h"
 
 #define INT8_ACTIVATIONS 0x100 /* csrc/quants.h's */
+#define INT8_REPACKED 0x200
 
 static const int64_t TYPES[][3] = {{2, 18, 32}, {3, 20, 32},    {6, 22, 32},
                                    {7, 24, 32}, {8, 34, 32},    {12, 144, 256}, {14, 210, 256}};
@@ -30,7 +32,16 @@ int main(void) {
         const int64_t type = TYPES[t][0] | INT8_ACTIVATIONS, bytes = TYPES[t][1], per_block = TYPES[t][2];
         for (int64_t blocks_per_row = 1; blocks_per_row <= 3; blocks_per_row += 2) {
             const int64_t k = blocks_per_row * per_block, n = 37;
-            uint8_t *w = blocks(n * blocks_per_row, bytes);
+            uint8_t *w = blocks(n * blocks_per_row, bytes), *packed = NULL;
+            int64_t gemm_type = 0;
+            if (per_block == 256) { /* the repacked copy, exactly as long as q8_repacked_bytes says */
+                packed = malloc((size_t)q8_repacked_bytes(TYPES[t][0], n, k));
+                gemm_type = type | INT8_REPACKED;
+                if (q8_repack(w, TYPES[t][0], n, k, packed, 2) != 0) {
+                    printf("type %ld: repacking failed\n", (long)type);
+                    return 1;
+                }
+            }
             for (int64_t m = 1; m <= 11; m += 5) {
                 float *x = malloc(sizeof(float) * (size_t)(m * k)), *out = malloc(sizeof(float) * (size_t)(m * n));
                 float *norm = malloc(sizeof(float) * (size_t)k), *bias = malloc(sizeof(float) * (size_t)n);
@@ -42,9 +53,16 @@ int main(void) {
                     printf("type %ld: a matmul returned nonzero\n", (long)type);
                     return 1;
                 }
+                if (packed != NULL && (quant_matmul_f32(x, k, packed, gemm_type, bias, out, m, n, k, 2) != 0 ||
+                                       rms_norm_packed_matmul_f32(x, k, NULL, norm, 1e-5f, packed, gemm_type, NULL, out,
+                                                                  m, n, k, 2) != 0)) {
+                    printf("type %ld: a repacked matmul returned nonzero\n", (long)gemm_type);
+                    return 1;
+                }
                 free(x); free(out); free(norm); free(bias);
             }
             free(w);
+            free(packed);
         }
     }
     printf("ok\n");

@@ -16,7 +16,7 @@ from bench_helpers import benchmark_script
 from gguf_writer import make_tiny_tokenizer, write_tiny_gguf
 from roseinfer import LLM, SamplingParams
 from roseinfer.backends.cpu import ops
-from roseinfer.backends.cpu.quantized import INT8_ACTIVATIONS, INT8_TYPES
+from roseinfer.backends.cpu.quantized import INT8_ACTIVATIONS, INT8_TYPES, QuantizedLinear
 from test_native_kernels import needs_kernels
 from test_quant_kernel_builds import BUILDS, kernels_built_for
 from test_quantized import QTYPES as ALL_QTYPES, _tiny_hf, random_blocks
@@ -27,8 +27,9 @@ agreement_module = benchmark_script("int8_agreement")
 QTYPES = [q for q in ALL_QTYPES if q in INT8_TYPES]  # Q5_K keeps fp32 rows under int8
 
 
-def quantized_rows(x: np.ndarray, qtype: QT) -> np.ndarray:
-    """x's rows quantized as the kernel does and dequantized: d * q per block, fp32 arithmetic."""
+def quantized_blocks(x: np.ndarray, qtype: QT) -> tuple[np.ndarray, np.ndarray]:
+    """x's rows quantized as the kernel does, per block of 256 (Q8_K, for K-quants) or 32 (Q8_0):
+    (the integers q [blocks, block] as float32, the scales d [blocks] float32)."""
     block = 256 if qtype in K_QUANTS else 32
     blocks = x.astype(np.float32).reshape(-1, block)
     amax = np.abs(blocks).max(axis=1)
@@ -39,6 +40,12 @@ def quantized_rows(x: np.ndarray, qtype: QT) -> np.ndarray:
         iscale = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
     q = np.minimum(np.rint(iscale[:, None] * blocks), 127)
     d = np.where(amax > 0, np.float32(1) / np.where(iscale != 0, iscale, 1), 0).astype(np.float32)
+    return q, d
+
+
+def quantized_rows(x: np.ndarray, qtype: QT) -> np.ndarray:
+    """x's rows quantized as the kernel does and dequantized: d * q per block, fp32 arithmetic."""
+    q, d = quantized_blocks(x, qtype)
     return (d[:, None].astype(np.float64) * q).reshape(x.shape)
 
 
@@ -104,8 +111,7 @@ def test_int8_activations_agree_with_the_exact_path_on_a_tiny_model(tmp_path: Pa
     logits = {}
     for activations in ("fp32", "int8"):
         llm = LLM(model=str(src), quantization="gguf", cpu_activations=activations, num_kv_blocks=32)
-        types = {m.native_type for m in llm.engine.runner.model.modules() if hasattr(m, "native_type")
-                 and hasattr(getattr(m, "weight", None), "ggml_type")}
+        types = {m.native_type for m in llm.engine.runner.model.modules() if isinstance(m, QuantizedLinear)}
         assert types and all(bool(t & INT8_ACTIVATIONS) == (activations == "int8") for t in types)
         logits[activations] = agreement_module.prompt_logits(llm, prompt)
     base = torch.log_softmax(logits["fp32"].double(), dim=1)

@@ -329,6 +329,18 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, g
                          "experts, or buffers that could not be allocated")
     return out
 
+
+def repack_for_int8_gemm(weight: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    """A Q4_K or Q6_K weight (uint8 [n, bytes per row], k weights a row) in csrc/q8_gemm.c's tiles of 16
+    rows, a flat uint8 tensor: the layout weight type qtype | INT8_ACTIVATIONS | INT8_REPACKED reads."""
+    library, n, weight = native_library(), weight.shape[0], weight.contiguous()
+    out = torch.empty(library.q8_repacked_bytes(type=qtype, n=n, k=k), dtype=torch.uint8)
+    if library.q8_repack(weight=weight.data_ptr(), type=qtype, n=n, k=k, out=out.data_ptr(),
+                         num_threads=torch.get_num_threads()):
+        raise ValueError(f"repack_for_int8_gemm: GGML type {qtype} with rows of {k} weights is not supported")
+    return out
+
+
 def dequantize_rows(weight: torch.Tensor, qtype: int, ids: torch.Tensor, k: int) -> torch.Tensor:
     """Rows `ids` (int64) of the quantized table weight (uint8 [rows, bytes per row], GGML type
     qtype, k weights a row), dequantized: [len(ids), k] fp32."""

@@ -7,7 +7,11 @@ blocks a tied LM head reads. A fused linear whose sub-projections are stored in 
 
 With int8 activations (--cpu-activations int8) the linear's type carries INT8_ACTIVATIONS, and every
 matmul of it, the one-call decode stack's included, quantizes the rows of x to 8 bits and multiplies
-with integer dot products (csrc/q8_activations.c) at any row count; a linear in parts keeps fp32 rows."""
+with integer dot products (csrc/q8_activations.c) at any row count; a linear in parts keeps fp32 rows.
+A Q4_K or Q6_K weight is repacked once, here, into csrc/q8_gemm.c's tiles of 16 rows (INT8_REPACKED),
+which replace its blocks, except a tied LM head's: the embedding looks its rows up in those, so the
+head keeps a repacked copy beside them (the one weight held twice). One weight load there feeds
+several rows of x and the tile's 16 outputs accumulate in vector lanes."""
 from __future__ import annotations
 
 import ctypes
@@ -25,6 +29,8 @@ QUANTIZED_TYPES = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5
 # those csrc/q8_activations.c also multiplies by int8 rows (Q5_K keeps fp32 rows under int8)
 INT8_TYPES = frozenset({GGMLQuantizationType[name] for name in QUANTIZED_TYPES - {"Q5_K"}})
 INT8_ACTIVATIONS = 0x100  # csrc/quants.h's: a weight type with this bit set takes rows of x quantized to 8 bits
+INT8_REPACKED = 0x200  # csrc/quants.h's: with INT8_ACTIVATIONS, the weight is in csrc/q8_gemm.c's tiles
+REPACKED_TYPES = frozenset({GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K})
 
 
 def is_blocks(weight: torch.Tensor | None) -> bool:
@@ -38,13 +44,14 @@ def holds_blocks(module: nn.Module) -> bool:
 
 
 class QuantizedLinear(NativeRowsLinear):
-    """y = x W^T (+ bias) with W in GGUF blocks; in_features stays the dense width. Every row count runs
-    the C kernel (with the norm or SiLU before it where the model asks: NativeRowsLinear), which from
-    32 rows (17 on AVX-512) multiplies tiles of W dequantized once (csrc/quant_tiled_matmul.c), or,
-    with int8 activations, integer dots at every row count."""
+    """y = x W^T (+ bias) with W in GGUF blocks (or, with int8 activations, maybe repacked: see above);
+    in_features stays the dense width. Every row count runs the C kernel (with the norm or SiLU before
+    it where the model asks: NativeRowsLinear), which from 32 rows (17 on AVX-512) multiplies tiles of W
+    dequantized once (csrc/quant_tiled_matmul.c), or, with int8 activations, integer dots at every row
+    count."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.quant_matmul(x, self.weight, self.native_type, self.bias)
+        return ops.weight_matmul(x, self.native_weights, self.native_type, self.out_features, self.bias)
 
 
 class QuantizedPartsLinear(QuantizedLinear):
@@ -52,9 +59,6 @@ class QuantizedPartsLinear(QuantizedLinear):
     block_parts: a fused q/k/v or gate/up); `weight_parts` is the weight_part_t array the C matmuls read."""
 
     weight_parts: ctypes.Array
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.weight_matmul(x, self.native_weights, self.native_type, self.out_features, self.bias)
 
 
 class QuantizedEmbedding(nn.Embedding):
@@ -69,6 +73,7 @@ class QuantizedEmbedding(nn.Embedding):
 def install(model: nn.Module, int8_activations: bool = False) -> None:
     """The quantized classes in place of the generic ones, for the modules whose weight holds blocks;
     their linears multiply by rows of x quantized to 8 bits where int8_activations."""
+    embedded = {m.weight.data_ptr() for m in model.modules() if type(m) is nn.Embedding and holds_blocks(m)}
     for module in model.modules():
         if type(module) is Linear and hasattr(module.weight, "block_parts"):
             module.__class__ = QuantizedPartsLinear
@@ -79,8 +84,16 @@ def install(model: nn.Module, int8_activations: bool = False) -> None:
             module.native_weights, module.native_type = ctypes.addressof(module.weight_parts), -len(module.weight_parts)
         elif type(module) is Linear and holds_blocks(module):
             module.__class__ = QuantizedLinear
-            int8 = int8_activations and module.weight.ggml_type in INT8_TYPES
+            qtype = module.weight.ggml_type
+            int8 = int8_activations and qtype in INT8_TYPES
             module.native_weights = module.weight.data_ptr()
-            module.native_type = module.weight.ggml_type | (INT8_ACTIVATIONS if int8 else 0)
+            if int8 and qtype in REPACKED_TYPES:
+                repacked = ops.repack_for_int8_gemm(module.weight, qtype, module.in_features)
+                if module.weight.data_ptr() in embedded:  # a tied LM head: the embedding reads the blocks
+                    module.repacked_weight = repacked
+                else:
+                    module.weight = nn.Parameter(repacked, requires_grad=False)
+                module.native_weights, qtype = repacked.data_ptr(), qtype | INT8_REPACKED
+            module.native_type = qtype | (INT8_ACTIVATIONS if int8 else 0)
         elif type(module) is nn.Embedding and holds_blocks(module):
             module.__class__ = QuantizedEmbedding

@@ -38,7 +38,7 @@ static inline float largest(const float *x, int n, float *magnitude) {
     return max;
 }
 
-static void quantize_row_q8_k(const float *x, int64_t k, block_q8_k *out) {
+void quantize_row_q8_k(const float *x, int64_t k, block_q8_k *out) {
     for (int64_t b = 0; b < k / 256; b++, x += 256) {
         block_q8_k *y = out + b;
         float amax;

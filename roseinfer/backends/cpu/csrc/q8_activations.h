@@ -41,6 +41,15 @@ void q8_0_dots(int64_t type, const uint8_t *w, const block_q8_0 *x, int64_t bloc
 int q8_matmul_tasks(const float *x, int64_t x_stride, const uint8_t *weight, int64_t type, const float *bias,
                     float *out, int64_t m, int64_t n, int64_t k);
 
+/* x[0..k) (k a multiple of 256) as k / 256 Q8_K blocks */
+void quantize_row_q8_k(const float *x, int64_t k, block_q8_k *out);
+
+/* quant_matmul_tasks for a Q4_K or Q6_K weight repacked by q8_repack (csrc/q8_gemm.c), x quantized
+ * to Q8_K a row first; out: [m, n] in rows out_stride floats apart (NaN where the rows' buffer could
+ * not be allocated) */
+void q8_gemm_tasks(const float *x, int64_t x_stride, const uint8_t *packed, int64_t type, const float *bias,
+                   float *out, int64_t out_stride, int64_t m, int64_t n, int64_t k);
+
 /* Unpacks a Q4_K block's 12 scale bytes into 8 6-bit scales (out[0..7]) and 8 mins (out[8..15]). */
 static inline void q4_k_unpack_scales(const uint8_t *packed, uint8_t out[16]) {
     uint32_t in[3], fields[4];

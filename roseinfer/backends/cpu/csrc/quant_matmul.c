@@ -136,6 +136,10 @@ static inline __attribute__((always_inline)) void matmul_tasks(int type, const f
 
 void quant_matmul_tasks(const float *x, int64_t x_stride, const uint8_t *weight, int64_t type, const float *bias,
                         float *out, int64_t out_stride, int64_t m, int64_t n, int64_t k) {
+    if (type & INT8_REPACKED) { /* no other kernel reads the repacked tiles */
+        q8_gemm_tasks(x, x_stride, weight, type & ~TYPE_FLAGS, bias, out, out_stride, m, n, k);
+        return;
+    }
     if (type & INT8_ACTIVATIONS) {
         /* rows of x quantized to 8 bits where the output is this weight's alone (a part of a wider
          * one keeps fp32 rows), else, or when its buffer could not be allocated, the fp32 path */

@@ -32,6 +32,9 @@ enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q
 /* A weight type with this bit set: the same blocks, multiplied by rows of x quantized to 8 bits
  * (--cpu-activations int8: csrc/q8_activations.c) instead of by fp32 rows */
 #define INT8_ACTIVATIONS 0x100
+/* With INT8_ACTIVATIONS on Q4_K or Q6_K: the blocks repacked into csrc/q8_gemm.c's tiles of 16 rows */
+#define INT8_REPACKED 0x200
+#define TYPE_FLAGS ((int64_t)(INT8_ACTIVATIONS | INT8_REPACKED))
 
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
@@ -39,7 +42,7 @@ enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q
 
 /* Bytes per block and weights per block of a type; 0 for a type not handled here. */
 static inline int64_t quant_block_bytes(int64_t type) {
-    switch (type & ~(int64_t)INT8_ACTIVATIONS) {
+    switch (type & ~TYPE_FLAGS) {
     case Q4_0: return 18;
     case Q4_1: return 20;
     case Q5_0: return 22;
@@ -53,12 +56,14 @@ static inline int64_t quant_block_bytes(int64_t type) {
 }
 
 static inline int64_t quant_block_weights(int64_t type) {
-    type &= ~(int64_t)INT8_ACTIVATIONS;
+    type &= ~TYPE_FLAGS;
     return type == Q4_K || type == Q5_K || type == Q6_K ? 256 : 32;
 }
 
 /* Whether `type` is handled and k is a whole number of its blocks. */
 static inline int quant_shape_ok(int64_t type, int64_t k) {
+    const int64_t base = type & ~TYPE_FLAGS;
+    if ((type & INT8_REPACKED) && (!(type & INT8_ACTIVATIONS) || (base != Q4_K && base != Q6_K))) return 0;
     return quant_block_bytes(type) != 0 && k > 0 && k % quant_block_weights(type) == 0;
 }
 

@@ -1,0 +1,241 @@
+/* The int8 path's GEMM for Q4_K and Q6_K weights repacked at load (--cpu-activations int8): a tile
+ * of GEMM_ROWS = 16 weight rows is interleaved so that one 64-byte vector holds 4 consecutive
+ * weights of each of its 16 rows (a 32-bit lane a row), and one integer dot product (vpdpbusd on
+ * AVX-512 VNNI; vpmaddubsw + vpmaddwd on AVX2) multiplies it by 4 values of one row of x broadcast
+ * to every lane: a weight load feeds up to GEMM_COLS rows of x, and the 16 outputs of a tile stay in
+ * the lanes, never reduced across them. A sub-block's integer dot is multiplied by the 16 rows'
+ * scales once; the rows of x are quantized to Q8_K as the unpacked path quantizes them.
+ *
+ * Repacked record of a tile's block b (the tile's records back to back, block after block; rows past
+ * n are zeros):
+ *   Q4_K (2368 B): fp16 d[16], dmin[16]; u8 scales[8 sub-blocks][16 rows]; u8 mins[4 pairs][16 rows][2]
+ *                  (sub-blocks 2p, 2p + 1); qs[8][4][64]: byte 4r + i of qs[s][t] holds row r's value
+ *                  32s + 4t + i in its low nibble and value 32s + 16 + 4t + i in its high one.
+ *   Q6_K (3360 B, as many as the blocks): fp16 d[16]; i8 scales[16 sub-blocks of 16][16 rows];
+ *                  low[16][2][64]: byte 4r + i of low[s][h] holds the low 4 bits of row r's values
+ *                  16s + 8h + i (low nibble) and 16s + 8h + 4 + i (high nibble); high[16][64]: bits
+ *                  2t, 2t + 1 of byte 4r + i of high[s] are the top 2 bits of row r's value 16s + 4t + i.
+ * Output (row j, row i of x), in this order, the one every ISA build and the test's reference keep:
+ *   acc = 0; for each block b:  I = sum over sub-blocks of scale * (integer dot of q and x's q),
+ *     Q4_K: acc = fma((float)I, d * dx, acc); acc = fma((float)M, -(dmin * dx), acc), M = sum of
+ *           min * (sum of x's q over the sub-block);
+ *     Q6_K: I with q - 32 (the -32 from x's 16-value sums), acc = fma((float)I, d * dx, acc);
+ *   out = acc + bias. Every integer sum is exact in 32 bits. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+#include "q8_activations.h"
+#include "q8_gemm_lanes.h"
+#include "quants.h"
+
+#define Q4_K_RECORD 2368
+#define Q6_K_RECORD 3360
+
+static inline int64_t record_bytes(int64_t type) { return type == Q4_K ? Q4_K_RECORD : Q6_K_RECORD; }
+
+int64_t q8_repacked_bytes(int64_t type, int64_t n, int64_t k) {
+    return (n + GEMM_ROWS - 1) / GEMM_ROWS * (k / 256) * record_bytes(type);
+}
+
+/* One tile-block record from the blocks of rows[0..count) (count <= 16; the rest stay zero). */
+static void repack_q4_k(const uint8_t *const *rows, int count, uint8_t *out) {
+    for (int r = 0; r < count; r++) {
+        const uint8_t *blk = rows[r];
+        uint8_t sm[16];
+        q4_k_unpack_scales(blk + 4, sm);
+        memcpy(out + 2 * r, blk, 2);
+        memcpy(out + 32 + 2 * r, blk + 2, 2);
+        for (int s = 0; s < 8; s++) {
+            out[64 + 16 * s + r] = sm[s];
+            out[192 + 32 * (s / 2) + 2 * r + s % 2] = sm[8 + s];
+        }
+        for (int s = 0; s < 8; s++)
+            for (int t = 0; t < 4; t++)
+                for (int i = 0; i < 4; i++) {
+                    /* value l of sub-block s: byte 32 (s / 2) + l, the high nibble for odd s */
+                    const uint8_t *q = blk + 16 + 32 * (s / 2);
+                    const int low = (q[4 * t + i] >> (4 * (s & 1))) & 15, high = (q[16 + 4 * t + i] >> (4 * (s & 1))) & 15;
+                    out[320 + 256 * s + 64 * t + 4 * r + i] = (uint8_t)(low | high << 4);
+                }
+    }
+}
+
+static void repack_q6_k(const uint8_t *const *rows, int count, uint8_t *out) {
+    for (int r = 0; r < count; r++) {
+        const uint8_t *blk = rows[r];
+        memcpy(out + 2 * r, blk + 208, 2);
+        for (int s = 0; s < 16; s++) out[32 + 16 * s + r] = blk[192 + s];
+        for (int v = 0; v < 256; v++) {
+            /* value v: half h = v / 128, chunk t of 32 in it; quants.h's Q6_K layout */
+            const int h = v / 128, t = (v % 128) / 32, l = v % 32;
+            const int q = ((blk[64 * h + 32 * (t & 1) + l] >> (4 * (t >> 1))) & 15)
+                          | ((blk[128 + 32 * h + l] >> (2 * t)) & 3) << 4;
+            const int s = v / 16, group = (v % 16) / 4, byte = 4 * r + v % 4;
+            out[288 + 128 * s + 64 * (group / 2) + byte] |= (uint8_t)((q & 15) << (4 * (group & 1)));
+            out[2336 + 64 * s + byte] |= (uint8_t)((q >> 4) << (2 * group));
+        }
+    }
+}
+
+int q8_repack(const uint8_t *weight, int64_t type, int64_t n, int64_t k, uint8_t *out, int num_threads) {
+    if ((type != Q4_K && type != Q6_K) || !quant_shape_ok(type, k)) return 1;
+    const int64_t blocks = k / 256, row_bytes = quant_row_bytes(type, k), record = record_bytes(type);
+    const int64_t tiles = (n + GEMM_ROWS - 1) / GEMM_ROWS;
+    memset(out, 0, (size_t)q8_repacked_bytes(type, n, k));
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int count = n - t * GEMM_ROWS < GEMM_ROWS ? (int)(n - t * GEMM_ROWS) : GEMM_ROWS;
+        for (int64_t b = 0; b < blocks; b++) {
+            const uint8_t *rows[GEMM_ROWS];
+            for (int r = 0; r < count; r++) rows[r] = weight + (t * GEMM_ROWS + r) * row_bytes + b * quant_block_bytes(type);
+            uint8_t *dst = out + (t * blocks + b) * record;
+            if (type == Q4_K)
+                repack_q4_k(rows, count, dst);
+            else
+                repack_q6_k(rows, count, dst);
+        }
+    }
+    return 0;
+}
+
+/* x's integer sums a kernel reads besides its q's, 16 a block: Q4_K: 4 pairs of 16-bit sums over
+ * sub-blocks (2p, 2p + 1) of 32; Q6_K: -32 times each 16-value sum */
+static void row_sums(int64_t type, const block_q8_k *x, int32_t *sums) {
+    for (int s = 0; s < 16; s++) sums[s] = 0;
+    if (type == Q6_K) {
+        for (int s = 0; s < 16; s++) sums[s] = -32 * x->bsums[s];
+        return;
+    }
+    for (int p = 0; p < 4; p++) {
+        const int first = x->bsums[4 * p] + x->bsums[4 * p + 1], second = x->bsums[4 * p + 2] + x->bsums[4 * p + 3];
+        sums[p] = (int32_t)((uint32_t)(uint16_t)first | (uint32_t)(uint16_t)second << 16);
+    }
+}
+
+/* acc[c] for rows of x c < cols: a tile's 16 outputs, every block */
+static inline __attribute__((always_inline)) void q4_k_tile(const uint8_t *tile, const block_q8_k *x,
+                                                           const int32_t *sums, int64_t blocks, const int cols,
+                                                           lanes_f *acc) {
+    for (int c = 0; c < cols; c++) acc[c] = zeros_f();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *rec = tile + b * Q4_K_RECORD;
+        lanes_i isum[GEMM_COLS], msum[GEMM_COLS];
+        for (int c = 0; c < cols; c++) isum[c] = zeros_i(), msum[c] = zeros_i();
+        for (int s = 0; s < 8; s++) {
+            /* two chains of dot products a row of x (low and high nibbles), so more are in flight */
+            lanes_i dot_low[GEMM_COLS], dot_high[GEMM_COLS];
+            for (int c = 0; c < cols; c++) dot_low[c] = zeros_i(), dot_high[c] = zeros_i();
+            for (int t = 0; t < 4; t++) {
+                const lanes_i q = load_bytes(rec + 320 + 256 * s + 64 * t), low = low_nibbles(q), high = high_nibbles(q);
+                for (int c = 0; c < cols; c++) {
+                    const int8_t *xq = x[c * blocks + b].qs + 32 * s + 4 * t;
+                    dot_low[c] = dot4(dot_low[c], low, xq);
+                    dot_high[c] = dot4(dot_high[c], high, xq + 16);
+                }
+            }
+            const lanes_i scale = widen_u8(rec + 64 + 16 * s);
+            for (int c = 0; c < cols; c++) isum[c] = add_product(isum[c], add_i(dot_low[c], dot_high[c]), scale);
+        }
+        for (int p = 0; p < 4; p++) {
+            const lanes_i mins = widen_pairs(rec + 192 + 32 * p);
+            for (int c = 0; c < cols; c++) msum[c] = dot2(msum[c], mins, sums[(c * blocks + b) * 16 + p]);
+        }
+        const lanes_f d = halves(rec), dmin = halves(rec + 32);
+        for (int c = 0; c < cols; c++) {
+            const float dx = x[c * blocks + b].d;
+            acc[c] = fma_lanes(isum[c], times(d, dx), acc[c]);
+            acc[c] = fma_lanes(msum[c], times(dmin, -dx), acc[c]);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void q6_k_tile(const uint8_t *tile, const block_q8_k *x,
+                                                           const int32_t *sums, int64_t blocks, const int cols,
+                                                           lanes_f *acc) {
+    for (int c = 0; c < cols; c++) acc[c] = zeros_f();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *rec = tile + b * Q6_K_RECORD;
+        lanes_i isum[GEMM_COLS];
+        for (int c = 0; c < cols; c++) isum[c] = zeros_i();
+        for (int s = 0; s < 16; s++) {
+            lanes_i dot_even[GEMM_COLS], dot_odd[GEMM_COLS]; /* two chains a row of x */
+            for (int c = 0; c < cols; c++) dot_even[c] = broadcast_i(sums[(c * blocks + b) * 16 + s]), dot_odd[c] = zeros_i();
+            const lanes_i high = load_bytes(rec + 2336 + 64 * s);
+            for (int h = 0; h < 2; h++) {
+                const lanes_i low = load_bytes(rec + 288 + 128 * s + 64 * h);
+                /* values 8h + 0..3 and 8h + 4..7 of the sub-block: their top bits at 4h and 4h + 2 */
+                const lanes_i even = six_bits(low, h == 0 ? shift_left(high, 4) : high);
+                const lanes_i odd = six_bits(shift_right(low, 4), h == 0 ? shift_left(high, 2) : shift_right(high, 2));
+                for (int c = 0; c < cols; c++) {
+                    const int8_t *xq = x[c * blocks + b].qs + 16 * s + 8 * h;
+                    dot_even[c] = dot4(dot_even[c], even, xq);
+                    dot_odd[c] = dot4(dot_odd[c], odd, xq + 4);
+                }
+            }
+            const lanes_i scale = widen_i8(rec + 32 + 16 * s);
+            for (int c = 0; c < cols; c++) isum[c] = add_product(isum[c], add_i(dot_even[c], dot_odd[c]), scale);
+        }
+        const lanes_f d = halves(rec);
+        for (int c = 0; c < cols; c++) acc[c] = fma_lanes(isum[c], times(d, x[c * blocks + b].d), acc[c]);
+    }
+}
+
+/* constant column counts, so the accumulators stay in registers */
+static void tile_times_rows(int64_t type, const uint8_t *tile, const block_q8_k *x, const int32_t *sums,
+                            int64_t blocks, int cols, lanes_f *acc) {
+#define TILE_COLS(kernel)                                                   \
+    switch (cols) {                                                         \
+    case 1: kernel(tile, x, sums, blocks, 1, acc); break;                   \
+    case 2: kernel(tile, x, sums, blocks, 2, acc); break;                   \
+    case 3: kernel(tile, x, sums, blocks, GEMM_COLS > 3 ? 3 : GEMM_COLS, acc); break; /* 4 cols only */ \
+    default: kernel(tile, x, sums, blocks, GEMM_COLS, acc); break;          \
+    }
+    if (type == Q4_K) {
+        TILE_COLS(q4_k_tile)
+    } else {
+        TILE_COLS(q6_k_tile)
+    }
+#undef TILE_COLS
+}
+
+void q8_gemm_tasks(const float *x, int64_t x_stride, const uint8_t *packed, int64_t type, const float *bias,
+                   float *out, int64_t out_stride, int64_t m, int64_t n, int64_t k) {
+    const int64_t blocks = k / 256, tiles = (n + GEMM_ROWS - 1) / GEMM_ROWS;
+    void *buffer = NULL;
+#pragma omp single copyprivate(buffer)
+    buffer = malloc((size_t)(m * blocks) * (sizeof(block_q8_k) + 16 * sizeof(int32_t)));
+    if (buffer == NULL) { /* NaN outputs rather than silently wrong ones */
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < m; i++)
+            for (int64_t j = 0; j < n; j++) out[i * out_stride + j] = NAN;
+        return;
+    }
+    block_q8_k *activations = buffer;
+    int32_t *sums = (int32_t *)(activations + m * blocks);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < m; i++) {
+        quantize_row_q8_k(x + i * x_stride, k, activations + i * blocks);
+        for (int64_t b = 0; b < blocks; b++) row_sums(type, activations + i * blocks + b, sums + (i * blocks + b) * 16);
+    }
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const uint8_t *tile = packed + t * blocks * record_bytes(type);
+        const int64_t first = t * GEMM_ROWS, count = n - first < GEMM_ROWS ? n - first : GEMM_ROWS;
+        for (int64_t g = 0; g < m; g += GEMM_COLS) {
+            const int cols = m - g < GEMM_COLS ? (int)(m - g) : GEMM_COLS;
+            lanes_f acc[GEMM_COLS];
+            tile_times_rows(type, tile, activations + g * blocks, sums + g * blocks * 16, blocks, cols, acc);
+            for (int c = 0; c < cols; c++) {
+                float lanes[GEMM_ROWS];
+                store_f(lanes, acc[c]);
+                float *row = out + (g + c) * out_stride + first;
+                for (int64_t r = 0; r < count; r++) row[r] = lanes[r] + (bias != NULL ? bias[first + r] : 0.0f);
+            }
+        }
+    }
+#pragma omp single
+    free(buffer);
+}

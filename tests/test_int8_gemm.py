@@ -1,0 +1,164 @@
+"""The int8 path's repacked GEMM (csrc/q8_gemm.c) against a numpy reference that pins its numbers: x
+quantized to Q8_K as the kernel quantizes it, each block's integer sums exact (int64), and per output
+acc = fma(float32(I), d * dx, acc) (Q4_K then acc = fma(float32(M), -(dmin * dx), acc)) block after
+block, an fp32 fused multiply-add emulated exactly, then + bias; bit for bit, in every build this CPU
+can run, for partial tiles of 16 rows, every group size of rows of x and 1 or 3 blocks a row; and a tied
+LM head's repacked copy beside the embedding's blocks."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from gguf_writer import make_tiny_tokenizer, write_tiny_gguf
+from roseinfer import LLM
+from roseinfer.backends.cpu import ops
+from roseinfer.backends.cpu.quantized import INT8_ACTIVATIONS, INT8_REPACKED, QuantizedEmbedding, QuantizedLinear
+from test_int8_activations import quantized_blocks
+from test_native_kernels import needs_kernels
+from test_quant_kernel_builds import BUILDS, kernels_built_for
+from test_quantized import _tiny_hf, random_blocks
+
+TYPES = (QT.Q4_K, QT.Q6_K)
+
+
+def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """round_to_float32(a * b + c) for float32 arrays, rounded once: a * b is exact in float64, the sum's
+    float64 rounding error is recovered exactly (two-sum), and a float32 tie that the float64 rounding
+    made is broken towards the error's side."""
+    product, addend = a.astype(np.float64) * b.astype(np.float64), c.astype(np.float64)
+    total = product + addend
+    virtual = total - product
+    error = (product - (total - virtual)) + (addend - virtual)
+    rounded = total.astype(np.float32)
+    neighbour = np.nextafter(rounded, np.where(total > rounded, np.inf, -np.inf).astype(np.float32))
+    tie = (total == (rounded.astype(np.float64) + neighbour.astype(np.float64)) / 2) & (error != 0)
+    return np.where(tie, np.where(error > 0, np.maximum(rounded, neighbour), np.minimum(rounded, neighbour)), rounded)
+
+
+def k_quant_parts(blocks: np.ndarray, qtype: QT) -> tuple[np.ndarray, ...]:
+    """A K-quant weight's blocks [n, b, bytes] as integers: Q4_K (d, dmin, scales [n, b, 8], mins [n, b, 8],
+    q [n, b, 256]); Q6_K (d, scales [n, b, 16], q - 32 [n, b, 256]); d and dmin float32."""
+    if qtype == QT.Q4_K:
+        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        s = blocks[..., 4:16].astype(np.int64)
+        scales = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | (s[..., 0:4] >> 6) << 4], axis=-1)
+        mins = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | (s[..., 4:8] >> 6) << 4], axis=-1)
+        qs = blocks[..., 16:144].reshape(*blocks.shape[:2], 4, 32).astype(np.int64)
+        q = np.stack([qs & 15, qs >> 4], axis=3).reshape(*blocks.shape[:2], 256)  # sub-block 2g + nibble
+        return d, dmin, scales, mins, q
+    ql, qh = blocks[..., 0:128].astype(np.int64), blocks[..., 128:192].astype(np.int64)
+    values = []
+    for h in range(2):
+        for t in range(4):
+            low = ql[..., 64 * h + 32 * (t & 1):64 * h + 32 * (t & 1) + 32] >> (4 * (t >> 1)) & 15
+            values.append(low | (qh[..., 32 * h:32 * h + 32] >> (2 * t) & 3) << 4)
+    scales = blocks[..., 192:208].view(np.int8).astype(np.int64)
+    d = blocks[..., 208:210].copy().view(np.float16)[..., 0].astype(np.float32)
+    return d, scales, np.concatenate(values, axis=-1) - 32
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, qtype: QT, bias: torch.Tensor) -> torch.Tensor:
+    m, k = x.shape
+    n, nb = weight.shape[0], k // 256
+    xq, dx = quantized_blocks(x.numpy(), qtype)
+    xq, dx = xq.astype(np.int64).reshape(m, nb, 256), dx.reshape(m, nb)
+    parts = k_quant_parts(weight.numpy().reshape(n, nb, -1), qtype)
+    acc = np.zeros((m, n), dtype=np.float32)
+    for b in range(nb):
+        if qtype == QT.Q4_K:
+            d, dmin, scales, mins, q = (p[:, b] for p in parts)
+            dots = np.einsum("nsl,msl->mns", q.reshape(n, 8, 32), xq[:, b].reshape(m, 8, 32))
+            isum = (dots * scales[None]).sum(axis=2)
+            msum = (xq[:, b].reshape(m, 8, 32).sum(axis=2)[:, None, :] * mins[None]).sum(axis=2)
+            acc = fma32(isum.astype(np.float32), d[None] * dx[:, b, None], acc)
+            acc = fma32(msum.astype(np.float32), -(dmin[None] * dx[:, b, None]), acc)
+        else:
+            d, scales, q = (p[:, b] for p in parts)
+            dots = np.einsum("nsl,msl->mns", q.reshape(n, 16, 16), xq[:, b].reshape(m, 16, 16))
+            isum = (dots * scales[None]).sum(axis=2)
+            acc = fma32(isum.astype(np.float32), d[None] * dx[:, b, None], acc)
+    return torch.from_numpy(acc + bias.numpy()[None])
+
+
+def raw_blocks(qtype: QT, rows: int, k: int, seed: int) -> torch.Tensor:
+    """Every bit pattern of q's, scales and mins (random bytes), with moderate fp16 d and dmin."""
+    size = gguf.GGML_QUANT_SIZES[qtype][1]
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, (rows, k // 256, size), dtype=np.uint8)
+    for offset in (0, 2) if qtype == QT.Q4_K else (208,):
+        data[..., offset:offset + 2] = rng.uniform(0.001, 0.02, (rows, k // 256)).astype(np.float16)[..., None].view(np.uint8)
+    return torch.from_numpy(data.reshape(rows, -1))
+
+
+def gemm(x: torch.Tensor, weight: torch.Tensor, qtype: QT, bias: torch.Tensor | None) -> torch.Tensor:
+    packed = ops.repack_for_int8_gemm(weight, int(qtype), x.shape[1])
+    return ops.weight_matmul(x, packed.data_ptr(), int(qtype) | INT8_ACTIVATIONS | INT8_REPACKED, weight.shape[0], bias)
+
+
+def _check(qtype: QT, n: int, blocks_per_row: int, rows: int, seed: int) -> None:
+    k = 256 * blocks_per_row
+    generator = torch.Generator().manual_seed(seed)
+    for weight in (random_blocks(qtype, n, k, seed=seed)[0], raw_blocks(qtype, n, k, seed)):
+        x = torch.randn(rows, k, generator=generator)
+        if blocks_per_row > 1:
+            x[0, :256] = 0.0  # a block of zeros: scale 0
+        bias = torch.randn(n, generator=generator)
+        got = gemm(x, weight, qtype, bias)
+        assert torch.equal(got, reference(x, weight, qtype, bias)), (got - reference(x, weight, qtype, bias)).abs().max()
+        # each row of x alone gives what it gives in the batch; rows a stride apart read the same
+        assert torch.equal(gemm(x[-1:], weight, qtype, bias), got[-1:])
+        wide = torch.randn(rows, k + 32, generator=generator)
+        wide[:, :k] = x
+        assert torch.equal(gemm(wide[:, :k], weight, qtype, bias), got)
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", TYPES, ids=[q.name for q in TYPES])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 13])
+def test_int8_gemm_equals_the_pinned_reference(qtype: QT, rows: int) -> None:
+    # 37 outputs: two whole tiles of 16 and 5 rows of a third; 16: one whole tile; 5: one partial
+    for n, blocks_per_row in ((37, 3), (16, 1), (5, 2)):
+        _check(qtype, n, blocks_per_row, rows, seed=rows + n)
+
+
+@needs_kernels
+@pytest.mark.parametrize("build", BUILDS)
+def test_int8_gemm_in_every_build(build: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with kernels_built_for(build, tmp_path, monkeypatch):
+        for qtype in TYPES:
+            for rows in (1, 3, 6):
+                _check(qtype, 37, 2, rows, seed=rows)
+
+
+@needs_kernels
+def test_repacking_rejects_what_the_gemm_does_not_take() -> None:
+    weight = raw_blocks(QT.Q4_K, 4, 256, seed=0)
+    with pytest.raises(ValueError, match="not supported"):
+        ops.repack_for_int8_gemm(weight, int(QT.Q5_K), 256)
+    with pytest.raises(ValueError, match="not supported"):
+        ops.weight_matmul(torch.randn(1, 256), weight.data_ptr(), int(QT.Q4_K) | INT8_REPACKED, 4, None)
+
+
+@needs_kernels
+def test_a_tied_lm_head_runs_the_gemm_on_a_copy_and_the_embedding_keeps_its_blocks(tmp_path: Path,
+                                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(tmp_path / "cache"))
+    tok = make_tiny_tokenizer(300)
+    src = write_tiny_gguf(tmp_path / "tied.gguf", _tiny_hf("llama", 256, len(tok), tie_word_embeddings=True), tok, "Q6_K")
+    llm = LLM(model=str(src), quantization="gguf", cpu_activations="int8", num_kv_blocks=32)
+    modules = list(llm.engine.runner.model.modules())
+    embedding = next(m for m in modules if isinstance(m, QuantizedEmbedding))
+    head = next(m for m in modules if isinstance(m, QuantizedLinear) and m.weight is embedding.weight)
+    assert head.native_type == int(QT.Q6_K) | INT8_ACTIVATIONS | INT8_REPACKED
+    assert head.native_weights == head.repacked_weight.data_ptr() != embedding.weight.data_ptr()
+    x = torch.randn(3, 256)
+    assert torch.equal(head(x), gemm(x, embedding.weight, QT.Q6_K, None))
+    ids = torch.tensor([5, 7])
+    dense = torch.from_numpy(gguf.quants.dequantize(embedding.weight.numpy(), QT.Q6_K))
+    assert torch.equal(embedding(ids), dense[ids])
