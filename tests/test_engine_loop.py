@@ -192,8 +192,9 @@ def test_async_consumer_and_shutdown_aborts_what_is_in_flight(engine, gate) -> N
         async for delta in stream:
             deltas.append(delta)
             if len(deltas) == 3:
-                # shutdown blocks while the worker finishes; run it off the loop that must
-                # receive the final delta, and let the worker go once it is under way
+                # the fourth step has begun (it waits at the gate); shutdown blocks while the worker
+                # finishes it, so it runs off the loop that must receive the final delta
+                assert await asyncio.to_thread(gate.wait_until_held)
                 stopped = asyncio.get_running_loop().run_in_executor(None, m.shutdown)
                 assert await asyncio.to_thread(wait_for, lambda: not m.is_alive)
                 gate.allow()
