@@ -53,6 +53,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session")
+def kernel_builds(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """Where the per-ISA builds of the kernels go (test_quant_kernel_builds.kernels_built_for): each
+    build compiles once a session, however many tests run on it."""
+    return tmp_path_factory.mktemp("kernel-builds")
+
+
+@pytest.fixture(scope="session")
 def tiny_models_root(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     return tmp_path_factory.mktemp("tiny_models")
 

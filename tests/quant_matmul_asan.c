@@ -6,20 +6,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "asan_blocks.h"
 #include "kernels.h"
 
 static const int64_t TYPES[][3] = {{2, 18, 32},   {3, 20, 32},    {6, 22, 32},    {7, 24, 32},
                                    {8, 34, 32},   {12, 144, 256}, {13, 176, 256}, {14, 210, 256}};
-
-static uint8_t *blocks(int64_t count, int64_t bytes) {
-    uint8_t *p = malloc((size_t)(count * bytes));
-    for (int64_t i = 0; i < count * bytes; i++) p[i] = (uint8_t)rand();
-    for (int64_t b = 0; b < count; b++) { /* 0x2000: an fp16 of 2^-7 wherever a type keeps its scales */
-        p[b * bytes] = 0, p[b * bytes + 1] = 0x20, p[b * bytes + 2] = 0, p[b * bytes + 3] = 0x20;
-        p[b * bytes + bytes - 2] = 0, p[b * bytes + bytes - 1] = 0x20;
-    }
-    return p;
-}
 
 int main(void) {
     for (int t = 0; t < 8; t++) {

@@ -83,8 +83,8 @@ def test_int8_matmul_equals_the_reference_on_the_same_quantized_rows(qtype: QT, 
 
 @needs_kernels
 @pytest.mark.parametrize("build", BUILDS)
-def test_int8_matmul_in_every_build(build: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    with kernels_built_for(build, tmp_path, monkeypatch):
+def test_int8_matmul_in_every_build(build: str, kernel_builds: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with kernels_built_for(build, kernel_builds, monkeypatch):
         for qtype in QTYPES:
             for rows in (1, 3, 6):
                 _check(qtype, rows, 3, seed=rows)

@@ -129,8 +129,8 @@ def test_int8_gemm_equals_the_pinned_reference(qtype: QT, rows: int) -> None:
 
 @needs_kernels
 @pytest.mark.parametrize("build", BUILDS)
-def test_int8_gemm_in_every_build(build: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    with kernels_built_for(build, tmp_path, monkeypatch):
+def test_int8_gemm_in_every_build(build: str, kernel_builds: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with kernels_built_for(build, kernel_builds, monkeypatch):
         for qtype in TYPES:
             for rows in (1, 3, 6):
                 _check(qtype, 37, 2, rows, seed=rows)

@@ -34,15 +34,15 @@ def _flags(build: str) -> tuple[str, ...]:
 
 
 @contextmanager
-def kernels_built_for(build: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The kernels compiled for `build` (skipped where this CPU cannot run it) into tmp_path, for the
-    with-block; the real build is loaded again after it."""
+def kernels_built_for(build: str, kernel_builds: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The kernels compiled for `build` (skipped where this CPU cannot run it) into the session's
+    kernel_builds folder, for the with-block; the real build is loaded again after it."""
     if build != "native" and not X86:
         pytest.skip("the -mno-* flags are x86's")
     if build == "avx2" and " avx2" not in kernels.cpu_flags():
         pytest.skip("this CPU has no AVX2")
     monkeypatch.setattr(kernels, "CFLAGS", _flags(build))
-    monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(kernel_builds))
     kernels.native_library.cache_clear()
     try:
         yield
@@ -59,9 +59,9 @@ def _packed(dense: torch.Tensor) -> torch.Tensor:
 
 @needs_kernels
 @pytest.mark.parametrize("build", BUILDS)
-def test_quant_matmul_equals_dequantize_then_matmul_in_every_build(build: str, tmp_path: Path,
+def test_quant_matmul_equals_dequantize_then_matmul_in_every_build(build: str, kernel_builds: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    with kernels_built_for(build, tmp_path, monkeypatch):
+    with kernels_built_for(build, kernel_builds, monkeypatch):
         for qtype in QTYPES:
             for blocks_per_row in (1, 3):
                 blocks, dense = random_blocks(qtype, 37, gguf.GGML_QUANT_SIZES[qtype][0] * blocks_per_row,
@@ -77,3 +77,16 @@ def test_quant_matmul_equals_dequantize_then_matmul_in_every_build(build: str, t
                     assert torch.equal(ops.quant_matmul(wide[:, :dense.shape[1]], blocks, int(qtype), bias), got)
                     if rows >= 32:
                         assert torch.equal(got, ops.packed_matmul(x, _packed(dense).data_ptr(), 37, bias))
+
+
+@needs_kernels
+@pytest.mark.parametrize("build", BUILDS)
+def test_row_lookup_is_gguf_py_bit_for_bit_in_every_build(build: str, kernel_builds: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The portable build (no AVX, AVX2, F16C or FMA: the GCC-vector and scalar-fp16 code any compiler
+    builds) included."""
+    with kernels_built_for(build, kernel_builds, monkeypatch):
+        for qtype in QTYPES:
+            blocks, dense = random_blocks(qtype, 19, gguf.GGML_QUANT_SIZES[qtype][0] * 2, seed=2)
+            ids = torch.tensor([18, 0, 7])
+            assert torch.equal(ops.dequantize_rows(blocks, int(qtype), ids, dense.shape[1]), dense[ids])

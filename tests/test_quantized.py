@@ -4,7 +4,6 @@ running the dequantized weights."""
 from __future__ import annotations
 
 import ctypes
-import platform
 from pathlib import Path
 
 import gguf
@@ -20,7 +19,7 @@ from roseinfer import LLM, SamplingParams
 from roseinfer.backends.cpu import ops
 from roseinfer.loader.gguf import convert_gguf
 from test_native_kernels import needs_kernels
-from tiny_models import hf_greedy
+from tiny_models import assert_greedy_matches_hf_on_the_fp32_folder, hf_greedy
 
 QTYPES = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K, QT.Q6_K]
 
@@ -282,12 +281,7 @@ def test_gemma3_in_q5_0_with_a_q8_0_v_keeps_its_blocks_and_matches_hf(tmp_path: 
     for layer in llm.engine.runner.model.model.layers:
         assert isinstance(layer.self_attn.qkv_proj, QuantizedPartsLinear)
         assert layer.mlp.gate_up_proj.weight.ggml_type == int(QT.Q5_0)
-    prompts = [[5, 17, 42, 9], list(range(3, 40))]
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
-    folder = convert_gguf(src)
-    refs = [hf_greedy(folder, p, 12) for p in prompts]
-    assert any(len(set(r)) > 2 for r in refs), "degenerate reference"
-    assert [o.token_ids for o in outs] == refs
+    assert_greedy_matches_hf_on_the_fp32_folder(llm, src)
 
 
 def test_quantization_gguf_needs_a_backend_and_a_model_that_have_blocks(tmp_path: Path,
@@ -325,27 +319,3 @@ def test_quantized_linear_runs_the_c_matmul_at_every_row_count() -> None:
     for rows in (31, 32, 70):  # the block kernel, then fp32 tiles of W dequantized once
         x = torch.randn(rows, 64)
         torch.testing.assert_close(linear(x), x @ dense.T + linear.bias, rtol=1e-5, atol=1e-4)
-
-
-@needs_kernels
-@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the -mno-* flags are x86's")
-def test_the_portable_c_path_gives_the_same_values(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Built without AVX, AVX2, F16C or FMA (the GCC-vector and scalar-fp16 code that any compiler
-    builds), the row lookup is still bit for bit gguf-py's and the matmul its dequantize's."""
-    from roseinfer.backends.cpu import kernels
-
-    flags = tuple(f for f in kernels.CFLAGS if f != "-march=native") + ("-mno-avx", "-mno-f16c", "-mno-fma")
-    monkeypatch.setattr(kernels, "CFLAGS", flags)
-    monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(tmp_path))
-    kernels.native_library.cache_clear()
-    try:
-        for qtype in QTYPES:
-            blocks, dense = random_blocks(qtype, 19, gguf.GGML_QUANT_SIZES[qtype][0] * 2, seed=2)
-            ids = torch.tensor([18, 0, 7])
-            assert torch.equal(ops.dequantize_rows(blocks, int(qtype), ids, dense.shape[1]), dense[ids])
-            for rows in (1, 5):  # one row takes the block scale out of the sum
-                x = torch.randn(rows, dense.shape[1])
-                torch.testing.assert_close(ops.quant_matmul(x, blocks, int(qtype), None), x @ dense.T, rtol=1e-5,
-                                           atol=1e-4 * dense.abs().max().item())
-    finally:
-        kernels.native_library.cache_clear()  # later tests load the real build again

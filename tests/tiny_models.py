@@ -364,3 +364,16 @@ def sample_prompts(tokenizer_dir: str | pathlib.Path, n: int, seed: int, max_len
             ids += tok.encode(" ".join(rng.sample(lines, 4))).ids
         prompts.append(ids[:length])
     return prompts
+
+
+def assert_greedy_matches_hf_on_the_fp32_folder(llm: Any, gguf_path: str | pathlib.Path) -> None:
+    """`llm` (an LLM on the GGUF file) generates, greedy, what HF generates from the file's fp32 folder."""
+    from roseinfer import SamplingParams
+    from roseinfer.loader.gguf import convert_gguf
+
+    prompts = [[5, 17, 42, 9], list(range(3, 40))]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    folder = convert_gguf(gguf_path)
+    refs = [hf_greedy(folder, p, 12) for p in prompts]
+    assert any(len(set(r)) > 2 for r in refs), "degenerate reference"
+    assert [o.token_ids for o in outs] == refs
