@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from roseinfer.config import EngineConfig
 from roseinfer.engine.llm_engine import EMBEDDING_SAMPLING, LLMEngine
+from roseinfer.engine.pooling import check_dimensions
 from roseinfer.engine.request import TokenLogprobs
 from roseinfer.engine.speculative import SpecStats
 from roseinfer.engine_client.engine_view import EngineView
@@ -137,6 +138,8 @@ class LLM:
         client = self._client
         assert client is not None
         prompt_ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        if pooling is not None:  # what new_request checks in the caller's thread; the core would end it with an error
+            check_dimensions(pooling, self.engine.model_config)
         for ids, params in zip(prompt_ids, params_list):
             self.engine.validate(ids, params)
         request_ids = [f"llm-{next(_request_numbers)}" for _ in prompts]

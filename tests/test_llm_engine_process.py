@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from roseinfer.llm import LLM
+from roseinfer.pooling_params import PoolingParams
 from roseinfer.sampling_params import SamplingParams
 from server_helpers import wait_for
 from test_engine_process import alive
@@ -59,6 +60,8 @@ def test_bad_input_is_refused_before_anything_is_sent(llms) -> None:
     with pytest.raises(ValueError, match="max_tokens"):
         apart.generate(["fine", "also fine"], [SamplingParams(max_tokens=4), SamplingParams(max_tokens=0)],
                        use_tqdm=False)
+    with pytest.raises(ValueError, match="dimensions"):
+        apart.embed(["fine"], PoolingParams(dimensions=3), use_tqdm=False)
     assert apart._client.stats()["num_inflight"] == 0  # the first prompt was never submitted
 
 
