@@ -57,6 +57,9 @@ def test_the_readme_server_blocks_run_as_written(capsys: pytest.CaptureFixture[s
             assert isinstance(namespace["city"], namespace["City"]) and namespace["answer"] in ("yes", "no")
             assert [call.function.name for call in namespace["message"].tool_calls] == ["get_weather"]
             assert namespace["response"].status in ("completed", "incomplete") and namespace["response"].output_text
+            follow_up = namespace["follow_up"]
+            assert follow_up.previous_response_id == namespace["response"].id
+            assert follow_up.usage.input_tokens > namespace["response"].usage.input_tokens
             assert namespace["reply"].stop_reason in ("end_turn", "max_tokens")
             assert namespace["streamed"].usage.output_tokens >= 1
     assert capsys.readouterr().out.count("\n") >= runs  # the tools example prints the final reply

@@ -177,3 +177,20 @@ def test_embeddings_are_served_by_the_replicas_as_by_one_engine(http: httpx.Clie
         torch.testing.assert_close(torch.tensor(data["embedding"]), torch.tensor(want.outputs.embedding),
                                    atol=1e-5, rtol=0)
     assert resp.json()["usage"]["prompt_tokens"] == sum(len(o.prompt_token_ids) for o in offline)
+
+
+def test_a_stored_response_is_continued_whichever_replica_serves_the_follow_up(http: httpx.Client) -> None:
+    """The store is the ingress's: every follow-up of one stored response, wherever it is routed,
+    runs the whole conversation, as the chat endpoint's request for it does."""
+    first = http.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 4, "temperature": 0}).json()
+    follow_ups = [http.post("/v1/responses", json={"input": "Go on.", "previous_response_id": first["id"],
+                                                   "max_output_tokens": 4, "temperature": 0}).json()
+                  for _ in range(4)]
+    text = first["output"][0]["content"][0]["text"]
+    chat = http.post("/v1/chat/completions", json={"max_tokens": 4, "temperature": 0, "messages": [
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": text},
+        {"role": "user", "content": "Go on."}]}).json()
+    for follow_up in follow_ups:
+        assert follow_up["output"][0]["content"][0]["text"] == chat["choices"][0]["message"]["content"]
+        assert follow_up["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"]
+    assert http.get(f"/v1/responses/{follow_ups[-1]['id']}").json() == follow_ups[-1]

@@ -132,8 +132,7 @@ def test_a_forced_function_call_round_trips(client: openai.OpenAI, stream: bool)
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"store": True}, "store"),
+    ({"conversation": "conv_1"}, "conversation"),
     ({"reasoning": {"effort": "high"}}, "reasoning"),
     ({"input": [{"type": "input_image", "image_url": "x"}]}, "input"),
     ({"tools": [{"type": "web_search"}]}, "tools"),
@@ -149,7 +148,7 @@ def test_refusals_name_the_field(base_url: str, body: dict[str, Any], param: str
 
 def test_a_thinking_models_reasoning_is_a_reasoning_item(tmp_path: Path) -> None:
     """The split is the chat endpoint's (test_server_reasoning.py checks it against HF); an earlier
-    turn's reasoning item sent back is left out of the prompt."""
+    turn's reasoning item, sent back or stored, is left out of the prompt."""
     model_dir = model_copy(build_thinking_model(tmp_path / "qwen3"), tmp_path / "open",
                            chat_template=OPEN_THINKING_TEMPLATE)
     with serve_app(build_app(LLMEngine(EngineConfig(model=str(model_dir))), MODEL)) as url:
@@ -160,6 +159,8 @@ def test_a_thinking_models_reasoning_is_a_reasoning_item(tmp_path: Path) -> None
                                               stream=True))
         history = [*USER, *response.output, {"role": "user", "content": "Go on."}]
         again = client.responses.create(model=MODEL, input=history, max_output_tokens=1, temperature=0)
+        continued = client.responses.create(model=MODEL, input="Go on.", previous_response_id=response.id,
+                                            max_output_tokens=1, temperature=0)
         message = expected.choices[0].message
         without = chat_reply(client, [*USER, {"role": "assistant", "content": message.content or ""},
                                       {"role": "user", "content": "Go on."}], max_tokens=1)
@@ -171,7 +172,7 @@ def test_a_thinking_models_reasoning_is_a_reasoning_item(tmp_path: Path) -> None
         expected.usage.completion_tokens_details.reasoning_tokens
     streamed = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
     assert streamed == message.reasoning_content
-    assert again.usage.input_tokens == without.usage.prompt_tokens
+    assert again.usage.input_tokens == continued.usage.input_tokens == without.usage.prompt_tokens
 
 
 def test_each_endpoint_is_counted_apart(base_url: str, client: openai.OpenAI) -> None:
@@ -181,7 +182,7 @@ def test_each_endpoint_is_counted_apart(base_url: str, client: openai.OpenAI) ->
 
         before = {(e, s): count(e, s) for e in ("/v1/responses", "/v1/chat/completions") for s in ("2xx", "4xx")}
         client.responses.create(model=MODEL, input="Hi", max_output_tokens=1)
-        assert http.post("/v1/responses", json={"input": "Hi", "store": True}).status_code == 400
+        assert http.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 0}).status_code == 400
         assert http.get("/health").status_code == 200 and http.get("/no/such/path").status_code == 404
         after = {key: count(*key) for key in before}
         assert after[("/v1/responses", "2xx")] == before[("/v1/responses", "2xx")] + 1

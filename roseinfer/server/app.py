@@ -38,12 +38,13 @@ from roseinfer.server.messages import AnthropicServing
 from roseinfer.server.messages_protocol import (COUNT_TOKENS_PATH, MESSAGES_PATH, CountTokensRequest,
                                                 MessagesErrorResponse, MessagesRequest)
 from roseinfer.server.metrics import CountResponses, RouterMetrics, ServerMetrics
-from roseinfer.server.openapi import (GENERATION_ERRORS, GENERATION_OK, MESSAGES_OK, RESPONSES_OK,
-                                      TOKENIZER_ERRORS, error_responses, install_openapi, request_body)
+from roseinfer.server.openapi import (GENERATION_ERRORS, GENERATION_OK, MESSAGES_OK, TOKENIZER_ERRORS,
+                                      error_responses, install_openapi, request_body)
 from roseinfer.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                        DetokenizeRequest, TokenizeRequest)
 from roseinfer.server.responses_protocol import RESPONSES_PATH, ResponsesRequest
-from roseinfer.server.responses_serving import ResponsesServing
+from roseinfer.server.responses_routes import INPUT_ITEMS_PATH, STORED_PATH, add_responses_routes
+from roseinfer.server.responses_store import ResponseStore
 from roseinfer.server.serving import OpenAIServing
 from roseinfer.server.structured import ConstraintLimits
 from roseinfer.server.tool_calls import shown_tools
@@ -168,13 +169,9 @@ def _app(manager: EngineClient | ReplicaSet, served_model_name: str, options: Se
     async def chat_completions(raw: Request) -> Response:
         return await serving.chat(await serving.parse(ChatCompletionRequest, raw), raw)
 
-    responses = ResponsesServing(serving)
-
-    @app.post(RESPONSES_PATH, dependencies=guarded, responses={**RESPONSES_OK, **error_responses(*GENERATION_ERRORS)},
-              openapi_extra=request_body(ResponsesRequest))
-    async def create_response(raw: Request) -> Response:
-        """OpenAI's Responses API."""
-        return await responses.responses(await serving.parse(ResponsesRequest, raw), raw)
+    # in this process whatever runs the engine (a thread, a process, replicas): the event loop's alone
+    add_responses_routes(app, serving, ResponseStore(options.responses_store_size, options.responses_store_bytes),
+                         guarded)
 
     embeddings = EmbeddingsServing(serving)
 
@@ -270,9 +267,10 @@ def _api_key_check(api_key: str | None) -> list[Any]:
     return [Depends(check)]
 
 
-# the routes roseinfer_endpoint_responses_total counts apart
-API_ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", RESPONSES_PATH, EMBEDDINGS_PATH, MESSAGES_PATH,
-                           COUNT_TOKENS_PATH, "/v1/models", "/tokenize", "/detokenize", "/tokenizer_info"})
+# the routes roseinfer_endpoint_responses_total counts apart (a path parameter's routes under their template)
+API_ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", RESPONSES_PATH, STORED_PATH, INPUT_ITEMS_PATH,
+                           EMBEDDINGS_PATH, MESSAGES_PATH, COUNT_TOKENS_PATH, "/v1/models", "/tokenize", "/detokenize",
+                           "/tokenizer_info"})
 
 
 class DrainingServer(uvicorn.Server):

@@ -38,6 +38,8 @@ class ServerOptions:
     # an output constraint's grammar text: OpenAI caps a schema's strings near 120,000 characters
     max_constraint_bytes: int = 128 * 1024
     constraint_compile_timeout: float = 10.0  # seconds; longer is a 400
+    responses_store_size: int = 1000  # /v1/responses kept for previous_response_id and GET; 0: none
+    responses_store_mb: float = 128.0  # and at most this much of their JSON text
 
     def __post_init__(self) -> None:
         for name in ("stream_interval", "max_sequences_per_request"):
@@ -51,6 +53,8 @@ class ServerOptions:
             raise ValueError("--max-header-kb must be >= 1, --header-timeout and --timeout-keep-alive > 0")
         if self.max_constraint_bytes < 1 or not self.constraint_compile_timeout > 0:
             raise ValueError("--max-constraint-bytes must be >= 1 and --constraint-compile-timeout > 0")
+        if self.responses_store_size < 0 or not self.responses_store_mb > 0:
+            raise ValueError("--responses-store-size must be >= 0 and --responses-store-mb > 0")
         if self.data_parallel_size < 1:
             raise ValueError("--data-parallel-size must be >= 1")
         if self.router not in ROUTER_POLICIES:
@@ -63,6 +67,10 @@ class ServerOptions:
     @property
     def max_request_body_bytes(self) -> int:
         return int(self.max_request_body_mb * 2**20)
+
+    @property
+    def responses_store_bytes(self) -> int:
+        return int(self.responses_store_mb * 2**20)
 
     @property
     def max_header_bytes(self) -> int:
@@ -118,6 +126,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                             "starts inside the reasoning); a prompt that ends with <think> or </think> decides where "
                             "the reply starts either way; auto picks qwen3 when the chat template writes </think>, "
                             "none keeps reasoning in content (default: auto)")
+    group.add_argument("--responses-store-size", type=int, default=defaults.responses_store_size,
+                       help="/v1/responses kept in this server's memory for previous_response_id and GET / DELETE "
+                            "/v1/responses/{id} (unless store is false), least recently used evicted first; 0 keeps "
+                            "none, and store: true and previous_response_id are then a 400 (default: %(default)s)")
+    group.add_argument("--responses-store-mb", type=float, default=defaults.responses_store_mb,
+                       help="the stored responses' JSON text (each with the conversation it continues) is kept under "
+                            "this many MiB, least recently used evicted first (default: %(default)s)")
     group.add_argument("--data-parallel-size", type=int, default=defaults.data_parallel_size,
                        help="engine replicas, each a Ray Serve deployment behind this server's one HTTP endpoint "
                             "(needs the roseinfer[ray] extra when > 1; see docs/distributed.md) (default: 1)")
@@ -142,7 +157,8 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
                          data_parallel_size=args.data_parallel_size,
                          ray_address=args.ray_address, router=args.router,
                          max_constraint_bytes=args.max_constraint_bytes,
-                         constraint_compile_timeout=args.constraint_compile_timeout)
+                         constraint_compile_timeout=args.constraint_compile_timeout,
+                         responses_store_size=args.responses_store_size, responses_store_mb=args.responses_store_mb)
 
 
 def served_name(args: argparse.Namespace) -> str:

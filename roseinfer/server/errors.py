@@ -17,6 +17,7 @@ from roseinfer.server.metrics import RouterMetrics, ServerMetrics
 from roseinfer.server.protocol import UNSUPPORTED_FIELDS, APIError, error_body
 from roseinfer.server.responses_protocol import RESPONSES_PATH
 from roseinfer.server.responses_protocol import UNSUPPORTED_FIELDS as RESPONSES_UNSUPPORTED_FIELDS
+from roseinfer.server.responses_store import RESPONSE_NOT_FOUND
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +25,7 @@ logger = logging.getLogger(__name__)
 UNSUPPORTED_BY_PATH = {MESSAGES_PATH: MESSAGES_UNSUPPORTED_FIELDS, COUNT_TOKENS_PATH: MESSAGES_UNSUPPORTED_FIELDS,
                        RESPONSES_PATH: RESPONSES_UNSUPPORTED_FIELDS}
 ANTHROPIC_PATHS = (MESSAGES_PATH, COUNT_TOKENS_PATH)
-# why a request was refused, for roseinfer_requests_rejected_total
+# why a request was refused, for roseinfer_requests_rejected_total (a stored response's id not found: its code)
 REJECTION_REASONS = {400: "invalid", 401: "unauthorized", 404: "model_not_found", 413: "too_large",
                      429: "overloaded", 503: "unavailable"}
 
@@ -36,7 +37,8 @@ def add_error_handlers(app: FastAPI, metrics: ServerMetrics | RouterMetrics) -> 
     def reply(request: Request, status: int, body: dict[str, Any], headers: dict[str, str] | None = None,
               rejected: bool = True) -> JSONResponse:
         if rejected and status in REJECTION_REASONS:
-            metrics.rejected.labels(REJECTION_REASONS[status]).inc()
+            code = body["error"]["code"]
+            metrics.rejected.labels(code if code == RESPONSE_NOT_FOUND else REJECTION_REASONS[status]).inc()
         if request.url.path in ANTHROPIC_PATHS:  # Anthropic's clients read Anthropic's error shape
             body = messages_error_body(status, body["error"]["message"])
         return JSONResponse(body, status_code=status, headers=headers)

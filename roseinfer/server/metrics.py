@@ -168,16 +168,18 @@ class CountResponses:
     fails after its 200 has begun ends with an error event and stays a 2xx."""
 
     def __init__(self, app: Any, counter: Counter, endpoint_counter: Counter, endpoints: frozenset[str]) -> None:
-        """endpoints: the paths endpoint_counter counts apart (a fixed set: no label per unknown URL)."""
+        """endpoints: the paths endpoint_counter counts apart, labelled as given (a fixed set: no
+        label per unknown URL); a `{name}` segment matches any one segment (a response's id)."""
         self.app, self.counter = app, counter
         self.endpoint_counter, self.endpoints = endpoint_counter, endpoints
+        self.templates = [(t, t.split("/")) for t in endpoints if "{" in t]
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         started = False
-        endpoint = scope["path"] if scope["path"] in self.endpoints else None
+        endpoint = self.endpoint(scope["path"])
 
         def count(status: str) -> None:
             self.counter.labels(status).inc()
@@ -197,6 +199,17 @@ class CountResponses:
             if not started:
                 count("5xx")
             raise
+
+
+    def endpoint(self, path: str) -> str | None:
+        if path in self.endpoints:
+            return path
+        segments = path.split("/")
+        for template, parts in self.templates:
+            if len(parts) == len(segments) and all(
+                    p == s or (p.startswith("{") and s) for p, s in zip(parts, segments)):
+                return template
+        return None
 
 
 class RouterMetrics:

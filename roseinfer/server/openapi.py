@@ -16,7 +16,8 @@ from roseinfer.server.protocol import ErrorResponse
 ERROR_DESCRIPTIONS = {
     400: "the request is invalid: a field's value, an unsupported field, or a prompt the model cannot take",
     401: "no valid 'Authorization: Bearer' or 'x-api-key' API key (only when the server has --api-key)",
-    404: "the model named is not the one this server serves",
+    404: "the model named is not the one this server serves, or a response id that is not stored (never stored, "
+         "evicted or deleted)",
     413: "the request body is larger than --max-request-body-mb",
     429: "more requests in flight than --max-inflight-requests; retry after Retry-After seconds",
     500: "the engine failed the request (a bug), or the engine process died",

@@ -3,23 +3,24 @@ chat path's ChatCompletionRequest, so that the chat template, tools, structured 
 reasoning are the chat endpoint's own (as messages_protocol.py does for Anthropic's API).
 
 Strict as the other bodies are (protocol.py): an unknown field is a 400 naming it, with
-UNSUPPORTED_FIELDS' reason for the ones OpenAI defines. Nothing is stored: `store: true` and
-`previous_response_id` are refused, so a conversation goes back whole in `input` (the output items
-of an earlier response are taken as input items as they come). An earlier turn's reasoning item is
-left out of the prompt, as thinking templates drop earlier turns' reasoning.
+UNSUPPORTED_FIELDS' reason for the ones OpenAI defines. A conversation goes back whole in `input`
+(the output items of an earlier response are taken as input items as they come), or continues a
+stored response (`previous_response_id`: its conversation's items come before `input`,
+responses_store.py). An earlier turn's reasoning item is left out of the prompt, as thinking
+templates drop earlier turns' reasoning.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+import uuid
+from typing import Annotated, Any, Literal, Sequence, Union
 
-from pydantic import Discriminator, Field, StrictInt, Tag
+from pydantic import Discriminator, Field, StrictInt, Tag, TypeAdapter
 
 from roseinfer.server.protocol import (MAX_TOOLS, ChatCompletionRequest, FunctionName, JsonObject, JsonSchema,
                                        StrictModel, Text, bounded)
 
 RESPONSES_PATH = "/v1/responses"
 UNSUPPORTED_FIELDS = {
-    "previous_response_id": "responses are not stored (store is false): send the whole conversation in input",
     "conversation": "conversations are not stored: send the whole conversation in input",
     "background": "background responses are not supported",
     "include": "no extra output data (logprobs, encrypted reasoning, ...) is available",
@@ -160,7 +161,8 @@ class ResponsesRequest(StrictModel):
     tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
     parallel_tool_calls: bool = True
-    store: Literal[False] | None = None  # nothing is kept: true is refused, by its type
+    store: bool | None = None  # unset: stored, as OpenAI's default, when the server keeps responses
+    previous_response_id: Text | None = None
     truncation: Literal["disabled"] | None = None  # a prompt past the context is a 400, never cut
     # accepted: echoed back (metadata) or recorded nowhere, which changes nothing a client sees
     metadata: Annotated[dict[Text, Text], Field(max_length=16)] | None = None
@@ -169,15 +171,29 @@ class ResponsesRequest(StrictModel):
     prompt_cache_key: Text | None = None
 
 
-def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat endpoint's request for the same conversation: instructions as the system message,
-    function_call items as an assistant's tool_calls, function_call_output items as tool messages,
-    text.format as response_format."""
+ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+_input_items = TypeAdapter(list[InputItem])
+
+
+def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's input as items, each with an id (OpenAI lists a stored response's input so)."""
+    if isinstance(body.input, str):
+        items = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": body.input}]}]
+    else:
+        items = [item.model_dump(exclude_none=True) for item in body.input]
+    return [{"id": f"{ITEM_ID_PREFIXES[item['type']]}_{uuid.uuid4().hex}", **item} for item in items]
+
+
+def chat_request(body: ResponsesRequest, history: Sequence[dict[str, Any]] = ()) -> ChatCompletionRequest:
+    """The chat endpoint's request for the same conversation, `history` (a stored conversation's
+    items) before the input: instructions as the system message, function_call items as an
+    assistant's tool_calls, function_call_output items as tool messages, text.format as
+    response_format."""
     messages: list[dict[str, Any]] = []
     if body.instructions:
         messages.append({"role": "system", "content": body.instructions})
     items = [MessageItem(role="user", content=body.input)] if isinstance(body.input, str) else body.input
-    for item in items:
+    for item in [*_input_items.validate_python(list(history)), *items]:
         if isinstance(item, FunctionCallOutputItem):
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text})
         elif isinstance(item, MessageItem) and item.role != "assistant":

@@ -2,7 +2,9 @@
 request for the same conversation (responses_protocol.py translates it), through the same
 template, tools, structured output, reasoning parser and engine manager (serving.py), and its
 output is written as a Response object of output items (reasoning, message, function_call), or as
-the Responses event stream (response.created ... response.completed)."""
+the Responses event stream (response.created ... response.completed). A response asked to be stored
+is kept once it is done (responses_store.py); one that continues a stored response runs with that
+conversation before its input."""
 from __future__ import annotations
 
 import json
@@ -20,7 +22,8 @@ from roseinfer.reasoning import Reasoner
 from roseinfer.server.request_params import check_chat_fields, check_request, sampling_params
 from roseinfer.engine_client.request_stream import RequestStream
 from roseinfer.server.responses import EventStream
-from roseinfer.server.responses_protocol import ResponsesRequest, chat_request
+from roseinfer.server.responses_protocol import ResponsesRequest, chat_request, input_items
+from roseinfer.server.responses_store import RESPONSE_NOT_FOUND, ResponseStore, StoredResponse
 from roseinfer.server.reply_parts import split_delta, split_reply
 from roseinfer.server.serving import CLIENT_CLOSED, OpenAIServing
 from roseinfer.server.structured import requested_constraint
@@ -40,6 +43,8 @@ class ResponseRun:
     parser: ToolParser | None
     reasoner: Reasoner | None
     echoed: dict[str, Any]
+    stored_input: list[dict[str, Any]] | None  # its input items when it is to be stored, else None
+    earlier: StoredResponse | None  # the stored response it continues
 
     def response(self, status: str, output: list[dict[str, Any]], output_tokens: int | None,
                  finish_reason: str | None = None) -> dict[str, Any]:
@@ -55,8 +60,9 @@ class ResponseRun:
 
 
 class ResponsesServing:
-    def __init__(self, serving: OpenAIServing) -> None:
+    def __init__(self, serving: OpenAIServing, store: ResponseStore) -> None:
         self.serving = serving
+        self.store = store
 
     async def responses(self, body: ResponsesRequest, raw: Request) -> Response:
         run = await self._start(body)
@@ -72,14 +78,46 @@ class ResponsesServing:
         if text:
             output.append(message_item(text))
         output += [function_call_item(c.id, c.name, c.arguments) for c in calls]
-        return JSONResponse(run.response("completed", output, choice.num_output_tokens, choice.finish_reason))
+        return JSONResponse(self._done(run, run.response("completed", output, choice.num_output_tokens,
+                                                         choice.finish_reason)))
+
+    def stored(self, response_id: str, param: str = "response_id") -> StoredResponse:
+        """The stored response, or the 404 that names its id."""
+        entry = self.store.get(response_id)
+        if entry is None:
+            which = "Previous response" if param == "previous_response_id" else "Response"
+            raise APIError(404, f"{which} with id '{response_id}' not found: it was never stored, or was evicted "
+                                "(--responses-store-size, --responses-store-mb) or deleted", param,
+                           RESPONSE_NOT_FOUND)
+        return entry
+
+    def _kept(self, body: ResponsesRequest) -> bool:
+        """Whether this response is to be stored: unless store is false, when the server keeps any."""
+        if self.store.enabled:
+            return body.store is not False
+        for param in ("store", "previous_response_id"):
+            if getattr(body, param):
+                raise APIError(400, f"{param}: responses are not stored on this server (--responses-store-size 0): "
+                                    "send the whole conversation in input", param)
+        return False
+
+    def _done(self, run: ResponseRun, response: dict[str, Any]) -> dict[str, Any]:
+        """A finished response, stored when it was asked to be."""
+        if run.stored_input is not None:
+            self.store.put(run.id, StoredResponse.of(response, run.stored_input, run.earlier))
+        return response
 
     async def _start(self, body: ResponsesRequest) -> ResponseRun:
         """The chat path's steps for the translated request, up to its submitted engine request."""
         start = time.perf_counter()
         serving = self.serving
         serving.check_model(body.model)
-        chat = await serving.run_blocking(_chat_request, body)
+        kept = self._kept(body)
+        earlier = None
+        if body.previous_response_id is not None:
+            earlier = self.stored(body.previous_response_id, "previous_response_id")
+        chat = await serving.run_blocking(_chat_request, body, earlier.conversation if earlier else ())
+        stored_input = await serving.run_blocking(input_items, body) if kept else None
         check_request(chat, 1, serving.max_sequences, serving.manager.max_inflight_requests)
         check_chat_fields(chat)
         constraint = await serving.run_blocking(requested_constraint, chat, serving.constraint_limits.max_bytes)
@@ -96,14 +134,14 @@ class ResponsesServing:
         [stream] = serving.submit([ids], chat, params, start, grammar)
         echoed = {"model": serving.model_name, "instructions": body.instructions,
                   "max_output_tokens": body.max_output_tokens, "metadata": body.metadata or {},
-                  "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": None,
-                  "store": False, "temperature": params.temperature, "top_p": params.top_p,
+                  "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": body.previous_response_id,
+                  "store": kept, "temperature": params.temperature, "top_p": params.top_p,
                   "text": {"format": (body.text.format.model_dump(by_alias=True, exclude_none=True)
                                       if body.text is not None and body.text.format is not None else {"type": "text"})},
                   "tool_choice": _tool_choice(body),
                   "tools": [t.model_dump(exclude_none=True) for t in body.tools or []], "truncation": "disabled"}
         return ResponseRun(f"resp_{uuid.uuid4().hex}", int(time.time()), stream, len(ids),
-                           tools.parser() if tools.parser else None, reasoner, echoed)
+                           tools.parser() if tools.parser else None, reasoner, echoed, stored_input, earlier)
 
     async def _events(self, run: ResponseRun) -> AsyncIterator[str]:
         """The Responses event sequence: response.created and response.in_progress, then each output
@@ -127,7 +165,8 @@ class ResponsesServing:
                 if delta.finished:
                     for line in events.close():
                         yield line
-                    response = run.response("completed", events.output, delta.num_output_tokens, delta.finish_reason)
+                    response = self._done(run, run.response("completed", events.output, delta.num_output_tokens,
+                                                             delta.finish_reason))
                     yield events.emit(f"response.{response['status']}", response=response)
 
 
@@ -230,9 +269,9 @@ def _tool_choice(body: ResponsesRequest) -> Any:
     return choice if isinstance(choice, str) else choice.model_dump()
 
 
-def _chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
+def _chat_request(body: ResponsesRequest, history: tuple[dict[str, Any], ...]) -> ChatCompletionRequest:
     try:
-        return chat_request(body)
+        return chat_request(body, history)
     except ValidationError as exc:  # a rule of the chat path's messages (a call's arguments, ...)
         first = exc.errors(include_url=False)[0]
         raise APIError(400, f"input: {first['msg']}", "input") from None
