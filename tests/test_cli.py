@@ -131,3 +131,16 @@ def test_serve_takes_the_api_key_from_the_environment(monkeypatch, capsys):
     assert "--api-key" in help_text and "sk-from-env" not in help_text  # the key never shows in --help
     monkeypatch.delenv("ROSEINFER_API_KEY")
     assert server_options(build_parser().parse_args(["serve"])).api_key is None
+
+
+def test_serve_takes_the_responses_store_bounds():
+    from roseinfer.cli import build_parser
+    from roseinfer.server.args import ServerOptions, server_options
+
+    options = server_options(build_parser().parse_args(["serve", "--responses-store-size", "0",
+                                                        "--responses-store-mb", "0.5"]))
+    assert options.responses_store_size == 0 and options.responses_store_bytes == 2**19
+    assert ServerOptions().responses_store_size == 1000
+    for bad in ({"responses_store_size": -1}, {"responses_store_mb": 0}):
+        with pytest.raises(ValueError, match="--responses-store"):
+            ServerOptions(**bad)
