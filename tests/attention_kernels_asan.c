@@ -1,5 +1,5 @@
 /* Runs the attention kernels (csrc/prefill_attention.c, csrc/paged_attention.c) on assorted shapes for
- * tests/test_native_kernels.py, built with AddressSanitizer: any read or write outside the buffers
+ * tests/test_asan_kernels.py, built with AddressSanitizer: any read or write outside the buffers
  * aborts with a report. */
 #include <stdint.h>
 #include <stdio.h>

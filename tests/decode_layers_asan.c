@@ -1,5 +1,5 @@
 /* Runs a whole decode step through csrc/decode_layers.c (and so the norm and SiLU matmul calls of
- * csrc/packed_matmul.c and decode attention) for tests/test_native_kernels.py, built with
+ * csrc/packed_matmul.c and decode attention) for tests/test_asan_kernels.py, built with
  * AddressSanitizer: any read or write outside a buffer aborts with a report. Shapes with a partial
  * last weight block, a partial last row group and widths that are not whole vectors; the second
  * layer slides, soft-caps and has no rope. GGUF blocks too, and a q/k/v in parts of two types (each

@@ -1,4 +1,4 @@
-/* Runs csrc/moe_experts.c's one-call routed experts for tests/test_native_kernels.py, built with
+/* Runs csrc/moe_experts.c's one-call routed experts for tests/test_asan_kernels.py, built with
  * AddressSanitizer: any read or write outside a buffer aborts with a report. Every type (gate/up and
  * down of the same type, and of two types), 1, 7 and 48 tokens (partial row groups, the tiled
  * kernel's rows; on one thread, whole experts as work items), an expert no token routes to, rows of x

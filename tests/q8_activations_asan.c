@@ -1,5 +1,5 @@
 /* Runs the 8-bit activation matmul (csrc/q8_activations.c through quant_matmul_f32, the weight type
- * carrying INT8_ACTIVATIONS) for tests/test_native_kernels.py, built with AddressSanitizer: any read or
+ * carrying INT8_ACTIVATIONS) for tests/test_asan_kernels.py, built with AddressSanitizer: any read or
  * write outside a buffer aborts with a report. Every type it takes, one block per row and three, row
  * counts that leave partial groups of rows, and an output width that leaves a partial tile; also
  * through the norm prologue, as the one-call decode stack calls it; Q4_K and Q6_K also repacked into
