@@ -41,6 +41,8 @@ class CompletionOutput:
     metrics: dict[str, float] = field(default_factory=dict)
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None: EOS)
     reasoning: str | None = None  # chat() with a reasoning parser: the reasoning, apart from text
+    # why the engine ended it early (finish_reason "abort"): a constraint that failed while generating
+    error: str | None = None
 
 
 @dataclass
@@ -244,7 +246,7 @@ def _completion(request_id: str, prompt_ids: list[int], params: SamplingParams, 
         request_id=request_id, prompt_token_ids=prompt_ids, token_ids=final.token_ids, text=final.text,
         finish_reason=final.finish_reason, logprobs=final.logprobs if params.logprobs is not None else None,
         prompt_logprobs=final.prompt_logprobs if params.prompt_logprobs is not None else None,
-        num_cached_tokens=final.num_cached_tokens, metrics=metrics, stop_reason=final.stop_reason)
+        num_cached_tokens=final.num_cached_tokens, metrics=metrics, stop_reason=final.stop_reason, error=final.error)
 
 
 class _Progress:

@@ -9,7 +9,7 @@ import pytest
 
 from roseinfer.llm import LLM
 from roseinfer.pooling_params import PoolingParams
-from roseinfer.sampling_params import SamplingParams
+from roseinfer.sampling_params import SamplingParams, StructuredOutputsParams
 from server_helpers import wait_for
 from test_engine_process import alive
 from tiny_models import hf_greedy, sample_prompts
@@ -52,6 +52,19 @@ def test_a_stop_string_and_an_embedding_cross_the_boundary(llms) -> None:
     assert apart.embed(["The cat sees"], use_tqdm=False)[0].outputs.embedding == \
            here.embed(["The cat sees"], use_tqdm=False)[0].outputs.embedding
     assert wait_for(lambda: apart.kv_cache_stats()["used_blocks"] == 0)
+
+
+def test_a_constraint_that_fails_while_generating_says_why(llms) -> None:
+    """The core ends the request early; the output carries its reason, as the server's 400 does, and
+    the request beside it is untouched."""
+    failing = SamplingParams(temperature=0.0, max_tokens=40,
+                             structured_outputs=StructuredOutputsParams(regex="[b-z]{20}a{1000000}"))
+    fine = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    for llm in llms:
+        failed, other = llm.generate(["hello", "The cat sees"], [failing, fine], use_tqdm=False)
+        assert failed.finish_reason == "abort" and "failed while generating" in (failed.error or "")
+        assert other.error is None and len(other.token_ids) == 6
+        assert wait_for(lambda: llm.kv_cache_stats()["used_blocks"] == 0)
 
 
 def test_bad_input_is_refused_before_anything_is_sent(llms) -> None:
