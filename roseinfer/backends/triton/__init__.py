@@ -1,6 +1,7 @@
 """The Triton backend (CUDA): Triton kernels for the KV write, decode attention (split over long
 contexts) and prefill attention over the paged cache, variable lengths without padding
-(kernels.py); decode steps replayed from CUDA graphs captured at start-up (cuda_graphs.py). It also
+(kernels.py), the gated delta rule of hybrid models' linear layers on the state pool in place
+(delta_rule.py); decode steps replayed from CUDA graphs captured at start-up (cuda_graphs.py). It also
 runs on CPU tensors under TRITON_INTERPRET=1, which is how the tests check it without a GPU."""
 from __future__ import annotations
 
@@ -64,6 +65,22 @@ class TritonMetadata(AttentionMetadata):
                                             max_q_len=prefill.max_q_len, **options)
         return out
 
+    def delta_rule_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                          beta: torch.Tensor, states: torch.Tensor, slots: torch.Tensor,
+                          keep: torch.Tensor) -> torch.Tensor:
+        from roseinfer.backends.triton.delta_rule import gated_delta_rule_
+
+        # a decode is a one-token sequence of the same kernel, on the pool in place
+        rows = (t.unsqueeze(1) for t in (q, k, v, g, beta))
+        return gated_delta_rule_(*rows, states, slots, keep)[:, 0]
+
+    def delta_rule_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                           beta: torch.Tensor, states: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor,
+                           lens: torch.Tensor) -> torch.Tensor:
+        from roseinfer.backends.triton.delta_rule import gated_delta_rule_
+
+        return gated_delta_rule_(q, k, v, g, beta, states, slots, keep, lens)
+
 
 class TritonBackend(Backend):
     name = "triton"
@@ -95,6 +112,9 @@ class TritonBackend(Backend):
                 block_size: int) -> None:
         if self.world_size > 1:  # a graph would have to capture the ranks' NCCL all-reduces: not done here
             logger.info("tensor parallelism: decode steps run eagerly (no CUDA graphs)")
+            return
+        if self.model_config.linear_layers:  # a replay would need each step's state slots as graph inputs
+            logger.info("hybrid linear attention: decode steps run eagerly (no CUDA graphs)")
             return
         if self.device.type == "cuda":  # the interpreter on CPU tensors has nothing to capture
             from roseinfer.backends.triton.cuda_graphs import DecodeGraphs
