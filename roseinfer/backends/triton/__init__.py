@@ -1,7 +1,8 @@
 """The Triton backend (CUDA): Triton kernels for the KV write, decode attention (split over long
 contexts) and prefill attention over the paged cache, variable lengths without padding
 (kernels.py), the gated delta rule of hybrid models' linear layers on the state pool in place
-(delta_rule.py); decode steps replayed from CUDA graphs captured at start-up (cuda_graphs.py). It also
+(delta_rule.py) and mixture-of-experts layers as two grouped GEMMs over tokens sorted by expert
+(fused_moe.py); decode steps replayed from CUDA graphs captured at start-up (cuda_graphs.py). It also
 runs on CPU tensors under TRITON_INTERPRET=1, which is how the tests check it without a GPU."""
 from __future__ import annotations
 
@@ -108,13 +109,16 @@ class TritonBackend(Backend):
         return TritonMetadata(self.tensor(layout.slot_mapping), layout.block_size, decode_batch, prefill_batch,
                               self.mlp_chunk_rows)
 
+    def prepare_model(self, model: nn.Module, cpu_activations: str = "auto") -> None:
+        from roseinfer.backends.triton import fused_moe
+
+        fused_moe.install(model)
+        super().prepare_model(model, cpu_activations)
+
     def capture(self, model: nn.Module, kv_caches: list[KVCache], max_num_seqs: int, max_blocks: int,
                 block_size: int) -> None:
         if self.world_size > 1:  # a graph would have to capture the ranks' NCCL all-reduces: not done here
             logger.info("tensor parallelism: decode steps run eagerly (no CUDA graphs)")
-            return
-        if self.model_config.linear_layers:  # a replay would need each step's state slots as graph inputs
-            logger.info("hybrid linear attention: decode steps run eagerly (no CUDA graphs)")
             return
         if self.device.type == "cuda":  # the interpreter on CPU tensors has nothing to capture
             from roseinfer.backends.triton.cuda_graphs import DecodeGraphs
