@@ -71,6 +71,30 @@ def test_fused_experts_match_the_torch_reference(routing: str, tokens: int, top_
         assert experts.unique().numel() < NUM_EXPERTS  # some experts have no tokens
 
 
+# half precision: reference and kernel read the same rounded weights and inputs; the kernel also rounds
+# gate/up before the activation and each pair's product before the sum
+HALF_TOL = {torch.float16: {"atol": 5e-2, "rtol": 1e-2}, torch.bfloat16: {"atol": 0.25, "rtol": 5e-2}}
+
+
+@pytest.mark.parametrize("dtype", [
+    torch.float16,
+    pytest.param(torch.bfloat16, marks=pytest.mark.skipif(DEVICE.type == "cpu", reason="the interpreter's tl.dot "
+                                                          "multiplies bf16 operands as their raw uint16 bits")),
+], ids=["fp16", "bf16"])
+def test_half_precision_experts_match_the_rounded_reference(dtype: torch.dtype) -> None:
+    reference, fused = _experts_pair(bias=True, seed=4)
+    fused.to(dtype)
+    for p in reference.parameters():
+        p.data.copy_(p.data.to(dtype).float())
+    x = torch.randn(29, HIDDEN, generator=torch.Generator().manual_seed(5)).to(dtype)
+    weights, experts = _routing("random", 29, 3)
+    with torch.no_grad():
+        expected = reference.forward(x.float(), weights.to(dtype).float(), experts)
+        got = fused.forward(x.to(DEVICE), weights.to(DEVICE, dtype), experts.to(DEVICE))
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.cpu().float(), expected, **HALF_TOL[dtype])
+
+
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_aligned_layout_puts_each_pair_once_in_a_block_of_its_expert(block_m: int) -> None:
     experts = _routing("random", 45, 3)[1]
