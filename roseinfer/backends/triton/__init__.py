@@ -1,6 +1,8 @@
 """The Triton backend (CUDA): Triton kernels for the KV write, decode attention (split over long
 contexts) and prefill attention over the paged cache, variable lengths without padding
-(kernels.py); decode steps replayed from CUDA graphs captured at start-up (cuda_graphs.py). It also
+(kernels.py), the gated delta rule of hybrid models' linear layers on the state pool in place
+(delta_rule.py) and mixture-of-experts layers as two grouped GEMMs over tokens sorted by expert
+(fused_moe.py); decode steps replayed from CUDA graphs captured at start-up (cuda_graphs.py). It also
 runs on CPU tensors under TRITON_INTERPRET=1, which is how the tests check it without a GPU."""
 from __future__ import annotations
 
@@ -64,6 +66,22 @@ class TritonMetadata(AttentionMetadata):
                                             max_q_len=prefill.max_q_len, **options)
         return out
 
+    def delta_rule_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                          beta: torch.Tensor, states: torch.Tensor, slots: torch.Tensor,
+                          keep: torch.Tensor) -> torch.Tensor:
+        from roseinfer.backends.triton.delta_rule import gated_delta_rule_
+
+        # a decode is a one-token sequence of the same kernel, on the pool in place
+        rows = (t.unsqueeze(1) for t in (q, k, v, g, beta))
+        return gated_delta_rule_(*rows, states, slots, keep)[:, 0]
+
+    def delta_rule_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                           beta: torch.Tensor, states: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor,
+                           lens: torch.Tensor) -> torch.Tensor:
+        from roseinfer.backends.triton.delta_rule import gated_delta_rule_
+
+        return gated_delta_rule_(q, k, v, g, beta, states, slots, keep, lens)
+
 
 class TritonBackend(Backend):
     name = "triton"
@@ -90,6 +108,12 @@ class TritonBackend(Backend):
                                          max(layout.q_lens[i] for i in prefill))
         return TritonMetadata(self.tensor(layout.slot_mapping), layout.block_size, decode_batch, prefill_batch,
                               self.mlp_chunk_rows)
+
+    def prepare_model(self, model: nn.Module, cpu_activations: str = "auto") -> None:
+        from roseinfer.backends.triton import fused_moe
+
+        fused_moe.install(model)
+        super().prepare_model(model, cpu_activations)
 
     def capture(self, model: nn.Module, kv_caches: list[KVCache], max_num_seqs: int, max_blocks: int,
                 block_size: int) -> None:
