@@ -1,7 +1,7 @@
 """Hybrid linear attention (Qwen3.5, Qwen3-Next, Qwen3.5-MoE: Gated DeltaNet layers beside gated full
 attention) and its state pool: greedy output equal to HF fp32 in every scheduling mode, every slot and
-block given back, and what hybrid models refuse (prefix caching, speculation). The kernels against a
-float64 reference: tests/test_gated_delta_rule.py."""
+block given back, and what hybrid models refuse (prefix caching, tensor parallelism). Speculative decoding:
+tests/test_hybrid_speculative.py; the kernels against a float64 reference: tests/test_gated_delta_rule.py."""
 from __future__ import annotations
 
 import json
@@ -113,10 +113,9 @@ def test_prefix_caching_is_refused_with_a_reason(model_dir, references, caplog) 
     assert llm.kv_cache_stats()["prefix_cache_hits"] == 0 and outs[1].num_cached_tokens == 0
 
 
-def test_speculative_decoding_is_refused(model_dir) -> None:
-    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-    with pytest.raises(ValueError, match="speculative decoding is not supported for qwen3"):
-        LLM(model=str(model_dir), num_kv_blocks=32, speculative_config=ngram)
+def test_tensor_parallelism_is_refused(model_dir) -> None:
+    with pytest.raises(ValueError, match="runs on one rank: tensor_parallel_size must be 1"):
+        LLM(model=str(model_dir), num_kv_blocks=32, tensor_parallel_size=2)
 
 
 def test_multimodal_folder_loads_its_text_model(model_dir, references, tmp_path) -> None:

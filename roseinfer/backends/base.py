@@ -46,6 +46,9 @@ class BatchLayout:
     kv_lens: list[int]  # per sequence: its context once this step's tokens are cached
     block_tables: list[list[int]]  # per sequence: its cache blocks, in order
     state_slots: list[int] = field(default_factory=list)  # per sequence of a hybrid model: its state pool slot
+    # a hybrid model's sequences verifying a draft (by index): the first of the scratch slots their
+    # states after each draft position but the last pass through (layers/gated_delta_rule.py DraftPosition)
+    draft_scratch: dict[int, int] = field(default_factory=dict)
     future: FutureTokens | None = None
 
     @property
@@ -82,7 +85,7 @@ class Backend(ABC):
         meta = self.build_metadata(layout)
         if layout.state_slots:
             meta.linear_state = LinearStateBatch.build(layout.state_slots, layout.q_starts, layout.q_lens,
-                                                       layout.kv_lens, self.device, self.dtype)
+                                                       layout.kv_lens, self.device, self.dtype, layout.draft_scratch)
         return model(self.fill_future(self.tensor(layout.input_ids), layout), self.tensor(layout.positions),
                      kv_caches, meta)
 

@@ -31,7 +31,12 @@ class DraftModelProposer(Proposer):
         # the draft is whole on one rank, and reads its GGUF blocks (if any) dequantized, as resolved here
         self.worker = Worker(WorkerSpec(engine_config, resolve_model_folder(config.model),
                                         engine_config.attention_backend, dtype, max_model_len, "auto"), device)
-        vocab = self.worker.model_config.vocab_size
+        draft = self.worker.model_config
+        if draft.linear_layers:
+            raise ValueError(f"speculative_config: the draft model ({draft.model_type}) has linear-attention layers, "
+                             "whose per-request state a proposal, which keeps none between steps, cannot carry; "
+                             "use a draft without them or n-gram speculation")
+        vocab = draft.vocab_size
         if vocab != target.vocab_size:
             raise ValueError(f"speculative_config: the draft model's vocabulary ({vocab} tokens) "
                              f"differs from the target's ({target.vocab_size}); a draft must share its tokenizer")

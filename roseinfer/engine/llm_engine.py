@@ -225,13 +225,10 @@ class LLMEngine:
 
 def check_hybrid(model_config: ModelConfig, config: EngineConfig) -> None:
     """What a hybrid model (linear-attention layers) cannot run with, refused before any worker starts.
-    Speculation: a rejected draft token would have advanced the recurrent state past the accepted
-    ones, and rolling it back needs a state per draft position or a recompute; refused instead."""
+    Speculative decoding is not among them: a verified draft keeps the state after each of its
+    positions and the accepted one is committed (worker/model_runner.py)."""
     if not model_config.linear_layers:
         return
-    if config.speculative is not None:
-        raise ValueError(f"speculative decoding is not supported for {model_config.model_type}: a rejected draft "
-                         "cannot be taken back out of its linear-attention state")
     if config.tensor_parallel_size > 1:
         raise ValueError(f"{model_config.model_type} runs on one rank: tensor_parallel_size must be 1")
 

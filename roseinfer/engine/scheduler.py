@@ -72,6 +72,9 @@ class Scheduler:
         if proposer is None and spec is not None and spec.method != "ngram":
             raise ValueError(f"speculative method {spec.method} needs its proposer built by the engine")
         self.proposer = proposer or (NgramProposer(spec, max_model_len) if spec is not None else None)
+        # only that many decodes are given drafts (EngineCore._propose); the cap makes it a bound that a
+        # hybrid model's scratch slots for drafts are sized by (worker.py draft_state_slots)
+        self.max_drafts_per_step = spec.disable_by_batch_size if spec is not None else 0
 
     # ---- lifecycle -------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -121,6 +124,7 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: list[int], phase: str | None) -> None:
         i = 0
+        drafts = 0
         while i < len(self.running) and budget[0] > 0 and len(out.scheduled) < self.config.max_num_seqs:
             req = self.running[i]
             i += 1
@@ -135,10 +139,12 @@ class Scheduler:
                 continue
             remaining = req.num_tokens - req.num_computed_tokens
             # the draft proposed after its last step, cut to what the budget and the request leave
-            draft = [] if prefill or req.pooling_params is not None else req.draft[:budget[0] - 1]
+            draft = ([] if prefill or req.pooling_params is not None or drafts >= self.max_drafts_per_step
+                     else req.draft[:budget[0] - 1])
             draft = draft[:req.draft_room(len(draft))]
             if draft and not self.block_manager.can_append(req, 1 + len(draft)):
                 draft = []  # a draft never preempts anyone
+            drafts += bool(draft)
             n = min(remaining, budget[0], budget[1]) if prefill else 1 + len(draft)
             if n <= 0 or (n < remaining and not self.config.enable_chunked_prefill):
                 continue

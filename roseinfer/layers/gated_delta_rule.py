@@ -4,6 +4,8 @@ over a step's flat batch of sequences, each continuing from the state its slot o
 Per head, with state S [k_dim, v_dim], decay g <= 0 (log space) and learning rate beta in (0, 1):
     S <- exp(g) * S;  S <- S + k (beta * (v - k^T S))^T;  o = q^T S
 Decode rows (one token per sequence) take that step directly, batched over sequences and heads.
+A verified draft's rows take that step once per position (DraftPosition), so its states are the
+floats plain decode of the same tokens gives, one kept per position until sampling says which to keep.
 Prefill chunks take the chunked form (the DeltaNet paper's UT transform; flash-linear-attention's
 design): inside a chunk of CHUNK tokens the updates become a triangular solve and matmuls, and only
 the chunks are scanned in order. Padding tokens carry g = 0, beta = 0 and zero q/k/v, which leaves
@@ -20,6 +22,18 @@ CHUNK = 64  # tokens per chunk of the chunked form (transformers' and flash-line
 
 
 @dataclass
+class DraftPosition:
+    """Position t of every draft verified this step that is that long: the verify step runs the decode
+    recurrence once per position, reading each state from `sources` and leaving it in `targets`, so
+    the state after every position is kept and the accepted one is committed after sampling."""
+
+    rows: torch.Tensor  # [n] the positions' rows of the flat batch
+    sources: torch.Tensor  # [n] the slot holding each sequence's state before this position
+    targets: torch.Tensor  # [n] the slot its state after this position goes to
+    keep: torch.Tensor  # [n] ones: a draft always continues its sequence's state
+
+
+@dataclass
 class LinearStateBatch:
     """Which state slot each of a step's sequences uses and where its tokens lie in the flat batch;
     built once per step (backends/base.py) and read by every linear-attention layer."""
@@ -28,16 +42,21 @@ class LinearStateBatch:
     keep: torch.Tensor  # [B] 1.0 where the sequence continues its state, 0.0 where it starts at position 0
     decode_seqs: torch.Tensor  # sequences with one row this step
     decode_rows: torch.Tensor  # their rows of the flat batch
-    prefill_seqs: torch.Tensor  # sequences with several rows
+    prefill_seqs: torch.Tensor  # sequences with several rows that are not a verified draft
     prefill_rows: torch.Tensor  # [P, L] their rows, padded with row 0
     prefill_valid: torch.Tensor  # [P, L] 1.0 at a real token, 0.0 at padding
     prefill_lens: torch.Tensor  # [P] their rows this step
+    draft_positions: list[DraftPosition]  # the verified drafts' rows, position by position
 
     @classmethod
     def build(cls, slots: list[int], q_starts: list[int], q_lens: list[int], kv_lens: list[int],
-              device: torch.device, dtype: torch.dtype) -> "LinearStateBatch":
+              device: torch.device, dtype: torch.dtype,
+              draft_scratch: dict[int, int] | None = None) -> "LinearStateBatch":
+        """draft_scratch: for each sequence verifying a draft (by index), the first of the scratch slots
+        that keep its state after each position but the last, whose state goes to its own slot."""
+        draft_scratch = draft_scratch or {}
         decode = [i for i, n in enumerate(q_lens) if n == 1]
-        prefill = [i for i, n in enumerate(q_lens) if n > 1]
+        prefill = [i for i, n in enumerate(q_lens) if n > 1 and i not in draft_scratch]
         width = max((q_lens[i] for i in prefill), default=0)
         rows = [[q_starts[i] + j if j < q_lens[i] else 0 for j in range(width)] for i in prefill]
         valid = [[1.0 if j < q_lens[i] else 0.0 for j in range(width)] for i in prefill]
@@ -45,11 +64,18 @@ class LinearStateBatch:
         def longs(values: list) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=device)
 
+        positions = []
+        for t in range(max((q_lens[i] for i in draft_scratch), default=0)):
+            seqs = [i for i in draft_scratch if t < q_lens[i]]
+            sources = [slots[i] if t == 0 else draft_scratch[i] + t - 1 for i in seqs]
+            targets = [slots[i] if t == q_lens[i] - 1 else draft_scratch[i] + t for i in seqs]
+            positions.append(DraftPosition(longs([q_starts[i] + t for i in seqs]), longs(sources), longs(targets),
+                                           torch.ones(len(seqs), dtype=dtype, device=device)))
         return cls(longs(slots), torch.tensor([float(kv - q > 0) for q, kv in zip(q_lens, kv_lens)], dtype=dtype,
                                               device=device),
                    longs(decode), longs([q_starts[i] for i in decode]), longs(prefill),
                    longs(rows).view(len(prefill), width), torch.tensor(valid, dtype=dtype, device=device).view(
-                       len(prefill), width), longs([q_lens[i] for i in prefill]))
+                       len(prefill), width), longs([q_lens[i] for i in prefill]), positions)
 
 
 def l2_normalise(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -81,35 +81,51 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = Linear(self.value_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, state: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        batch = meta.linear_state
         tokens = x.shape[0]
         mixed, z, b, a = self.in_proj.forward(x).split([self.conv_dim, self.value_size, self.v_heads,
                                                         self.v_heads], dim=-1)
         beta = b.float().sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        out = self.recur(mixed, g, beta, state, meta)
+        gated = self.norm.forward(out, z.view(tokens, self.v_heads, self.v_dim), x.dtype)
+        return self.out_proj.forward(gated.view(tokens, self.value_size))
+
+    def recur(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: KVCache,
+              meta: AttentionMetadata) -> torch.Tensor:
+        """The causal conv and the gated delta rule over the step's rows, from the conv's input
+        mixed [T, conv_dim], decay g and beta [T, v_heads]; each sequence continues its slot's state
+        (meta.linear_state) and leaves its next state there, a verified draft's passing through its
+        scratch slots position by position. Returns o [T, v_heads, v_dim] in float32."""
+        batch = meta.linear_state
         weight = self.conv1d.weight[:, 0]
-        out = torch.empty(tokens, self.v_heads, self.v_dim, dtype=torch.float32, device=x.device)
+        out = torch.empty(mixed.shape[0], self.v_heads, self.v_dim, dtype=torch.float32, device=mixed.device)
         conv_pool, recurrent_pool = state
         if batch.decode_seqs.numel():
             seqs, rows = batch.decode_seqs, batch.decode_rows
             slots, keep = batch.slots[seqs], batch.keep[seqs]
-            conv, conv_pool[slots] = conv_decode(mixed[rows], conv_pool[slots] * keep[:, None, None].to(x.dtype),
+            conv, conv_pool[slots] = conv_decode(mixed[rows], conv_pool[slots] * keep[:, None, None].to(mixed.dtype),
                                                  weight)
             q, k, v = self._heads(conv)
             out[rows] = meta.delta_rule_decode(q, k, v, g[rows], beta[rows], recurrent_pool, slots, keep)
+        for position in batch.draft_positions:
+            # the decode step itself, its state read from one slot and left in another (the source kept)
+            rows, sources, targets = position.rows, position.sources, position.targets
+            conv, conv_pool[targets] = conv_decode(mixed[rows], conv_pool[sources], weight)
+            q, k, v = self._heads(conv)
+            recurrent_pool[targets] = recurrent_pool[sources]
+            out[rows] = meta.delta_rule_decode(q, k, v, g[rows], beta[rows], recurrent_pool, targets, position.keep)
         if batch.prefill_seqs.numel():
             seqs, rows, valid = batch.prefill_seqs, batch.prefill_rows, batch.prefill_valid
             slots, keep = batch.slots[seqs], batch.keep[seqs]
-            conv, conv_pool[slots] = conv_prefill(mixed[rows] * valid.unsqueeze(-1).to(x.dtype),
-                                                  conv_pool[slots] * keep[:, None, None].to(x.dtype), weight,
+            conv, conv_pool[slots] = conv_prefill(mixed[rows] * valid.unsqueeze(-1).to(mixed.dtype),
+                                                  conv_pool[slots] * keep[:, None, None].to(mixed.dtype), weight,
                                                   batch.prefill_lens)
             mask = valid.unsqueeze(-1).unsqueeze(-1)  # padding: zero q/k/v, g and beta leave the state as it was
             q, k, v = (t * mask for t in self._heads(conv))
             o = meta.delta_rule_prefill(q, k, v, g[rows] * valid.unsqueeze(-1), beta[rows] * valid.unsqueeze(-1),
                                         recurrent_pool, slots, keep, batch.prefill_lens)
             out[rows[valid > 0]] = o[valid > 0]
-        gated = self.norm.forward(out, z.view(tokens, self.v_heads, self.v_dim), x.dtype)
-        return self.out_proj.forward(gated.view(tokens, self.value_size))
+        return out
 
     def _heads(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k (L2-normed, q scaled, k heads repeated up to the v heads) and v in float32, from the conv's

@@ -65,9 +65,10 @@ class LaunchedStep:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, model_config: ModelConfig, num_kv_blocks: int, block_size: int,
-                 backend: Backend, sampler: Sampler | None, num_state_slots: int = 0) -> None:
+                 backend: Backend, sampler: Sampler | None, num_state_slots: int = 0, num_draft_slots: int = 0) -> None:
         """model_config: what this rank computes (its heads: the pool's shape); sampler: None on a
-        rank that only follows; num_state_slots: a hybrid model's state pool (engine/state_pool.py)."""
+        rank that only follows; num_state_slots: a hybrid model's state pool (engine/state_pool.py),
+        and num_draft_slots more after them, the scratch its verified drafts' states pass through."""
         self.model = model
         self.backend = backend
         self.block_size = block_size
@@ -76,7 +77,10 @@ class ModelRunner:
         self.vocab_size = model_config.vocab_size  # the logits' width
         self.rotary_shift = model_config.max_position_embeddings  # the rotary table's rows per half
         self.hybrid = bool(model_config.linear_layers)
-        self.kv_caches = layer_caches(model_config, backend, num_kv_blocks * block_size, num_state_slots)
+        self.kv_caches = layer_caches(model_config, backend, num_kv_blocks * block_size,
+                                      num_state_slots + num_draft_slots)
+        self.state_caches = [self.kv_caches[layer] for layer in model_config.linear_layers]
+        self.first_draft_slot = num_state_slots
 
     def capture(self, max_num_seqs: int, max_model_len: int) -> None:
         """What the backend records for later steps (CUDA graphs of decode steps, where it has them;
@@ -159,10 +163,29 @@ class ModelRunner:
             start += len(tokens)
         sampled = [accept_draft(item.draft, row_tokens[i]) if item.draft else row_tokens[i]
                    for i, item in enumerate(items)]
+        self._commit_draft_states(step, sampled)
         for i, state in launched.generator_states.items():
             self.sampler.rewind(items[i].request.generator, state, len(sampled[i]), self.vocab_size)
         return (sampled, logprobs, self._prompt_logprobs(items, launched.hidden, step.prompt_pieces),
                 self._pooled(step, launched.hidden))
+
+    def _commit_draft_states(self, step: PreparedStep, sampled: list[list[int]]) -> None:
+        """A hybrid model's verified drafts: a request's slot holds each linear layer's state after its
+        whole draft, the scratch slots the states after each earlier position. Where the target
+        rejected a draft token, the state after the last position whose input was kept (the request's
+        last token and the draft tokens accepted) replaces the slot's: the state plain decode of the
+        emitted tokens leaves, the token sampled after them not yet fed."""
+        sources, targets = [], []
+        for i, first in step.layout.draft_scratch.items():
+            accepted = len(sampled[i]) - 1
+            if accepted < len(step.items[i].draft):
+                sources.append(first + accepted)
+                targets.append(step.items[i].request.state_slot)
+        if targets:
+            sources_t, targets_t = self.backend.tensor(sources), self.backend.tensor(targets)
+            for conv, recurrent in self.state_caches:
+                conv[targets_t] = conv[sources_t]
+                recurrent[targets_t] = recurrent[sources_t]
 
     def _take_future(self, layout: BatchLayout, items: list[ScheduledRequest], previous: LaunchedStep) -> None:
         """Each row whose input is a placeholder reads its id from the previous step's tokens on the
@@ -245,6 +268,7 @@ class ModelRunner:
         bs = self.block_size
         layout = BatchLayout(bs, [], [], [], [], [], [], [])
         sample_rows: list[int] = []
+        draft_slot = self.first_draft_slot
         for item in items:
             req = item.request
             start, end = req.num_computed_tokens, req.num_computed_tokens + item.num_tokens
@@ -254,6 +278,9 @@ class ModelRunner:
             layout.block_tables.append(req.block_table)
             if req.state_slot is not None:
                 layout.state_slots.append(req.state_slot)
+                if item.draft:
+                    layout.draft_scratch[len(layout.q_starts) - 1] = draft_slot
+                    draft_slot += len(item.draft)
             layout.input_ids.extend(req.token_ids[start:end])
             layout.input_ids.extend(item.draft)
             # a sequence past LongRoPE's original context reads the table's long half (layers/rotary.py)

@@ -49,6 +49,7 @@ class Worker:
         self.tp = SINGLE
         self.runner: ModelRunner | None = None
         self.num_state_slots = 0  # a hybrid model's state pool, sized with the KV blocks
+        self.num_draft_slots = 0  # and its scratch slots for verified drafts (draft_state_slots)
 
     def load_model(self, tp: TensorParallel = SINGLE) -> None:
         """This rank's share of the weights; `tp` is its place in the group (the models' collectives)."""
@@ -60,9 +61,10 @@ class Worker:
     def determine_num_kv_blocks(self) -> int:
         """The blocks every rank's pool can hold: config.num_kv_blocks, else the smallest of the ranks'
         budgets (a collective: every rank calls it at once); 0 when not even one fits. A hybrid model's
-        state slots (num_state_slots) come out of the same budget first."""
+        state slots (the drafts' scratch, then num_state_slots) come out of the same budget first."""
         config = self.spec.config
         slot_bytes = ModelRunner.state_bytes_per_slot(self.local_config, self.backend.dtype)
+        self.num_draft_slots = draft_state_slots(config) if slot_bytes else 0
         if config.num_kv_blocks:
             self.num_state_slots = config.max_num_seqs if slot_bytes else 0
             return config.num_kv_blocks
@@ -72,8 +74,10 @@ class Worker:
         budget = self.backend.platform.kv_pool_bytes(config, self.spec.world_size, lambda: ModelRunner.profile(
             self.model, self.local_config, self.backend, config.block_size, step_tokens, config.max_num_seqs))
         if slot_bytes:
-            # the state pool first, a slot per sequence that may run within half the budget; KV gets the rest
-            self.num_state_slots = min(config.max_num_seqs, int(budget // 2 // slot_bytes))
+            # the drafts' scratch slots first, then a slot per sequence that may run within half of the
+            # rest; KV gets what is left
+            budget -= self.num_draft_slots * slot_bytes
+            self.num_state_slots = max(0, min(config.max_num_seqs, int(budget // 2 // slot_bytes)))
             budget -= self.num_state_slots * slot_bytes
         # never more than every sequence at full length could use
         ceiling = config.max_num_seqs * -(-self.spec.max_model_len // config.block_size)
@@ -89,7 +93,7 @@ class Worker:
 
             sampler = Sampler(eos_token_ids, self.device, self.spec.config.seed, self.backend.argmax)
         self.runner = ModelRunner(self.model, self.local_config, num_blocks, self.spec.config.block_size,
-                                  self.backend, sampler, self.num_state_slots)
+                                  self.backend, sampler, self.num_state_slots, self.num_draft_slots)
 
     def capture(self) -> None:
         """What the backend records for later steps (CUDA graphs of decode steps, where it has them)."""
@@ -114,6 +118,16 @@ class Worker:
     def follow(self, layout: BatchLayout, logit_rows: list[list[int] | slice]) -> None:
         """A rank other than 0: its part in the step rank 0 runs (ModelRunner.follow)."""
         self.runner.follow(layout, logit_rows)
+
+
+def draft_state_slots(config: EngineConfig) -> int:
+    """A hybrid model's scratch slots for speculative decoding: a verified draft of k tokens keeps its
+    state after each of its first k positions in one slot each (the state after the last goes to the
+    request's own slot), for as many drafts as one step verifies (the scheduler's cap)."""
+    spec = config.speculative
+    if spec is None:
+        return 0
+    return min(spec.disable_by_batch_size, config.max_num_seqs) * spec.num_speculative_tokens
 
 
 def load_prepared_model(folder: Path, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
