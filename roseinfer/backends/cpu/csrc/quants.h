@@ -251,7 +251,7 @@ static inline void mxfp4_ints(const uint8_t *codes, vec8 q[4]) {
 }
 
 /* Chunk c of a row of such blocks: its integers q as floats (exact), with the block's d and m (0 for
- * Q8_0, -8 d for Q4_0, -16 d for Q5_0). `type` is a constant where this is inlined. */
+ * Q8_0 and MXFP4, -8 d for Q4_0, -16 d for Q5_0). `type` is a constant where this is inlined. */
 static inline __attribute__((always_inline)) void scaled_chunk(int type, const uint8_t *row, int64_t c, vec8 q[4],
                                                                float *d, float *m) {
     const uint8_t *b = row + c * quant_block_bytes(type);
