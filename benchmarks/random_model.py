@@ -64,9 +64,21 @@ SHAPES: dict[str, dict[str, Any]] = {
                       "linear_num_key_heads": 16, "linear_num_value_heads": 16, "linear_key_head_dim": 128,
                       "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "max_position_embeddings": 32768,
                       "rms_norm_eps": 1e-6, "vocab_size": 248320, "tie_word_embeddings": True},
+    # gpt-oss-20b's: 32 experts of width 2880, top-4, attention sinks, 128-token sliding layers between
+    # full ones; llama.cpp's converter writes its experts BF16 from this dense checkpoint, llama-quantize
+    # MXFP4_MOE makes them MXFP4 (the rest Q8_0), as the published GGUFs hold them
+    "gpt-oss-20b": {"model_type": "gpt_oss", "num_hidden_layers": 24, "hidden_size": 2880, "intermediate_size": 2880,
+                    "num_local_experts": 32, "num_experts_per_tok": 4, "num_attention_heads": 64,
+                    "num_key_value_heads": 8, "head_dim": 64, "sliding_window": 128, "swiglu_limit": 7.0,
+                    "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "vocab_size": 201088,
+                    "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                        "truncate": False, "original_max_position_embeddings": 4096,
+                                        "rope_theta": 150000.0},
+                    "tie_word_embeddings": False},
 }
 LAYER_KEYS = {"gpt2": "n_layer", "qwen3": "num_hidden_layers", "llama": "num_hidden_layers",
-              "qwen3_moe": "num_hidden_layers", "gemma3_text": "num_hidden_layers", "qwen3_5_text": "num_hidden_layers"}
+              "qwen3_moe": "num_hidden_layers", "gemma3_text": "num_hidden_layers", "qwen3_5_text": "num_hidden_layers",
+              "gpt_oss": "num_hidden_layers"}
 
 
 def write_tokenizer(out: Path, max_length: int) -> None:

@@ -3,6 +3,8 @@ architecture `gpt-oss`, the experts split into gate / up / down [E, out, in] wit
 MXFP4, the sinks as `attn_sinks.weight`, the router as `ffn_gate_inp` with its bias."""
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -81,3 +83,23 @@ def write_gpt_oss_gguf(path: Path, hf_model: Any, tokenizer: Any) -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def gpt_oss_gguf_and_reference(model_dir: Path, out: Path, tokenizer: Any) -> tuple[Path, Path]:
+    """(the tiny checkpoint at model_dir written as llama.cpp's `gpt-oss` file, an HF folder holding what
+    that file holds: the checkpoint with llama.cpp's fixed clamp of 7.0 and its experts MXFP4-rounded)."""
+    from transformers import AutoModelForCausalLM
+
+    source = out / "gpt_oss"
+    shutil.copytree(model_dir, source)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "swiglu_limit": 7.0}))
+    hf = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32)
+    src = write_gpt_oss_gguf(out / "gpt-oss.gguf", hf, tokenizer)
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            experts = layer.mlp.experts
+            experts.gate_up_proj.copy_(mxfp4_round_trip(experts.gate_up_proj.transpose(1, 2)).transpose(1, 2))
+            experts.down_proj.copy_(mxfp4_round_trip(experts.down_proj.transpose(1, 2)).transpose(1, 2))
+    hf.save_pretrained(str(source))
+    return src, source

@@ -9,11 +9,11 @@
 #include "asan_blocks.h"
 #include "kernels.h"
 
-static const int64_t TYPES[][3] = {{2, 18, 32},   {3, 20, 32},    {6, 22, 32},    {7, 24, 32},
-                                   {8, 34, 32},   {12, 144, 256}, {13, 176, 256}, {14, 210, 256}};
+static const int64_t TYPES[][3] = {{2, 18, 32},   {3, 20, 32},    {6, 22, 32},    {7, 24, 32},   {8, 34, 32},
+                                   {12, 144, 256}, {13, 176, 256}, {14, 210, 256}, {39, 17, 32}};
 
 int main(void) {
-    for (int t = 0; t < 8; t++) {
+    for (int t = 0; t < (int)(sizeof TYPES / sizeof TYPES[0]); t++) {
         const int64_t type = TYPES[t][0], bytes = TYPES[t][1], per_block = TYPES[t][2];
         for (int64_t blocks_per_row = 1; blocks_per_row <= 3; blocks_per_row += 2) {
             const int64_t k = blocks_per_row * per_block, n = 37;

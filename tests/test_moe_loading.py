@@ -5,7 +5,6 @@ tensor-parallel ranks, each holding its share of every expert's width."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -66,23 +65,9 @@ def test_a_gpt_oss_gguf_with_mxfp4_experts_gives_hf_greedy_tokens(tiny_model_fac
     """llama.cpp's `gpt-oss` file (experts split and in MXFP4, sinks, the router's bias) converts back
     into gpt-oss's config and weights: the engine on it gives the tokens of transformers holding the
     MXFP4-rounded experts. The clamp is llama.cpp's fixed 7.0, which the checkpoint here is given."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    from gguf_gpt_oss import gpt_oss_gguf_and_reference
 
-    from gguf_gpt_oss import mxfp4_round_trip, write_gpt_oss_gguf
-
-    source = tmp_path / "gpt_oss"
-    shutil.copytree(tiny_model_factory("gpt_oss"), source)
-    config = json.loads((source / "config.json").read_text())
-    (source / "config.json").write_text(json.dumps({**config, "swiglu_limit": 7.0}))
-    hf = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32)
-    src = write_gpt_oss_gguf(tmp_path / "gpt-oss.gguf", hf, _trained_tokenizer())
-    with torch.no_grad():  # the reference holds what the file holds
-        for layer in hf.model.layers:
-            experts = layer.mlp.experts
-            experts.gate_up_proj.copy_(mxfp4_round_trip(experts.gate_up_proj.transpose(1, 2)).transpose(1, 2))
-            experts.down_proj.copy_(mxfp4_round_trip(experts.down_proj.transpose(1, 2)).transpose(1, 2))
-    hf.save_pretrained(str(source))
+    src, source = gpt_oss_gguf_and_reference(tiny_model_factory("gpt_oss"), tmp_path, _trained_tokenizer())
     folder = convert_gguf(src, cache_dir=str(tmp_path / "cache"))
     converted = ModelConfig.from_dict(json.loads((folder / "config.json").read_text()))
     original = ModelConfig.from_dict(json.loads((source / "config.json").read_text()))

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Iterator
 
 import gguf
+import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
@@ -90,3 +91,34 @@ def test_row_lookup_is_gguf_py_bit_for_bit_in_every_build(build: str, kernel_bui
             blocks, dense = random_blocks(qtype, 19, gguf.GGML_QUANT_SIZES[qtype][0] * 2, seed=2)
             ids = torch.tensor([18, 0, 7])
             assert torch.equal(ops.dequantize_rows(blocks, int(qtype), ids, dense.shape[1]), dense[ids])
+
+
+def _mxfp4_as_q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    """MXFP4 blocks [n, 17 B] rewritten as Q8_0 blocks [n, 34 B] of the same weights: d = 2^(e - 128)
+    as an fp16 (exact while e stays within fp16's exponents), q the E2M1 codes' doubled values."""
+    raw = blocks.numpy().reshape(blocks.shape[0], -1, 17)
+    assert (raw[..., 0] >= 104).all() and (raw[..., 0] <= 143).all(), "a scale fp16 cannot hold"
+    scales = np.ldexp(1.0, raw[..., 0].astype(np.int32) - 128).astype(np.float16)
+    codes = np.concatenate([raw[..., 1:] & 15, raw[..., 1:] >> 4], axis=-1)
+    ints = np.array(gguf.quants.MXFP4.kvalues, dtype=np.int8)[codes]
+    q8 = np.concatenate([scales[..., None].view(np.uint8), ints.view(np.uint8)], axis=-1)
+    return torch.from_numpy(np.ascontiguousarray(q8.reshape(blocks.shape[0], -1)))
+
+
+@needs_kernels
+@pytest.mark.parametrize("build", BUILDS)
+def test_mxfp4_sums_as_q8_0_on_the_same_weights_bit_for_bit_in_every_build(build: str, kernel_builds: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """MXFP4's weights are integers times a power of two, so its kernels (the one-row path's block
+    scale taken out of the sum, the row groups, the tiles) give Q8_0's bits on the same real weights:
+    1, 3 and 7 blocks a row, 37 outputs (a partial tile), 1 to 70 rows of x."""
+    with kernels_built_for(build, kernel_builds, monkeypatch):
+        for blocks_per_row in (1, 3, 7):
+            blocks, dense = random_blocks(QT.MXFP4, 37, 32 * blocks_per_row, seed=blocks_per_row)
+            as_q8_0 = _mxfp4_as_q8_0(blocks)
+            assert torch.equal(ops.dequantize_rows(as_q8_0, int(QT.Q8_0), torch.arange(37), dense.shape[1]), dense)
+            bias = torch.randn(37)
+            for rows in (1, 2, 3, 8, 13, 17, 37, 70):
+                x = torch.randn(rows, dense.shape[1])
+                got = ops.quant_matmul(x, blocks, int(QT.MXFP4), bias)
+                assert torch.equal(got, ops.quant_matmul(x, as_q8_0, int(QT.Q8_0), bias)), (blocks_per_row, rows)

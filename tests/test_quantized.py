@@ -21,7 +21,7 @@ from roseinfer.loader.gguf import convert_gguf
 from test_native_kernels import needs_kernels
 from tiny_models import assert_greedy_matches_hf_on_the_fp32_folder, hf_greedy
 
-QTYPES = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K, QT.Q6_K]
+QTYPES = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.MXFP4]
 
 
 def random_blocks(qtype: QT, rows: int, cols: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,6 +67,9 @@ def test_quant_matmul_refuses_types_and_widths_it_does_not_handle() -> None:
         ops.quant_matmul(torch.randn(2, 32), blocks[:, :18], int(QT.Q4_K), None)  # 32 is not whole 256-blocks
     with pytest.raises(ValueError, match="not supported"):
         ops.quant_matmul(torch.randn(2, 32), blocks[:, :18], int(QT.Q2_K), None)
+    mxfp4, _ = random_blocks(QT.MXFP4, 4, 64)
+    with pytest.raises(ValueError, match="not supported"):
+        ops.quant_matmul(torch.randn(2, 48), mxfp4[:, :17], int(QT.MXFP4), None)  # 48 is a block and a half
 
 
 def _tiny_hf(model_type: str, hidden: int, vocab: int, **overrides) -> torch.nn.Module:

@@ -299,7 +299,6 @@ def run_offline_bench(args: argparse.Namespace) -> dict[str, Any]:
         # the engine sets this itself, but an hf-only run builds no engine; torch's count
         # is process-wide, so both backends then run on the same number of threads
         torch.set_num_threads(args.num_threads)
-    folder = resolve_model_folder(args.model)
     params = sampling_params_from_flags(args)
     if "hf" in backends and not params.greedy:
         raise ValueError("--backend hf runs transformers' generate greedy only: drop --do-sample/--temperature")
@@ -309,6 +308,9 @@ def run_offline_bench(args: argparse.Namespace) -> dict[str, Any]:
     if "hf" in backends:
         from .hf_runner import HFRunner
 
+        # transformers needs the fp32 folder; a roseinfer-only run converts none (a GGUF's is its
+        # fp32 size on disk, several times the file's)
+        folder = resolve_model_folder(args.model)
         hf_tokenizer = Tokenizer(folder)
         hf = HFRunner(folder, args.device, args.dtype, hf_tokenizer.eos_token_ids, batch_sizes[0])
     results: list[RunResult] = []

@@ -38,9 +38,9 @@ from roseinfer.loader.gguf_architectures import (ROPE_FACTOR_TENSORS, SUPPORTED_
 logger = logging.getLogger(__name__)
 
 # Bump whenever the output of the conversion changes, so stale caches are ignored.
-_CONVERTER_VERSION = 3
+_CONVERTER_VERSION = 4
 # kept as blocks with keep_blocks
-KEPT_TYPES: tuple[str, ...] = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+KEPT_TYPES: tuple[str, ...] = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
 QUANTIZATION_FILE = "roseinfer_quantization.json"
 _SOURCE_FILE = "roseinfer_gguf_source.json"
 _GGUF_MAGIC = b"GGUF"

@@ -41,7 +41,8 @@ _MOE_BLOCK_NAMES: dict[str, str] = {
 }  # fmt: skip
 # gpt-oss: a norm after attention, the sinks (which transformers names without .weight), the router
 # with its bias, and the experts' projections and biases stacked [E, out, in] / [E, out] (loaded by
-# models/gpt_oss.py); its MXFP4 experts are dequantized like any other type.
+# models/gpt_oss.py); its MXFP4 experts keep their blocks where the backend computes with them, as any
+# other kept type.
 _GPT_OSS_BLOCK_NAMES: dict[str, str] = {
     **_LLAMA_BLOCK_NAMES, "post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks",
     "ffn_gate_inp": "mlp.router", "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",

@@ -25,9 +25,9 @@ from roseinfer.backends.cpu.layers import NativeRowsLinear
 from roseinfer.layers.linear import Linear
 
 # the types csrc/quants.h dequantizes
-QUANTIZED_TYPES = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"})
-# those csrc/q8_activations.c also multiplies by int8 rows (Q5_K keeps fp32 rows under int8)
-INT8_TYPES = frozenset({GGMLQuantizationType[name] for name in QUANTIZED_TYPES - {"Q5_K"}})
+QUANTIZED_TYPES = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4"})
+# those csrc/q8_activations.c also multiplies by int8 rows (Q5_K and MXFP4 keep fp32 rows under int8)
+INT8_TYPES = frozenset({GGMLQuantizationType[name] for name in QUANTIZED_TYPES - {"Q5_K", "MXFP4"}})
 INT8_ACTIVATIONS = 0x100  # csrc/quants.h's: a weight type with this bit set takes rows of x quantized to 8 bits
 INT8_REPACKED = 0x200  # csrc/quants.h's: with INT8_ACTIVATIONS, the weight is in csrc/q8_gemm.c's tiles
 REPACKED_TYPES = frozenset({GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K})

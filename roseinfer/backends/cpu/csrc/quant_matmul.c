@@ -10,7 +10,7 @@
  * with four each spilled). x's group stays in L1 (GROUP rows of k floats), and the tile's weights
  * in L1/L2 while every group passes over them.
  *
- * A single row of x (one sequence decoding) times Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 takes the block scale
+ * A single row of x (one sequence decoding) times Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/MXFP4 takes the block scale
  * out of the sum instead, d * sum(q x) + m * sum(x) with x's chunk sums taken once: the same real
  * weights and fp32 sums, in another order, and 6 multiplies a chunk in place of 8 (the one-row kernel is bound
  * by its instructions, not by memory). Q4_K and Q6_K on AVX-512 take csrc/kquant_avx512.c instead,
@@ -81,7 +81,7 @@ static inline __attribute__((always_inline)) float row_times_scaled_row(int type
         const float *xc = x + 32 * c;
         acc0 += d * (load8(xc) * q[0] + load8(xc + 16) * q[2]);
         acc1 += d * (load8(xc + 8) * q[1] + load8(xc + 24) * q[3]);
-        if (type != Q8_0) offsets += m * sx[c];
+        if (!scaled_chunk_unshifted(type)) offsets += m * sx[c];
     }
     return hsum8(acc0 + acc1) + offsets;
 }
@@ -155,6 +155,7 @@ void quant_matmul_tasks(const float *x, int64_t x_stride, const uint8_t *weight,
     case Q5_0: matmul_tasks(Q5_0, x, x_stride, weight, bias, out, out_stride, m, n, k); break;
     case Q5_1: matmul_tasks(Q5_1, x, x_stride, weight, bias, out, out_stride, m, n, k); break;
     case Q8_0: matmul_tasks(Q8_0, x, x_stride, weight, bias, out, out_stride, m, n, k); break;
+    case MXFP4: matmul_tasks(MXFP4, x, x_stride, weight, bias, out, out_stride, m, n, k); break;
     case Q4_K: matmul_tasks(Q4_K, x, x_stride, weight, bias, out, out_stride, m, n, k); break;
     case Q5_K: matmul_tasks(Q5_K, x, x_stride, weight, bias, out, out_stride, m, n, k); break;
     default: matmul_tasks(Q6_K, x, x_stride, weight, bias, out, out_stride, m, n, k); break;

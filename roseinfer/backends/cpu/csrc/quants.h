@@ -15,9 +15,12 @@
  *   Q6_K  210 B / 256: ql[128], qh[64], int8 scales[16], d; chunk s of half h = s / 4, t = s % 4:
  *         ql[64 h + 32 (t & 1) + l] nibble t / 2, qh[32 h + l] bits 2t, 2t+1 on top; 16 values a scale
  *         w = (d * scale) * (q - 32)
+ *   MXFP4  17 B / 32:  e, q[16] as Q4_0's nibbles, each an E2M1 code: gguf-py's kvalues (the E2M1 values
+ *         doubled, integers from -12 to 12) times d = 2^(e - 128), half the E8M0 scale   w = d * kv[q]
  * Every product here is exact in fp32 (an 11-bit fp16 significand times integers of at most 7 and 6
  * bits), so the only rounding is the final add, and a fused multiply-add gives the same bits: the
- * weights equal gguf.quants.dequantize's exactly. */
+ * weights equal gguf.quants.dequantize's exactly. An MXFP4 weight is an integer times a power of two,
+ * so d * (q . x) rounds as (d q) . x does wherever d's products stay normal floats. */
 #ifndef ROSEINFER_QUANTS_H
 #define ROSEINFER_QUANTS_H
 
@@ -27,7 +30,7 @@
 #include "simd.h"
 
 /* GGML type ids (gguf.GGMLQuantizationType) */
-enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, MXFP4 = 39 };
 
 /* A weight type with this bit set: the same blocks, multiplied by rows of x quantized to 8 bits
  * (--cpu-activations int8: csrc/q8_activations.c) instead of by fp32 rows */
@@ -51,6 +54,7 @@ static inline int64_t quant_block_bytes(int64_t type) {
     case Q4_K: return 144;
     case Q5_K: return 176;
     case Q6_K: return 210;
+    case MXFP4: return 17;
     default: return 0;
     }
 }
@@ -200,16 +204,63 @@ static inline void q4_k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
 }
 
 /* Whether a type's chunk is one block of the form w = d * q + m with q integers (Q8_0, Q4_0, Q4_1,
- * Q5_0, Q5_1). */
+ * Q5_0, Q5_1, MXFP4). */
 static inline int scaled_chunk_type(int type) {
-    return type == Q8_0 || type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1;
+    return type == Q8_0 || type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == MXFP4;
+}
+
+/* Whether such a type's m is always 0 (w = d * q) */
+static inline int scaled_chunk_unshifted(int type) { return type == Q8_0 || type == MXFP4; }
+
+/* MXFP4's d: half the E8M0 scale e, 2^(e - 128), as gguf-py's e8m0_to_fp32_half builds its bits (a
+ * subnormal for e < 2) */
+static inline float e8m0_half_to_f32(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float d;
+    memcpy(&d, &bits, sizeof d);
+    return d;
+}
+
+/* The 32 integers an MXFP4 block's 16 bytes of E2M1 codes stand for (low nibbles: weights 0-15,
+ * high: 16-31), as floats. AVX-512 looks each code up in a 16-float table with vpermps, which reads
+ * only an index's low 4 bits (the low nibble needs no mask); AVX2 looks 16 codes up at once in a
+ * 16-byte table with pshufb and widens the bytes. */
+static inline void mxfp4_ints(const uint8_t *codes, vec8 q[4]) {
+#if defined(__AVX512F__)
+    const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes));
+    const __m512 low = _mm512_permutexvar_ps(bytes, table), high = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+    memcpy(q, &low, sizeof low);
+    memcpy(q + 2, &high, sizeof high);
+#elif defined(__AVX2__)
+    const __m128i table = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)codes), nibble = _mm_set1_epi8(15);
+    const __m128i halves[2] = {_mm_shuffle_epi8(table, _mm_and_si128(bytes, nibble)),
+                               _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble))};
+    for (int h = 0; h < 2; h++) {
+        q[2 * h] = (vec8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(halves[h]));
+        q[2 * h + 1] = (vec8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(halves[h], halves[h])));
+    }
+#else
+    static const int8_t values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+    for (int i = 0; i < 16; i++) {
+        q[i / 8][i % 8] = (float)values[codes[i] & 15];
+        q[2 + i / 8][i % 8] = (float)values[codes[i] >> 4];
+    }
+#endif
 }
 
 /* Chunk c of a row of such blocks: its integers q as floats (exact), with the block's d and m (0 for
- * Q8_0, -8 d for Q4_0, -16 d for Q5_0). `type` is a constant where this is inlined. */
+ * Q8_0 and MXFP4, -8 d for Q4_0, -16 d for Q5_0). `type` is a constant where this is inlined. */
 static inline __attribute__((always_inline)) void scaled_chunk(int type, const uint8_t *row, int64_t c, vec8 q[4],
                                                                float *d, float *m) {
     const uint8_t *b = row + c * quant_block_bytes(type);
+    if (type == MXFP4) {
+        *d = e8m0_half_to_f32(b[0]);
+        *m = 0.0f;
+        mxfp4_ints(b + 1, q);
+        return;
+    }
     if (type == Q8_0) {
         *d = fp16_to_f32(b);
         *m = 0.0f;
@@ -238,7 +289,7 @@ static inline __attribute__((always_inline)) void dequant_chunk(int type, const 
     if (scaled_chunk_type(type)) {
         float d, m;
         scaled_chunk(type, row, c, w, &d, &m);
-        for (int i = 0; i < 4; i++) w[i] = type == Q8_0 ? d * w[i] : d * w[i] + m;
+        for (int i = 0; i < 4; i++) w[i] = scaled_chunk_unshifted(type) ? d * w[i] : d * w[i] + m;
         return;
     }
     const uint8_t *b = row + (c / 8) * quant_block_bytes(type);
@@ -285,6 +336,7 @@ static inline void dequantize_chunks(int64_t type, const uint8_t *row, int64_t f
         case Q5_0: dequant_chunk(Q5_0, row, c, w); break;
         case Q5_1: dequant_chunk(Q5_1, row, c, w); break;
         case Q8_0: dequant_chunk(Q8_0, row, c, w); break;
+        case MXFP4: dequant_chunk(MXFP4, row, c, w); break;
         case Q4_K: dequant_chunk(Q4_K, row, c, w); break;
         case Q5_K: dequant_chunk(Q5_K, row, c, w); break;
         default: dequant_chunk(Q6_K, row, c, w); break;
