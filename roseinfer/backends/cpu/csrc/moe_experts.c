@@ -147,27 +147,15 @@ int moe_experts_f32(const float *x, int64_t x_stride, const int64_t *experts, co
     quantized_rows_t token_q8 = quantized_rows(gate_up_int8, tokens, hidden);
     quantized_rows_t gate_up_q8 = quantized_rows(gate_up_int8, pairs, hidden);
     quantized_rows_t down_q8 = quantized_rows(down_int8, pairs, width);
+    int failed = 1;
     if (indices == NULL || rows == NULL || (gate_up_int8 && (token_q8.q == NULL || gate_up_q8.q == NULL)) ||
-        (down_int8 && down_q8.q == NULL)) {
-        free(indices);
-        free(rows);
-        free(token_q8.q);
-        free(gate_up_q8.q);
-        free(down_q8.q);
-        return 1;
-    }
+        (down_int8 && down_q8.q == NULL))
+        goto done;
     int64_t *starts = indices, *next = starts + num_experts + 1, *order = next + num_experts;
     int64_t *position = order + pairs, *by_expert = position + pairs, *routed = by_expert + pairs;
     const int64_t count = group_pairs(experts, tokens, top_k, num_experts, starts, next, order, position, by_expert,
                                       routed);
-    if (count < 0) {
-        free(indices);
-        free(rows);
-        free(token_q8.q);
-        free(gate_up_q8.q);
-        free(down_q8.q);
-        return 1;
-    }
+    if (count < 0) goto done;
     float *projected = rows + pairs * hidden, *row_weights = projected + pairs * 2 * width;
     for (int64_t i = 0; i < pairs; i++) row_weights[i] = weights[(order[i] % tokens) * top_k + order[i] / tokens];
     const int64_t whole = pairs >= WHOLE_EXPERT_ROWS * count && count >= WHOLE_EXPERT_ITEMS_PER_THREAD * num_threads;
@@ -213,10 +201,12 @@ int moe_experts_f32(const float *x, int64_t x_stride, const int64_t *experts, co
             }
         }
     }
+    failed = 0;
+done:
     free(indices);
     free(rows);
     free(token_q8.q);
     free(gate_up_q8.q);
     free(down_q8.q);
-    return 0;
+    return failed;
 }
