@@ -149,7 +149,8 @@ def test_attention_kernels_stay_inside_their_buffers_under_address_sanitizer(tmp
                         kernels.CSRC / "quant_tiled_matmul.c", kernels.CSRC / "packed_matmul.c", *Q8_SOURCES)
     assert run is not None, "the int8-activation harness did not build although an empty ASan program did"
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr
-    # a mixture-of-experts layer's routed experts in one call: every type, alone and paired, 1 to 48 tokens
+    # a mixture-of-experts layer's routed experts in one call: every type, alone and paired, 1 to 48 tokens;
+    # Q4_K and Q6_K also repacked for int8 activations
     run = build_and_run("moe_experts_asan", pathlib.Path(__file__).with_name("moe_experts_asan.c"),
                         kernels.CSRC / "moe_experts.c", kernels.CSRC / "quant_matmul.c", kernels.CSRC / "kquant_avx512.c",
                         kernels.CSRC / "quant_tiled_matmul.c", *Q8_SOURCES)
