@@ -3,8 +3,10 @@ top-8, hidden 2048, width 768; gate/up Q4_K, down Q6_K as in a Q4_K_M file, rand
 per-expert loop (backends/cpu/quantized_experts.py's QuantizedExperts: two block-kernel calls per
 routed expert) against the one C call a layer (OneCallQuantizedExperts, csrc/moe_experts.c),
 alternating in one process, ms a layer (median of --repeats) per token count and thread count.
+With --int8: the one call with fp32 rows against the one call on the int8 path (--cpu-activations
+int8: the experts repacked for csrc/q8_gemm.c, rows of x quantized to Q8_K) instead.
 
-    python benchmarks/moe_experts_layer.py [--tokens 1,16,64,512] [--threads 1,2] [--repeats 5]
+    python benchmarks/moe_experts_layer.py [--tokens 1,16,64,512] [--threads 1,2] [--repeats 5] [--int8]
 """
 from __future__ import annotations
 
@@ -52,29 +54,41 @@ def main() -> None:
     parser.add_argument("--tokens", default="1,16,64,512")
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--int8", action="store_true", help="the one call against the one call on the int8 path")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     experts = StackedExperts(EXPERTS, HIDDEN, WIDTH, "silu", SINGLE)
     experts.gate_up_proj = random_blocks(QT.Q4_K, 2 * WIDTH, HIDDEN, rng)
     experts.down_proj = random_blocks(QT.Q6_K, HIDDEN, WIDTH, rng)
     cpu_layers.install(experts)
+    int8_experts = None
+    if args.int8:
+        int8_experts = StackedExperts(EXPERTS, HIDDEN, WIDTH, "silu", SINGLE)
+        int8_experts.gate_up_proj, int8_experts.down_proj = experts.gate_up_proj, experts.down_proj
+        cpu_layers.install(int8_experts)
+        quantized_experts.install(int8_experts, int8_activations=True)
     quantized_experts.install(experts)
     router = torch.randn(EXPERTS, HIDDEN)
     print(f"load average {os.getloadavg()[0]:.2f}")
-    print("| tokens | threads | per-expert loop, ms | one call, ms | speed-up |\n|---:|---:|---:|---:|---:|")
+    names = ("one call", "one call, int8") if args.int8 else ("per-expert loop", "one call")
+    print(f"| tokens | threads | {names[0]}, ms | {names[1]}, ms | speed-up |\n|---:|---:|---:|---:|---:|")
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
         for tokens in (int(t) for t in args.tokens.split(",")):
             x = torch.randn(tokens, HIDDEN)
             weights, ids = select_experts(x @ router.T, TOP_K, renormalize=True)
-            loop = lambda: QuantizedExperts.forward(experts, x, weights, ids)  # noqa: E731
             one_call = lambda: experts.forward(x, weights, ids)  # noqa: E731
-            assert torch.equal(loop(), one_call())
-            loop_ms, one_ms = [], []
+            if int8_experts is None:
+                first = lambda: QuantizedExperts.forward(experts, x, weights, ids)  # noqa: E731
+                second = one_call
+                assert torch.equal(first(), second())
+            else:
+                first, second = one_call, lambda: int8_experts.forward(x, weights, ids)  # noqa: E731
+            first_ms, second_ms = [], []
             for _ in range(args.repeats):  # alternating, so both sides see the same load
-                loop_ms.append(median_ms(loop, 1))
-                one_ms.append(median_ms(one_call, 1))
-            a, b = statistics.median(loop_ms), statistics.median(one_ms)
+                first_ms.append(median_ms(first, 1))
+                second_ms.append(median_ms(second, 1))
+            a, b = statistics.median(first_ms), statistics.median(second_ms)
             print(f"| {tokens} | {threads} | {a:.2f} | {b:.2f} | {a / b:.2f}x |", flush=True)
 
 

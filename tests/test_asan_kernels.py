@@ -29,7 +29,8 @@ HARNESSES: dict[str, tuple[str, ...]] = {
     # the 8-bit activation matmul: every type, partial row groups and tiles, behind the norm prologue,
     # Q4_K and Q6_K also repacked, through the GEMM
     "q8_activations_asan.c": ("packed_matmul.c", *QUANT_SOURCES),
-    # a mixture-of-experts layer's routed experts in one call: every type, alone and paired, 1 to 48 tokens
+    # a mixture-of-experts layer's routed experts in one call: every type, alone and paired, 1 to 48 tokens;
+    # Q4_K and Q6_K also repacked for int8 activations
     "moe_experts_asan.c": ("moe_experts.c", *QUANT_SOURCES),
 }
 FLAGS = [flag for flag in kernels.CFLAGS if flag not in ("-shared", "-fPIC")]  # the kernels' own flags

@@ -38,7 +38,8 @@ class CPUBackend(Backend):
         # weights kept as GGUF blocks: their own layers, which layers.install leaves
         quantized.install(model, int8_activations=cpu_activations == "int8")
         layers.install(model)
-        quantized_experts.install(model)  # after layers: its one-call path needs their native SiLU * up
+        # after layers: its one-call path needs their native SiLU * up
+        quantized_experts.install(model, int8_activations=cpu_activations == "int8")
         # the one-call decoder stack computes whole layers in C: no place for a tensor-parallel all-reduce
         llama.install(model, whole_stack=self.world_size == 1)
         super().prepare_model(model, cpu_activations)

@@ -50,6 +50,17 @@ void quantize_row_q8_k(const float *x, int64_t k, block_q8_k *out);
 void q8_gemm_tasks(const float *x, int64_t x_stride, const uint8_t *packed, int64_t type, const float *bias,
                    float *out, int64_t out_stride, int64_t m, int64_t n, int64_t k);
 
+/* Row i of x quantized as q8_gemm_tasks quantizes it: k / 256 Q8_K blocks at out and the 16 integer
+ * sums a block that a `type` (Q4_K or Q6_K) tile reads besides the q's, at sums */
+void q8_gemm_quantize_row(const float *x, int64_t type, int64_t k, block_q8_k *out, int32_t *sums);
+
+/* q8_gemm_tasks' output rows [first_row, first_row + rows) (first_row a multiple of 16; clipped at n)
+ * for m rows of x already quantized by q8_gemm_quantize_row (rows k / 256 blocks and 16 k / 256 sums
+ * apart), on the calling thread alone; the same bits as q8_gemm_tasks gives those outputs */
+void q8_gemm_quantized_rows(const block_q8_k *x, const int32_t *sums, const uint8_t *packed, int64_t type,
+                            const float *bias, float *out, int64_t out_stride, int64_t m, int64_t first_row,
+                            int64_t rows, int64_t n, int64_t k);
+
 /* Unpacks a Q4_K block's 12 scale bytes into 8 6-bit scales (out[0..7]) and 8 mins (out[8..15]). */
 static inline void q4_k_unpack_scales(const uint8_t *packed, uint8_t out[16]) {
     uint32_t in[3], fields[4];

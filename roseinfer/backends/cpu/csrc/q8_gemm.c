@@ -103,7 +103,7 @@ int q8_repack(const uint8_t *weight, int64_t type, int64_t n, int64_t k, uint8_t
 
 /* x's integer sums a kernel reads besides its q's, 16 a block: Q4_K: 4 pairs of 16-bit sums over
  * sub-blocks (2p, 2p + 1) of 32; Q6_K: -32 times each 16-value sum */
-static void row_sums(int64_t type, const block_q8_k *x, int32_t *sums) {
+static void block_sums(int64_t type, const block_q8_k *x, int32_t *sums) {
     for (int s = 0; s < 16; s++) sums[s] = 0;
     if (type == Q6_K) {
         for (int s = 0; s < 16; s++) sums[s] = -32 * x->bsums[s];
@@ -113,6 +113,11 @@ static void row_sums(int64_t type, const block_q8_k *x, int32_t *sums) {
         const int first = x->bsums[4 * p] + x->bsums[4 * p + 1], second = x->bsums[4 * p + 2] + x->bsums[4 * p + 3];
         sums[p] = (int32_t)((uint32_t)(uint16_t)first | (uint32_t)(uint16_t)second << 16);
     }
+}
+
+void q8_gemm_quantize_row(const float *x, int64_t type, int64_t k, block_q8_k *out, int32_t *sums) {
+    quantize_row_q8_k(x, k, out);
+    for (int64_t b = 0; b < k / 256; b++) block_sums(type, out + b, sums + b * 16);
 }
 
 /* acc[c] for rows of x c < cols: a tile's 16 outputs, every block */
@@ -216,18 +221,26 @@ void q8_gemm_tasks(const float *x, int64_t x_stride, const uint8_t *packed, int6
     block_q8_k *activations = buffer;
     int32_t *sums = (int32_t *)(activations + m * blocks);
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < m; i++) {
-        quantize_row_q8_k(x + i * x_stride, k, activations + i * blocks);
-        for (int64_t b = 0; b < blocks; b++) row_sums(type, activations + i * blocks + b, sums + (i * blocks + b) * 16);
-    }
+    for (int64_t i = 0; i < m; i++)
+        q8_gemm_quantize_row(x + i * x_stride, type, k, activations + i * blocks, sums + i * blocks * 16);
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < tiles; t++) {
-        const uint8_t *tile = packed + t * blocks * record_bytes(type);
-        const int64_t first = t * GEMM_ROWS, count = n - first < GEMM_ROWS ? n - first : GEMM_ROWS;
+    for (int64_t t = 0; t < tiles; t++)
+        q8_gemm_quantized_rows(activations, sums, packed, type, bias, out, out_stride, m, t * GEMM_ROWS, GEMM_ROWS, n, k);
+#pragma omp single
+    free(buffer);
+}
+
+void q8_gemm_quantized_rows(const block_q8_k *x, const int32_t *sums, const uint8_t *packed, int64_t type,
+                            const float *bias, float *out, int64_t out_stride, int64_t m, int64_t first_row,
+                            int64_t rows, int64_t n, int64_t k) {
+    const int64_t blocks = k / 256, end = first_row + rows < n ? first_row + rows : n;
+    for (int64_t first = first_row; first < end; first += GEMM_ROWS) {
+        const uint8_t *tile = packed + first / GEMM_ROWS * blocks * record_bytes(type);
+        const int64_t count = n - first < GEMM_ROWS ? n - first : GEMM_ROWS;
         for (int64_t g = 0; g < m; g += GEMM_COLS) {
             const int cols = m - g < GEMM_COLS ? (int)(m - g) : GEMM_COLS;
             lanes_f acc[GEMM_COLS];
-            tile_times_rows(type, tile, activations + g * blocks, sums + g * blocks * 16, blocks, cols, acc);
+            tile_times_rows(type, tile, x + g * blocks, sums + g * blocks * 16, blocks, cols, acc);
             for (int c = 0; c < cols; c++) {
                 float lanes[GEMM_ROWS];
                 store_f(lanes, acc[c]);
@@ -236,6 +249,4 @@ void q8_gemm_tasks(const float *x, int64_t x_stride, const uint8_t *packed, int6
             }
         }
     }
-#pragma omp single
-    free(buffer);
 }
