@@ -21,7 +21,7 @@ CPU = torch.device("cpu")
 HAS_COMPILER = any(shutil.which(c) for c in ("cc", "gcc", "clang"))
 # csrc/quant_matmul.c hands a weight with int8 activations to these: every harness that links it links them
 Q8_SOURCES = tuple(kernels.CSRC / name for name in ("q8_activations.c", "q8_dot_kquants.c", "q8_dot_blocks32.c",
-                                                           "q8_gemm.c"))
+                                                           "q8_gemm.c", "q8_gemm_blocks32.c"))
 needs_kernels = pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler: the native kernels cannot be built")
 
 
@@ -143,7 +143,7 @@ def test_attention_kernels_stay_inside_their_buffers_under_address_sanitizer(tmp
     assert run is not None, "the quantized-matmul harness did not build although an empty ASan program did"
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr
     # the 8-bit activation matmul: every type, partial row groups and tiles, and behind the norm prologue;
-    # Q4_K and Q6_K also repacked, through the GEMM
+    # Q4_K, Q6_K, Q8_0, Q5_0 and Q5_1 also repacked, through the GEMM
     run = build_and_run("q8_activations_asan", pathlib.Path(__file__).with_name("q8_activations_asan.c"),
                         kernels.CSRC / "quant_matmul.c", kernels.CSRC / "kquant_avx512.c",
                         kernels.CSRC / "quant_tiled_matmul.c", kernels.CSRC / "packed_matmul.c", *Q8_SOURCES)
