@@ -3,9 +3,9 @@
 A weight of --rows x --cols (default 8192 x 2048: SmolLM2-1.7B's gate/up shape) in random blocks of
 each type, times 1 to 512 rows of x, the kernels alternating in every round; prints the best wall
 time and the process CPU time per call of each (CPU time, both threads' together, is what to read on a
-busy machine), their ratio, and the int8 kernel's weight bytes per wall second. Q4_K and Q6_K also run
-the repacked int8 GEMM (csrc/q8_gemm.c, what the engine runs for them), against the unpacked int8 kernel
-on the same blocks. With --gguf FILE, a decode step's matmuls on that file instead: every quantized 2-D
+busy machine), their ratio, and the int8 kernel's weight bytes per wall second. Q4_K, Q6_K, Q8_0, Q5_0 and
+Q5_1 also run the repacked int8 GEMM (csrc/q8_gemm.c, what the engine runs for them), against the unpacked
+int8 kernel on the same blocks. With --gguf FILE, a decode step's matmuls on that file instead: every quantized 2-D
 weight once (a tied embedding as the LM head), times each row count, the CPU time of the whole step,
 exact, int8 on the blocks and int8 as the engine runs it (the GEMM where it repacks).
 
@@ -28,7 +28,7 @@ from roseinfer.backends.cpu import ops
 from roseinfer.backends.cpu.quantized import INT8_ACTIVATIONS, INT8_REPACKED, REPACKED_TYPES
 
 # where each type keeps its fp16 scales: set to 2^-7 so the random blocks hold finite, moderate values
-SCALE_BYTES = {"Q4_K": (0, 2), "Q6_K": (208,), "Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2)}
+SCALE_BYTES = {"Q4_K": (0, 2), "Q6_K": (208,), "Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2)}
 
 
 def random_blocks(qtype: str, rows: int, cols: int) -> torch.Tensor:
@@ -60,7 +60,7 @@ def step_weights(path: str) -> list[tuple[torch.Tensor, int, int]]:
 
 def gguf_steps(path: str, rows_of_x: list[int], rounds: int) -> None:
     """The step's matmuls three ways: fp32 rows, int8 rows on the blocks, and int8 rows as the engine runs
-    them (Q4_K and Q6_K repacked for the GEMM, a tied LM head's copy included)."""
+    them (the repacked types' GEMM, a tied LM head's copy included)."""
     weights = step_weights(path)
     total = sum(blocks.numel() for blocks, _, _ in weights)
     kinds: dict[str, list[tuple[torch.Tensor, int, int, int]]] = {"exact": [], "int8": [], "int8 GEMM": []}

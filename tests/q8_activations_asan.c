@@ -2,8 +2,8 @@
  * carrying INT8_ACTIVATIONS) for tests/test_asan_kernels.py, built with AddressSanitizer: any read or
  * write outside a buffer aborts with a report. Every type it takes, one block per row and three, row
  * counts that leave partial groups of rows, and an output width that leaves a partial tile; also
- * through the norm prologue, as the one-call decode stack calls it; Q4_K and Q6_K also repacked into
- * csrc/q8_gemm.c's tiles of 16 rows (37: a partial tile) and run through its GEMM. The blocks are random bytes with
+ * through the norm prologue, as the one-call decode stack calls it; Q4_K, Q6_K, Q8_0, Q5_0 and Q5_1 also
+ * repacked into csrc/q8_gemm.c's tiles of 16 rows (37: a partial tile) and run through its GEMM. The blocks are random bytes with
  * small fp16 scales (values do not matter here). */
 #include <stdint.h>
 #include <stdio.h>
@@ -25,7 +25,9 @@ int main(void) {
             const int64_t k = blocks_per_row * per_block, n = 37;
             uint8_t *w = blocks(n * blocks_per_row, bytes), *packed = NULL;
             int64_t gemm_type = 0;
-            if (per_block == 256) { /* the repacked copy, exactly as long as q8_repacked_bytes says */
+            const int64_t base = TYPES[t][0];
+            /* Q5_0, Q5_1, Q8_0 and the K-quants: the repacked copy, exactly as long as q8_repacked_bytes says */
+            if (base == 6 || base == 7 || base == 8 || per_block == 256) {
                 packed = malloc((size_t)q8_repacked_bytes(TYPES[t][0], n, k));
                 gemm_type = type | INT8_REPACKED;
                 if (q8_repack(w, TYPES[t][0], n, k, packed, 2) != 0) {

@@ -1,9 +1,10 @@
-"""The int8 path's repacked GEMM (csrc/q8_gemm.c) against a numpy reference that pins its numbers: x
-quantized to Q8_K as the kernel quantizes it, each block's integer sums exact (int64), and per output
-acc = fma(float32(I), d * dx, acc) (Q4_K then acc = fma(float32(M), -(dmin * dx), acc)) block after
-block, an fp32 fused multiply-add emulated exactly, then + bias; bit for bit, in every build this CPU
-can run, for partial tiles of 16 rows, every group size of rows of x and 1 or 3 blocks a row; and a tied
-LM head's repacked copy beside the embedding's blocks."""
+"""The int8 path's repacked GEMM (csrc/q8_gemm.c, csrc/q8_gemm_blocks32.c) against a numpy reference that
+pins its numbers: x quantized to Q8_K (Q8_0 for the 32-weight blocks) as the kernel quantizes it, each
+block's integer sums exact (int64), and per output acc = fma(float32(I), d * dx, acc) (Q4_K then
+acc = fma(float32(M), -(dmin * dx), acc); Q5_1 acc = fma(float32(S), m * dx, acc), S x's block sum)
+block after block, an fp32 fused multiply-add emulated exactly, then + bias; bit for bit, in every
+build this CPU can run, for partial tiles of 16 rows, every group size of rows of x and 1 or 3 blocks a
+row; and a tied LM head's repacked copy beside the embedding's blocks."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
+from torch import nn
 
 from gguf_writer import make_tiny_tokenizer, write_tiny_gguf
 from roseinfer import LLM
@@ -23,7 +25,10 @@ from test_native_kernels import needs_kernels
 from test_quant_kernel_builds import BUILDS, kernels_built_for
 from test_quantized import _tiny_hf, random_blocks
 
-TYPES = (QT.Q4_K, QT.Q6_K)
+TYPES = (QT.Q4_K, QT.Q6_K, QT.Q8_0, QT.Q5_0, QT.Q5_1)
+BLOCKS32 = (QT.Q8_0, QT.Q5_0, QT.Q5_1)
+# where each type keeps its fp16 scales (d, then dmin or m)
+SCALE_OFFSETS = {QT.Q4_K: (0, 2), QT.Q6_K: (208,), QT.Q8_0: (0,), QT.Q5_0: (0,), QT.Q5_1: (0, 2)}
 
 
 def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
@@ -63,7 +68,39 @@ def k_quant_parts(blocks: np.ndarray, qtype: QT) -> tuple[np.ndarray, ...]:
     return d, scales, np.concatenate(values, axis=-1) - 32
 
 
+def blocks32_parts(blocks: np.ndarray, qtype: QT) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    """A 32-block weight's blocks [n, b, bytes] as (d, m or None, q [n, b, 32]): Q8_0's signed q, Q5_0's
+    5-bit value - 16, Q5_1's 5-bit value; d and m float32."""
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if qtype == QT.Q8_0:
+        return d, None, blocks[..., 2:34].view(np.int8).astype(np.int64)
+    start = 4 if qtype == QT.Q5_1 else 2
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if qtype == QT.Q5_1 else None
+    qh = blocks[..., start:start + 4].copy().view(np.uint32)[..., 0].astype(np.int64)
+    qs = blocks[..., start + 4:start + 20].astype(np.int64)
+    q = np.concatenate([qs & 15, qs >> 4], axis=-1) | (qh[..., None] >> np.arange(32) & 1) << 4
+    return d, m, q - 16 if qtype == QT.Q5_0 else q
+
+
+def reference32(x: torch.Tensor, weight: torch.Tensor, qtype: QT, bias: torch.Tensor) -> torch.Tensor:
+    m, k = x.shape
+    n, nb = weight.shape[0], k // 32
+    xq, dx = quantized_blocks(x.numpy(), qtype)
+    xq, dx = xq.astype(np.int64).reshape(m, nb, 32), dx.reshape(m, nb)
+    d, mins, q = blocks32_parts(weight.numpy().reshape(n, nb, -1), qtype)
+    acc = np.zeros((m, n), dtype=np.float32)
+    for b in range(nb):
+        isum = np.einsum("nl,ml->mn", q[:, b], xq[:, b])
+        acc = fma32(isum.astype(np.float32), d[None, :, b] * dx[:, b, None], acc)
+        if mins is not None:
+            sums = np.broadcast_to(xq[:, b].sum(axis=1)[:, None], (m, n))
+            acc = fma32(sums.astype(np.float32), mins[None, :, b] * dx[:, b, None], acc)
+    return torch.from_numpy(acc + bias.numpy()[None])
+
+
 def reference(x: torch.Tensor, weight: torch.Tensor, qtype: QT, bias: torch.Tensor) -> torch.Tensor:
+    if qtype in BLOCKS32:
+        return reference32(x, weight, qtype, bias)
     m, k = x.shape
     n, nb = weight.shape[0], k // 256
     xq, dx = quantized_blocks(x.numpy(), qtype)
@@ -87,12 +124,14 @@ def reference(x: torch.Tensor, weight: torch.Tensor, qtype: QT, bias: torch.Tens
 
 
 def raw_blocks(qtype: QT, rows: int, k: int, seed: int) -> torch.Tensor:
-    """Every bit pattern of q's, scales and mins (random bytes), with moderate fp16 d and dmin."""
-    size = gguf.GGML_QUANT_SIZES[qtype][1]
+    """Every bit pattern of q's, scales and mins (random bytes; Q8_0's -128 too), with moderate fp16 d, dmin
+    and m."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
     rng = np.random.default_rng(seed)
-    data = rng.integers(0, 256, (rows, k // 256, size), dtype=np.uint8)
-    for offset in (0, 2) if qtype == QT.Q4_K else (208,):
-        data[..., offset:offset + 2] = rng.uniform(0.001, 0.02, (rows, k // 256)).astype(np.float16)[..., None].view(np.uint8)
+    data = rng.integers(0, 256, (rows, k // block, size), dtype=np.uint8)
+    for offset in SCALE_OFFSETS[qtype]:
+        scales = rng.uniform(0.001, 0.02, (rows, k // block)).astype(np.float16)
+        data[..., offset:offset + 2] = scales[..., None].view(np.uint8)
     return torch.from_numpy(data.reshape(rows, -1))
 
 
@@ -102,12 +141,13 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, qtype: QT, bias: torch.Tensor | 
 
 
 def _check(qtype: QT, n: int, blocks_per_row: int, rows: int, seed: int) -> None:
-    k = 256 * blocks_per_row
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    k = block * blocks_per_row
     generator = torch.Generator().manual_seed(seed)
     for weight in (random_blocks(qtype, n, k, seed=seed)[0], raw_blocks(qtype, n, k, seed)):
         x = torch.randn(rows, k, generator=generator)
         if blocks_per_row > 1:
-            x[0, :256] = 0.0  # a block of zeros: scale 0
+            x[0, :block] = 0.0  # a block of zeros: scale 0
         bias = torch.randn(n, generator=generator)
         got = gemm(x, weight, qtype, bias)
         assert torch.equal(got, reference(x, weight, qtype, bias)), (got - reference(x, weight, qtype, bias)).abs().max()
@@ -139,8 +179,9 @@ def test_int8_gemm_in_every_build(build: str, kernel_builds: Path, monkeypatch: 
 @needs_kernels
 def test_repacking_rejects_what_the_gemm_does_not_take() -> None:
     weight = raw_blocks(QT.Q4_K, 4, 256, seed=0)
-    with pytest.raises(ValueError, match="not supported"):
-        ops.repack_for_int8_gemm(weight, int(QT.Q5_K), 256)
+    for qtype in (QT.Q5_K, QT.Q4_0, QT.Q4_1):
+        with pytest.raises(ValueError, match="not supported"):
+            ops.repack_for_int8_gemm(weight, int(qtype), 256)
     with pytest.raises(ValueError, match="not supported"):
         ops.weight_matmul(torch.randn(1, 256), weight.data_ptr(), int(QT.Q4_K) | INT8_REPACKED, 4, None)
 
@@ -162,3 +203,33 @@ def test_a_tied_lm_head_runs_the_gemm_on_a_copy_and_the_embedding_keeps_its_bloc
     ids = torch.tensor([5, 7])
     dense = torch.from_numpy(gguf.quants.dequantize(embedding.weight.numpy(), QT.Q6_K))
     assert torch.equal(embedding(ids), dense[ids])
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 6])
+def test_a_weight_in_parts_runs_each_repacked_parts_gemm_into_its_columns(rows: int) -> None:
+    """A fused q/k/v in Q5_0, Q5_0 and Q8_0 (Gemma-3's Q4_K_M layout) with a Q4_0 part: under int8 each part
+    of a repacked type runs its GEMM into its columns, bit for bit as that part alone, and the Q4_0 part
+    keeps its fp32 rows; the weight becomes the parts' bytes back to back."""
+    from roseinfer.backends.cpu.quantized import QuantizedPartsLinear, install
+    from roseinfer.layers.linear import Linear
+    from roseinfer.models.weights import BlockPart
+
+    k, parts = 96, [(QT.Q5_0, 37), (QT.Q5_0, 5), (QT.Q8_0, 16), (QT.Q4_0, 3)]
+    blocks = [raw_blocks(qtype, n, k, seed=i) if qtype != QT.Q4_0 else random_blocks(qtype, n, k, seed=i)[0]
+              for i, (qtype, n) in enumerate(parts)]
+    linear = Linear(k, sum(n for _, n in parts), bias=True)
+    flat = torch.cat([b.reshape(-1) for b in blocks])
+    offsets = [0, *np.cumsum([b.numel() for b in blocks])]
+    weight = nn.Parameter(flat, requires_grad=False)
+    weight.block_parts = [BlockPart(int(q), n, int(o), b.numel()) for (q, n), o, b in zip(parts, offsets, blocks)]
+    linear.weight = weight
+    install(nn.Sequential(linear), int8_activations=True)
+    assert isinstance(linear, QuantizedPartsLinear)
+    assert [p.type for p in linear.weight_parts] == [int(q) | INT8_ACTIVATIONS | INT8_REPACKED for q, _ in parts[:3]] + [
+        int(QT.Q4_0)]
+    x = torch.randn(rows, k)
+    biases = linear.bias.split([n for _, n in parts])
+    expected = [gemm(x, b, q, c) for b, (q, _), c in zip(blocks[:3], parts, biases)]
+    expected.append(ops.quant_matmul(x, blocks[3], int(QT.Q4_0), biases[3]))
+    assert torch.equal(linear(x), torch.cat(expected, dim=1))

@@ -118,6 +118,10 @@ def test_a_type_the_gemm_does_not_take_keeps_the_exact_kernels_beside_a_repacked
     experts.down_proj.ggml_type = int(QT.Q8_0) | INT8_ACTIVATIONS
     with pytest.raises(ValueError, match="GGML types"):
         experts.forward(x, weights, ids)
+    # the dense GEMM's repacked 32-block tiles take Q8_0 rows of x, the call Q8_K rows: refused, not misread
+    experts.down_proj.ggml_type = int(QT.Q8_0) | INT8
+    with pytest.raises(ValueError, match="GGML types"):
+        experts.forward(x, weights, ids)
 
 
 @needs_kernels

@@ -7,14 +7,16 @@ blocks a tied LM head reads. A fused linear whose sub-projections are stored in 
 
 With int8 activations (--cpu-activations int8) the linear's type carries INT8_ACTIVATIONS, and every
 matmul of it, the one-call decode stack's included, quantizes the rows of x to 8 bits and multiplies
-with integer dot products (csrc/q8_activations.c) at any row count; a linear in parts keeps fp32 rows.
-A Q4_K or Q6_K weight is repacked once, here, into csrc/q8_gemm.c's tiles of 16 rows (INT8_REPACKED),
-which replace its blocks, except a tied LM head's: the embedding looks its rows up in those, so the
-head keeps a repacked copy beside them (the one weight held twice). One weight load there feeds
-several rows of x and the tile's 16 outputs accumulate in vector lanes."""
+with integer dot products (csrc/q8_activations.c) at any row count; a linear in parts does so for its
+parts of the repacked types below (each part's tiles write its columns), and keeps fp32 rows for others.
+A Q4_K, Q6_K, Q8_0, Q5_0 or Q5_1 weight is repacked once, here, into csrc/q8_gemm.c's tiles of 16 rows
+(INT8_REPACKED), which replace its blocks, except a tied LM head's: the embedding looks its rows up in
+those, so the head keeps a repacked copy beside them (the one weight held twice). One weight load
+there feeds several rows of x and the tile's 16 outputs accumulate in vector lanes."""
 from __future__ import annotations
 
 import ctypes
+import itertools
 
 import torch
 from gguf import GGMLQuantizationType
@@ -30,7 +32,7 @@ QUANTIZED_TYPES = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5
 INT8_TYPES = frozenset({GGMLQuantizationType[name] for name in QUANTIZED_TYPES - {"Q5_K", "MXFP4"}})
 INT8_ACTIVATIONS = 0x100  # csrc/quants.h's: a weight type with this bit set takes rows of x quantized to 8 bits
 INT8_REPACKED = 0x200  # csrc/quants.h's: with INT8_ACTIVATIONS, the weight is in csrc/q8_gemm.c's tiles
-REPACKED_TYPES = frozenset({GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K})
+REPACKED_TYPES = frozenset(GGMLQuantizationType[name] for name in ("Q4_K", "Q6_K", "Q8_0", "Q5_0", "Q5_1"))
 
 
 def is_blocks(weight: torch.Tensor | None) -> bool:
@@ -69,6 +71,29 @@ class QuantizedEmbedding(nn.Embedding):
         return rows.view(*input_ids.shape, self.embedding_dim)
 
 
+def _install_parts(module: Linear, int8_activations: bool) -> None:
+    """A fused linear in parts of several types as a QuantizedPartsLinear; with int8 activations each part of
+    a repacked type becomes its GEMM tiles (which write that part's columns of the wider output rows) and
+    the weight the parts' bytes back to back; a part of another type keeps fp32 rows."""
+    module.__class__ = QuantizedPartsLinear
+    parts, flat = module.weight.block_parts, module.weight.view(-1)
+    pieces, layouts = [], []
+    for p in parts:
+        blocks, layout = flat[p.offset:p.offset + p.nbytes], p.type_id
+        if int8_activations and p.type_id in REPACKED_TYPES:
+            blocks = ops.repack_for_int8_gemm(blocks.view(p.rows, -1), p.type_id, module.in_features)
+            layout = p.type_id | INT8_ACTIVATIONS | INT8_REPACKED
+        pieces.append(blocks)
+        layouts.append(layout)
+    if layouts != [p.type_id for p in parts]:
+        module.weight = nn.Parameter(torch.cat(pieces), requires_grad=False)
+    base, offsets = module.weight.data_ptr(), [0, *itertools.accumulate(piece.numel() for piece in pieces)]
+    part = ops.weight_part_struct()
+    module.weight_parts = (part * len(parts))(
+        *(part(blocks=base + offset, type=layout, rows=p.rows) for p, offset, layout in zip(parts, offsets, layouts)))
+    module.native_weights, module.native_type = ctypes.addressof(module.weight_parts), -len(parts)
+
+
 @torch.inference_mode()
 def install(model: nn.Module, int8_activations: bool = False) -> None:
     """The quantized classes in place of the generic ones, for the modules whose weight holds blocks;
@@ -76,12 +101,7 @@ def install(model: nn.Module, int8_activations: bool = False) -> None:
     embedded = {m.weight.data_ptr() for m in model.modules() if type(m) is nn.Embedding and holds_blocks(m)}
     for module in model.modules():
         if type(module) is Linear and hasattr(module.weight, "block_parts"):
-            module.__class__ = QuantizedPartsLinear
-            part = ops.weight_part_struct()
-            base = module.weight.data_ptr()
-            module.weight_parts = (part * len(module.weight.block_parts))(
-                *(part(blocks=base + p.offset, type=p.type_id, rows=p.rows) for p in module.weight.block_parts))
-            module.native_weights, module.native_type = ctypes.addressof(module.weight_parts), -len(module.weight_parts)
+            _install_parts(module, int8_activations)
         elif type(module) is Linear and holds_blocks(module):
             module.__class__ = QuantizedLinear
             qtype = module.weight.ggml_type

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
 from torch import nn
 
 from roseinfer.backends.cpu import ops
 from roseinfer.backends.cpu.layers import NativeSiluAndMul
-from roseinfer.backends.cpu.quantized import INT8_ACTIVATIONS, INT8_REPACKED, REPACKED_TYPES, is_blocks
+from roseinfer.backends.cpu.quantized import INT8_ACTIVATIONS, INT8_REPACKED, is_blocks
 from roseinfer.models.moe import StackedExperts
 
 
@@ -66,6 +67,8 @@ def takes_one_call(module: StackedExperts) -> bool:
 
 
 GEMM_ROWS = 16  # csrc/q8_gemm_lanes.h's: the rows of a repacked tile, which must not straddle two experts
+# the one call quantizes rows of x to Q8_K, what these take; the repacked 32-block types keep exact kernels here
+EXPERT_REPACKED_TYPES = frozenset(GGMLQuantizationType[name] for name in ("Q4_K", "Q6_K"))
 
 
 def repacked_for_int8(weight: torch.Tensor, in_features: int) -> torch.Tensor | None:
@@ -73,7 +76,7 @@ def repacked_for_int8(weight: torch.Tensor, in_features: int) -> torch.Tensor | 
     each row's share of its tile's bytes, typed for the int8 GEMM; None for another type or rows that
     are not whole tiles."""
     experts, rows = weight.shape[:2]
-    if weight.ggml_type not in REPACKED_TYPES or rows % GEMM_ROWS:
+    if weight.ggml_type not in EXPERT_REPACKED_TYPES or rows % GEMM_ROWS:
         return None
     tiles = ops.repack_for_int8_gemm(weight.reshape(experts * rows, -1), weight.ggml_type, in_features)
     repacked = nn.Parameter(tiles.view(experts, rows, -1), requires_grad=False)

@@ -137,6 +137,9 @@ int moe_experts_f32(const float *x, int64_t x_stride, const int64_t *experts, co
     if (!quant_shape_ok(gate_up_type, hidden) || !quant_shape_ok(down_type, width)) return 1;
     const int gate_up_int8 = (gate_up_type & INT8_REPACKED) != 0, down_int8 = (down_type & INT8_REPACKED) != 0;
     if ((gate_up_type & INT8_ACTIVATIONS && !gate_up_int8) || (down_type & INT8_ACTIVATIONS && !down_int8)) return 1;
+    /* the call quantizes rows to Q8_K: repacked 32-block types (Q8_0, Q5_0, Q5_1) are not taken */
+    if ((gate_up_int8 && !q8_k_activations(gate_up_type & ~TYPE_FLAGS)) ||
+        (down_int8 && !q8_k_activations(down_type & ~TYPE_FLAGS))) return 1;
     const int64_t pairs = tokens * top_k, hidden_blocks = hidden / 256;
     if (pairs == 0) return 0;
     int64_t *indices = malloc((size_t)(3 * num_experts + 1 + 3 * pairs) * sizeof(int64_t));

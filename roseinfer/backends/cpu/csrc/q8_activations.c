@@ -57,7 +57,7 @@ void quantize_row_q8_k(const float *x, int64_t k, block_q8_k *out) {
     }
 }
 
-static void quantize_row_q8_0(const float *x, int64_t k, block_q8_0 *out) {
+void quantize_row_q8_0(const float *x, int64_t k, block_q8_0 *out) {
     for (int64_t b = 0; b < k / 32; b++, x += 32) {
         block_q8_0 *y = out + b;
         float amax;

@@ -44,8 +44,11 @@ int q8_matmul_tasks(const float *x, int64_t x_stride, const uint8_t *weight, int
 /* x[0..k) (k a multiple of 256) as k / 256 Q8_K blocks */
 void quantize_row_q8_k(const float *x, int64_t k, block_q8_k *out);
 
-/* quant_matmul_tasks for a Q4_K or Q6_K weight repacked by q8_repack (csrc/q8_gemm.c), x quantized
- * to Q8_K a row first; out: [m, n] in rows out_stride floats apart (NaN where the rows' buffer could
+/* x[0..k) (k a multiple of 32) as k / 32 Q8_0 blocks */
+void quantize_row_q8_0(const float *x, int64_t k, block_q8_0 *out);
+
+/* quant_matmul_tasks for a Q4_K, Q6_K, Q8_0, Q5_0 or Q5_1 weight repacked by q8_repack (csrc/q8_gemm.c),
+ * x quantized to Q8_K (Q8_0 for the 32-weight blocks) a row first; out: [m, n] in rows out_stride floats apart (NaN where the rows' buffer could
  * not be allocated) */
 void q8_gemm_tasks(const float *x, int64_t x_stride, const uint8_t *packed, int64_t type, const float *bias,
                    float *out, int64_t out_stride, int64_t m, int64_t n, int64_t k);

@@ -1,4 +1,5 @@
-/* The int8 path's GEMM for Q4_K and Q6_K weights repacked at load (--cpu-activations int8): a tile
+/* The int8 path's GEMM for Q4_K and Q6_K weights (and, through csrc/q8_gemm_blocks32.c, Q8_0, Q5_0
+ * and Q5_1) repacked at load (--cpu-activations int8): a tile
  * of GEMM_ROWS = 16 weight rows is interleaved so that one 64-byte vector holds 4 consecutive
  * weights of each of its 16 rows (a 32-bit lane a row), and one integer dot product (vpdpbusd on
  * AVX-512 VNNI; vpmaddubsw + vpmaddwd on AVX2) multiplies it by 4 values of one row of x broadcast
@@ -34,10 +35,16 @@
 #define Q4_K_RECORD 2368
 #define Q6_K_RECORD 3360
 
-static inline int64_t record_bytes(int64_t type) { return type == Q4_K ? Q4_K_RECORD : Q6_K_RECORD; }
+static inline int repacked_type(int64_t type) {
+    return type == Q4_K || type == Q6_K || type == Q8_0 || type == Q5_0 || type == Q5_1;
+}
+
+static inline int64_t record_bytes(int64_t type) {
+    return type == Q4_K ? Q4_K_RECORD : type == Q6_K ? Q6_K_RECORD : blocks32_record_bytes(type);
+}
 
 int64_t q8_repacked_bytes(int64_t type, int64_t n, int64_t k) {
-    return (n + GEMM_ROWS - 1) / GEMM_ROWS * (k / 256) * record_bytes(type);
+    return (n + GEMM_ROWS - 1) / GEMM_ROWS * (k / quant_block_weights(type)) * record_bytes(type);
 }
 
 /* One tile-block record from the blocks of rows[0..count) (count <= 16; the rest stay zero). */
@@ -81,8 +88,8 @@ static void repack_q6_k(const uint8_t *const *rows, int count, uint8_t *out) {
 }
 
 int q8_repack(const uint8_t *weight, int64_t type, int64_t n, int64_t k, uint8_t *out, int num_threads) {
-    if ((type != Q4_K && type != Q6_K) || !quant_shape_ok(type, k)) return 1;
-    const int64_t blocks = k / 256, row_bytes = quant_row_bytes(type, k), record = record_bytes(type);
+    if (!repacked_type(type) || !quant_shape_ok(type, k)) return 1;
+    const int64_t blocks = k / quant_block_weights(type), row_bytes = quant_row_bytes(type, k), record = record_bytes(type);
     const int64_t tiles = (n + GEMM_ROWS - 1) / GEMM_ROWS;
     memset(out, 0, (size_t)q8_repacked_bytes(type, n, k));
 #pragma omp parallel for num_threads(num_threads) schedule(static)
@@ -94,8 +101,10 @@ int q8_repack(const uint8_t *weight, int64_t type, int64_t n, int64_t k, uint8_t
             uint8_t *dst = out + (t * blocks + b) * record;
             if (type == Q4_K)
                 repack_q4_k(rows, count, dst);
-            else
+            else if (type == Q6_K)
                 repack_q6_k(rows, count, dst);
+            else
+                repack_blocks32(type, rows, count, dst);
         }
     }
     return 0;
@@ -206,12 +215,39 @@ static void tile_times_rows(int64_t type, const uint8_t *tile, const block_q8_k 
 #undef TILE_COLS
 }
 
+/* a tile's outputs for `cols` rows of x (out: the first of them), bias added; rows past n dropped */
+static inline void store_tile(const lanes_f *acc, int cols, const float *bias, float *out, int64_t out_stride,
+                              int64_t first, int64_t n) {
+    const int64_t count = n - first < GEMM_ROWS ? n - first : GEMM_ROWS;
+    for (int c = 0; c < cols; c++) {
+        float lanes[GEMM_ROWS];
+        store_f(lanes, acc[c]);
+        float *row = out + c * out_stride + first;
+        for (int64_t r = 0; r < count; r++) row[r] = lanes[r] + (bias != NULL ? bias[first + r] : 0.0f);
+    }
+}
+
+/* the tile of weight rows from `first` on 32-block weights (csrc/q8_gemm_blocks32.c), every row of x */
+static void blocks32_quantized_rows(const block_q8_0 *x, const uint8_t *packed, int64_t type, const float *bias,
+                                    float *out, int64_t out_stride, int64_t m, int64_t first, int64_t n,
+                                    int64_t blocks) {
+    const uint8_t *tile = packed + first / GEMM_ROWS * blocks * record_bytes(type);
+    for (int64_t g = 0; g < m; g += GEMM_COLS) {
+        const int cols = m - g < GEMM_COLS ? (int)(m - g) : GEMM_COLS;
+        lanes_f acc[GEMM_COLS];
+        blocks32_tile_times_rows(type, tile, x + g * blocks, blocks, cols, acc);
+        store_tile(acc, cols, bias, out + g * out_stride, out_stride, first, n);
+    }
+}
+
 void q8_gemm_tasks(const float *x, int64_t x_stride, const uint8_t *packed, int64_t type, const float *bias,
                    float *out, int64_t out_stride, int64_t m, int64_t n, int64_t k) {
-    const int64_t blocks = k / 256, tiles = (n + GEMM_ROWS - 1) / GEMM_ROWS;
+    const int k_blocks = q8_k_activations(type); /* else 32-blocks on Q8_0 rows */
+    const int64_t blocks = k / quant_block_weights(type), tiles = (n + GEMM_ROWS - 1) / GEMM_ROWS;
+    const size_t row_block_bytes = k_blocks ? sizeof(block_q8_k) + 16 * sizeof(int32_t) : sizeof(block_q8_0);
     void *buffer = NULL;
 #pragma omp single copyprivate(buffer)
-    buffer = malloc((size_t)(m * blocks) * (sizeof(block_q8_k) + 16 * sizeof(int32_t)));
+    buffer = malloc((size_t)(m * blocks) * row_block_bytes);
     if (buffer == NULL) { /* NaN outputs rather than silently wrong ones */
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < m; i++)
@@ -219,13 +255,23 @@ void q8_gemm_tasks(const float *x, int64_t x_stride, const uint8_t *packed, int6
         return;
     }
     block_q8_k *activations = buffer;
+    block_q8_0 *activations32 = buffer;
     int32_t *sums = (int32_t *)(activations + m * blocks);
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < m; i++)
-        q8_gemm_quantize_row(x + i * x_stride, type, k, activations + i * blocks, sums + i * blocks * 16);
+    for (int64_t i = 0; i < m; i++) {
+        if (k_blocks)
+            q8_gemm_quantize_row(x + i * x_stride, type, k, activations + i * blocks, sums + i * blocks * 16);
+        else
+            quantize_row_q8_0(x + i * x_stride, k, activations32 + i * blocks);
+    }
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < tiles; t++)
-        q8_gemm_quantized_rows(activations, sums, packed, type, bias, out, out_stride, m, t * GEMM_ROWS, GEMM_ROWS, n, k);
+    for (int64_t t = 0; t < tiles; t++) {
+        if (k_blocks)
+            q8_gemm_quantized_rows(activations, sums, packed, type, bias, out, out_stride, m, t * GEMM_ROWS, GEMM_ROWS,
+                                   n, k);
+        else
+            blocks32_quantized_rows(activations32, packed, type, bias, out, out_stride, m, t * GEMM_ROWS, n, blocks);
+    }
 #pragma omp single
     free(buffer);
 }
@@ -236,17 +282,11 @@ void q8_gemm_quantized_rows(const block_q8_k *x, const int32_t *sums, const uint
     const int64_t blocks = k / 256, end = first_row + rows < n ? first_row + rows : n;
     for (int64_t first = first_row; first < end; first += GEMM_ROWS) {
         const uint8_t *tile = packed + first / GEMM_ROWS * blocks * record_bytes(type);
-        const int64_t count = n - first < GEMM_ROWS ? n - first : GEMM_ROWS;
         for (int64_t g = 0; g < m; g += GEMM_COLS) {
             const int cols = m - g < GEMM_COLS ? (int)(m - g) : GEMM_COLS;
             lanes_f acc[GEMM_COLS];
             tile_times_rows(type, tile, x + g * blocks, sums + g * blocks * 16, blocks, cols, acc);
-            for (int c = 0; c < cols; c++) {
-                float lanes[GEMM_ROWS];
-                store_f(lanes, acc[c]);
-                float *row = out + (g + c) * out_stride + first;
-                for (int64_t r = 0; r < count; r++) row[r] = lanes[r] + (bias != NULL ? bias[first + r] : 0.0f);
-            }
+            store_tile(acc, cols, bias, out + g * out_stride, out_stride, first, n);
         }
     }
 }

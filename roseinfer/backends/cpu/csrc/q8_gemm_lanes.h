@@ -9,6 +9,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "q8_activations.h"
 #include "quants.h"
 
 #define GEMM_ROWS 16
@@ -37,6 +38,11 @@ static inline lanes_i dot4(lanes_i acc, lanes_i w, const int8_t *x) {
     memcpy(&x4, x, sizeof x4);
     return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(x4));
 }
+/* dot4 for unsigned bytes up to 255 (Q8_0's q + 128): vpdpbusd's sums never saturate */
+static inline lanes_i dot4_wide(lanes_i acc, lanes_i w, const int8_t *x) { return dot4(acc, w, x); }
+/* each byte's bit 4 (a Q5 weight's fifth bit, moved there), the rest cleared */
+static inline lanes_i bit4(lanes_i v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x10)); }
+static inline lanes_i or_i(lanes_i a, lanes_i b) { return _mm512_or_si512(a, b); }
 static inline lanes_i widen_u8(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
 static inline lanes_i widen_i8(const uint8_t *p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
 static inline lanes_i add_i(lanes_i a, lanes_i b) { return _mm512_add_epi32(a, b); }
@@ -94,6 +100,23 @@ static inline lanes_i dot4(lanes_i acc, lanes_i w, const int8_t *x) {
     const __m256i xv = _mm256_set1_epi32(x4);
     return (lanes_i){dot4_half(acc.lo, w.lo, xv), dot4_half(acc.hi, w.hi, xv)};
 }
+/* dot4 for unsigned bytes up to 255, where vpmaddubsw's pairs would saturate: w - 128 signed (its
+ * magnitude unsigned, its sign moved onto x) times x, plus 128 times x's 4 values */
+static inline __m256i dot4_wide_half(__m256i acc, __m256i w, __m256i x, __m256i x_sum) {
+    const __m256i s = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
+    return _mm256_add_epi32(dot4_half(acc, _mm256_abs_epi8(s), _mm256_sign_epi8(x, s)), x_sum);
+}
+static inline lanes_i dot4_wide(lanes_i acc, lanes_i w, const int8_t *x) {
+    int32_t x4;
+    memcpy(&x4, x, sizeof x4);
+    const __m256i xv = _mm256_set1_epi32(x4), x_sum = _mm256_set1_epi32(128 * (x[0] + x[1] + x[2] + x[3]));
+    return (lanes_i){dot4_wide_half(acc.lo, w.lo, xv, x_sum), dot4_wide_half(acc.hi, w.hi, xv, x_sum)};
+}
+static inline lanes_i bit4(lanes_i v) {
+    const __m256i bit = _mm256_set1_epi8(0x10);
+    return (lanes_i){_mm256_and_si256(v.lo, bit), _mm256_and_si256(v.hi, bit)};
+}
+static inline lanes_i or_i(lanes_i a, lanes_i b) { return (lanes_i){_mm256_or_si256(a.lo, b.lo), _mm256_or_si256(a.hi, b.hi)}; }
 static inline lanes_i widen_u8(const uint8_t *p) {
     return (lanes_i){_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)),
                      _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)))};
@@ -180,6 +203,15 @@ static inline lanes_i dot4(lanes_i acc, lanes_i w, const int8_t *x) {
     }
     return acc;
 }
+static inline lanes_i dot4_wide(lanes_i acc, lanes_i w, const int8_t *x) { return dot4(acc, w, x); }
+static inline lanes_i bit4(lanes_i v) {
+    for (int r = 0; r < GEMM_ROWS; r++) v.v[r] &= 0x10101010;
+    return v;
+}
+static inline lanes_i or_i(lanes_i a, lanes_i b) {
+    for (int r = 0; r < GEMM_ROWS; r++) a.v[r] |= b.v[r];
+    return a;
+}
 static inline lanes_i widen_u8(const uint8_t *p) {
     lanes_i out;
     for (int r = 0; r < GEMM_ROWS; r++) out.v[r] = p[r];
@@ -226,5 +258,13 @@ static inline lanes_f fma_lanes(lanes_i i, lanes_f scale, lanes_f acc) {
 }
 static inline void store_f(float *out, lanes_f v) { memcpy(out, v.v, sizeof v.v); }
 #endif
+
+/* csrc/q8_gemm_blocks32.c's part of the GEMM (32-weight blocks: Q8_0, Q5_0, Q5_1), which
+ * csrc/q8_gemm.c's entry points hand those types to: a tile-block record's bytes, one record from
+ * the blocks of rows[0..count) (out zeroed), and a tile's 16 outputs for rows of x c < cols (acc[c]) */
+int64_t blocks32_record_bytes(int64_t type);
+void repack_blocks32(int64_t type, const uint8_t *const *rows, int count, uint8_t *out);
+void blocks32_tile_times_rows(int64_t type, const uint8_t *tile, const block_q8_0 *x, int64_t blocks, int cols,
+                              lanes_f *acc);
 
 #endif
