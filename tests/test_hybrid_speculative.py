@@ -130,13 +130,7 @@ def test_ngram_drafts_mostly_rejected_match_hf(model_dir, backend: str) -> None:
 
 def test_triton_rollback_matches_hf(model_dir, references, oracle_drafts) -> None:
     """The full-attention layers through the Triton backend (under its interpreter on a CPU)."""
-    triton_interpret = pytest.importorskip("triton_interpret")
-    from roseinfer.backends.triton import TritonBackend
-
-    triton_interpret.patch_interpreter()
-    device = triton_interpret.device()
-    if not TritonBackend.supports(device, torch.float32):
-        pytest.skip("the Triton backend cannot run here")
+    device = pytest.importorskip("triton_interpret").backend_device()
     prompts, refs = references
     llm = LLM(model=str(model_dir), device=str(device), attention_backend="triton", num_kv_blocks=64,
               max_num_batched_tokens=24, dtype="float32", speculative_config=NGRAM)

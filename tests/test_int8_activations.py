@@ -5,6 +5,7 @@ can run; and a tiny model's next-token distributions against the exact path's.""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import gguf
 import numpy as np
@@ -108,26 +109,37 @@ def test_int8_activations_agree_with_the_exact_path_on_a_tiny_model(tmp_path: Pa
     src = write_tiny_gguf(tmp_path / "tiny.gguf", _tiny_hf("llama", hidden, len(tok), tie_word_embeddings=False),
                           tok, qtype)
     prompt = [int(t) for t in torch.randint(3, len(tok), (96,), generator=torch.Generator().manual_seed(1))]
-    logits = {}
-    for activations in ("fp32", "int8"):
-        llm = LLM(model=str(src), quantization="gguf", cpu_activations=activations, num_kv_blocks=32)
+
+    def check(llm: LLM, activations: str) -> None:
         types = {m.native_type for m in llm.engine.runner.model.modules() if isinstance(m, QuantizedLinear)}
         assert types and all(bool(t & INT8_ACTIVATIONS) == (activations == "int8") for t in types)
-        logits[activations] = agreement_module.prompt_logits(llm, prompt)
-    base = torch.log_softmax(logits["fp32"].double(), dim=1)
-    result = agreement_module.agreement(base, logits["int8"])
+
+    result = int8_against_exact(src, prompt, check)
     # measured: KL 0.002 (32-weight types) to 0.04 (Q6_K), top-1 0.875 to 0.98 on this model, whose weights
     # are scaled up; Q4_K's or Q6_K's sub-block scales shifted by one gave KL 9 and top-1 0.01
     assert result.mean_kl < 0.1 and result.top1 >= 0.8, result
+
+
+def int8_against_exact(src: Path, prompt: list[int], check: Callable[[LLM, str], None]):
+    """The agreement of the GGUF's next-token distributions after each prefix of `prompt` with int8
+    activations against fp32 (`check` sees each LLM and its activations first), once int8 is shown to
+    change something and the int8 engine's decode steps (the one-call decoder stack) to give each
+    generated token's top logprobs as its prefill over prompt + output does."""
+    logits = {}
+    for activations in ("fp32", "int8"):
+        llm = LLM(model=str(src), quantization="gguf", cpu_activations=activations, num_kv_blocks=32)
+        check(llm, activations)
+        logits[activations] = agreement_module.prompt_logits(llm, prompt)
+    base = torch.log_softmax(logits["fp32"].double(), dim=1)
     int8_log_probs = torch.log_softmax(logits["int8"].double(), dim=1)
-    assert (int8_log_probs - base).abs().max() > 2e-3, "int8 rows changed nothing: the bound below tells nothing"
-    # decode: each generated token's top logprobs equal the int8 prefill's over prompt + output
+    assert (int8_log_probs - base).abs().max() > 2e-3, "int8 rows changed nothing: the bound tells nothing"
     out = llm.generate([prompt[:8]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5))[0]
     again = torch.log_softmax(agreement_module.prompt_logits(llm, prompt[:8] + out.token_ids).double(), dim=1)
     for step, entry in enumerate(out.logprobs):
         row = again[8 - 1 + step]
         for token, value in entry.top:
             assert abs(row[token].item() - value) < 2e-4, (step, token, row[token].item(), value)
+    return agreement_module.agreement(base, logits["int8"])
 
 
 def test_cpu_activations_takes_its_three_values_only() -> None:

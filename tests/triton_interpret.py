@@ -11,6 +11,18 @@ def device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def backend_device() -> torch.device:
+    """Where the Triton backend's tests run, the interpreter mended; a skip where the backend cannot run."""
+    import pytest
+
+    from roseinfer.backends.triton import TritonBackend
+
+    patch_interpreter()
+    if not TritonBackend.supports(device(), torch.float32):
+        pytest.skip("the Triton backend cannot run here")
+    return device()
+
+
 def patch_interpreter() -> None:
     """Triton < 3.8's interpreter takes a loop bound held in a tensor with int() of a 1-element
     array, which numpy >= 2.4 refuses (only 0-d arrays convert); 3.8 squeezes first, as this does."""
