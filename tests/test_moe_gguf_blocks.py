@@ -6,6 +6,7 @@ Q8_0 / Q4_K against HF on the dequantized weights in every scheduling mode the C
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -117,6 +118,16 @@ def test_one_call_equals_the_per_expert_loop_bit_for_bit(types: tuple[QT, QT], t
 
 
 
+def on_one_thread(forward: Callable[..., torch.Tensor], *args: torch.Tensor) -> torch.Tensor:
+    """forward(*args) with torch's thread count at 1 (a call's work items then all fall to one thread)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return forward(*args)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @needs_kernels
 @pytest.mark.parametrize("types", [(QT.Q4_K, QT.Q6_K), (QT.Q8_0, QT.Q8_0)], ids=["Q4_K+Q6_K", "Q8_0"])
 def test_one_call_with_whole_experts_as_items_equals_the_loop(types: tuple[QT, QT]) -> None:
@@ -126,13 +137,7 @@ def test_one_call_with_whole_experts_as_items_equals_the_loop(types: tuple[QT, Q
     torch.manual_seed(6)
     x = torch.randn(48, HIDDEN)
     weights, ids = select_experts(torch.randn(48, EXPERTS), 3, renormalize=True)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        got = blocks.forward(x, weights, ids)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(got, _per_expert_loop(blocks, x, weights, ids))
+    assert torch.equal(on_one_thread(blocks.forward, x, weights, ids), _per_expert_loop(blocks, x, weights, ids))
 
 @needs_kernels
 @pytest.mark.parametrize("tokens", [1, 5, 40])

@@ -22,7 +22,7 @@ from roseinfer.backends.cpu.quantized_experts import OneCallQuantizedExperts, Qu
 from roseinfer.models.moe import StackedExperts, select_experts
 from test_int8_activations import int8_against_exact
 from test_int8_gemm import reference
-from test_moe_gguf_blocks import EXPERTS, HIDDEN, _experts, _tiny_moe_hf
+from test_moe_gguf_blocks import EXPERTS, HIDDEN, _experts, _tiny_moe_hf, on_one_thread
 from test_native_kernels import needs_kernels
 from test_quant_kernel_builds import BUILDS, kernels_built_for
 
@@ -94,13 +94,7 @@ def test_int8_one_call_with_whole_experts_as_items() -> None:
     torch.manual_seed(6)
     x = torch.randn(48, HIDDEN)
     weights, ids = select_experts(torch.randn(48, EXPERTS), 3, renormalize=True)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        got = experts.forward(x, weights, ids)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(got, QuantizedExperts.forward(experts, x, weights, ids))
+    assert torch.equal(on_one_thread(experts.forward, x, weights, ids), QuantizedExperts.forward(experts, x, weights, ids))
 
 
 @needs_kernels
