@@ -26,6 +26,8 @@ import sys
 import tempfile
 from typing import Any, NamedTuple
 
+from roseinfer.config import EngineConfig
+
 # llama-batched-bench's table: |PP|TG|B|N_KV|T_PP s|S_PP t/s|T_TG s|S_TG t/s|T s|S t/s|
 LLAMA_ROW = re.compile(r"^\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*\d+\s*\|" + r"\s*([0-9.]+)\s*\|" * 6)
 
@@ -74,17 +76,23 @@ def llama_cpp_e2e(bin_dir: pathlib.Path, gguf: pathlib.Path, batch_sizes: list[i
 def roseinfer_summaries(model: pathlib.Path, quantization: str, batch_sizes: list[int], prompt_len: int,
                         new_tokens: int, threads: int, cpu_activations: str = "auto") -> dict[int, dict[str, Any]]:
     """`roseinfer bench offline`'s JSON summary per batch size: one full batch of requests, all
-    submitted at once, as llama-batched-bench runs them."""
+    submitted at once, as llama-batched-bench runs them. The KV pool holds the whole batch, as
+    llama-batched-bench's context (-c) does: a smaller pool would preempt and recompute."""
     summaries = {}
     with tempfile.TemporaryDirectory() as tmp:
         report = pathlib.Path(tmp) / "report.json"
         for batch in batch_sizes:
+            kv_blocks = batch * -(-(prompt_len + new_tokens) // EngineConfig.block_size)
             subprocess.run([sys.executable, "-m", "roseinfer.cli", "bench", "offline", "--model", str(model),
                             "--quantization", quantization, "--mode", "offline", "--batch-sizes", str(batch),
                             "--num-requests", str(batch), "--prompt-len", str(prompt_len),
                             "--max-new-tokens", str(new_tokens), "--no-stop-on-eos", "--num-threads", str(threads),
-                            "--cpu-activations", cpu_activations, "--json", str(report)], check=True, stdout=subprocess.DEVNULL)
+                            "--num-kv-blocks", str(kv_blocks), "--cpu-activations", cpu_activations,
+                            "--json", str(report)], check=True, stdout=subprocess.DEVNULL)
             summaries[batch] = json.loads(report.read_text())["summary"][0]
+            if summaries[batch]["num_preemptions"]:
+                raise RuntimeError(f"batch {batch} was preempted {summaries[batch]['num_preemptions']} times "
+                                   f"with {kv_blocks} KV blocks")
     return summaries
 
 

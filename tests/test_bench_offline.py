@@ -176,6 +176,29 @@ def test_prefix_cache_is_emptied_between_runs_unless_kept(model: str, keep: bool
     assert hits >= 32 if keep else hits == 0
 
 
+
+@pytest.mark.parametrize("mode", ["offline", "online"])
+@pytest.mark.parametrize("kv_blocks", [3, 64])
+def test_preemptions_are_counted_and_named(model: str, mode: str, kv_blocks: int, tmp_path, capsys) -> None:
+    """A KV pool too small for the batch preempts and recomputes: the run says so (a line and the
+    JSON's count) rather than passing the recompute off as the engine's speed."""
+    out_json = tmp_path / "offline.json"
+    # 4 requests of 12 + 20 tokens need 2 blocks of 16 each: 3 blocks cannot hold even two of them
+    rc = main(["bench", "offline", "--hf-model-id", model, "--mode", mode, "--num-requests", "4",
+               "--prompt-len", "12", "--max-new-tokens", "20", "--no-stop-on-eos", "--warmup-runs", "0",
+               "--num-kv-blocks", str(kv_blocks), "--json", str(out_json), *ONE_THREAD])
+    text = capsys.readouterr().out
+    assert rc == 0
+    report = json.loads(out_json.read_text())
+    (run,), (row,) = report["runs"], report["summary"]
+    assert run["completion_tokens"] == 4 * 20
+    assert row["num_preemptions"] == run["num_preemptions"]
+    if kv_blocks == 3:
+        assert run["num_preemptions"] > 0
+        assert f"Preemptions: {run['num_preemptions']} (the KV pool is smaller" in text
+    else:
+        assert run["num_preemptions"] == 0 and "Preemptions" not in text
+
 # --------------------------------------------------------------------------- --floor
 
 def test_do_sample_and_pack_flags() -> None:

@@ -1,4 +1,5 @@
-"""benchmarks/cpu_peers.py reads llama-batched-bench's table (a stand-in executable prints one here)."""
+"""benchmarks/cpu_peers.py reads llama-batched-bench's table (a stand-in executable prints one here) and sizes
+roseinfer's KV pool for the batch."""
 from __future__ import annotations
 
 import pathlib
@@ -35,3 +36,10 @@ def test_llama_cpp_e2e_is_output_tokens_over_total_time(tmp_path) -> None:
 def test_a_missing_batch_size_is_an_error(tmp_path) -> None:
     with pytest.raises(RuntimeError, match=r"no row for batch sizes \[64\]"):
         benchmark_script("cpu_peers").llama_cpp_e2e(_fake_bench(tmp_path, TABLE), tmp_path / "m.gguf", [1, 16, 64], 32, 64, 2)
+
+
+def test_roseinfer_gets_a_kv_pool_that_holds_the_batch(tiny_model_factory) -> None:
+    """As llama-batched-bench's context holds every sequence, so does the engine's pool, to the block:
+    20 + 30 tokens take 4 blocks of 16 a sequence (3 would preempt, and the script would raise)."""
+    summaries = benchmark_script("cpu_peers").roseinfer_summaries(tiny_model_factory("llama"), "none", [3], 20, 30, 1)
+    assert summaries[3]["num_preemptions"] == 0 and summaries[3]["batch_size"] == 3

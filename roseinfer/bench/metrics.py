@@ -81,6 +81,7 @@ class RequestTiming:
     # so that engine-side callers that only record tokens need not fill it in.
     end: float | None = None
     output_tokens: int | None = None
+    num_preemptions: int = 0  # times the engine took its KV blocks back and recomputed it
 
     @property
     def first_token(self) -> float | None:

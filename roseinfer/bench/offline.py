@@ -117,6 +117,10 @@ class RunResult:
         return count
 
     @property
+    def num_preemptions(self) -> int:
+        return sum(t.num_preemptions for t in self.timings)
+
+    @property
     def decode_throughput(self) -> float:
         """Decode-phase tokens over the decode time (the floor table's engine figure)."""
         return self.decode_tokens / self.decode_time if self.decode_time > 0 else 0.0
@@ -137,7 +141,7 @@ class RunResult:
             "throughput_completion_decode": self.throughput(self.decode_time),
             "throughput_completion_total": self.throughput(self.total_time),
             "decode_tokens": self.decode_tokens, "throughput_decode_tokens": self.decode_throughput,
-            "throughput_prefill": self.prefill_throughput,
+            "throughput_prefill": self.prefill_throughput, "num_preemptions": self.num_preemptions,
             "ttft_s": [t.ttft for t in self.timings], "tpot_s": [t.tpot for t in self.timings],
             "latency_s": [t.latency for t in self.timings],
         }
@@ -175,7 +179,8 @@ class RoseinferRunner:
             first, finished = out.metrics["first_token"], out.metrics["finished"]
             stamps = [first] if len(out.token_ids) < 2 else [first, finished]
             timings.append(RequestTiming(t0, t0, admitted=out.metrics["admitted"], token_times=stamps,
-                                         end=finished, output_tokens=len(out.token_ids)))
+                                         end=finished, output_tokens=len(out.token_ids),
+                                         num_preemptions=out.metrics["num_preemptions"]))
         return timings
 
     def _step_all(self, prompts: list[list[int]], params: SamplingParams) -> list[RequestTiming]:
@@ -193,6 +198,7 @@ class RoseinferRunner:
                 timing.token_times.extend([now] * len(out.new_token_ids))
                 if out.times is not None:
                     timing.admitted = out.times.admitted
+                    timing.num_preemptions = out.times.num_preemptions
                 if out.finished:
                     timing.end = now
         engine.pop_finished_ids()

@@ -61,6 +61,11 @@ def format_summary(title: str, runs: list[RunResult], warmup_runs: int) -> str:
         format_p50_mean("Throughput(completion,decode)", [r.throughput(r.decode_time) for r in runs], "tokens/s"),
         format_p50_mean("Throughput(completion,total)", [r.throughput(r.total_time) for r in runs], "tokens/s"),
     ]
+    preemptions = [r.num_preemptions for r in runs]
+    if any(preemptions):
+        # a preempted request is recomputed: the run measures a KV pool too small for the batch
+        lines.append(f"Preemptions: {', '.join(map(str, preemptions))} (the KV pool is smaller than the batch "
+                     "needs: --num-kv-blocks or --kv-cache-memory-gb)")
     if runs[0].mode == "online":  # only the online mode stamps every token as the engine hands it over
         lines += [
             format_p50_mean("TTFT", [_p50_ms([t.ttft for t in r.timings]) for r in runs], "ms"),
@@ -96,6 +101,7 @@ def summary_rows(results: list[RunResult]) -> list[dict[str, Any]]:
             "throughput_completion_total": statistics.fmean(r.throughput(r.total_time) for r in runs),
             "throughput_decode_tokens": statistics.fmean(r.decode_throughput for r in runs),
             "throughput_prefill": statistics.fmean(r.prefill_throughput for r in runs),
+            "num_preemptions": sum(r.num_preemptions for r in runs),
         })
     return rows
 
