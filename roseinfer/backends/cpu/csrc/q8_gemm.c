@@ -111,11 +111,11 @@ int q8_repack(const uint8_t *weight, int64_t type, int64_t n, int64_t k, uint8_t
 }
 
 /* x's integer sums a kernel reads besides its q's, 16 a block: Q4_K: 4 pairs of 16-bit sums over
- * sub-blocks (2p, 2p + 1) of 32; Q6_K: -32 times each 16-value sum */
+ * sub-blocks (2p, 2p + 1) of 32; Q6_K: -32 times each 16-value sum, as six_bit_offset packs it */
 static void block_sums(int64_t type, const block_q8_k *x, int32_t *sums) {
     for (int s = 0; s < 16; s++) sums[s] = 0;
     if (type == Q6_K) {
-        for (int s = 0; s < 16; s++) sums[s] = -32 * x->bsums[s];
+        for (int s = 0; s < 16; s++) sums[s] = six_bit_offset(x->bsums[s]);
         return;
     }
     for (int p = 0; p < 4; p++) {
@@ -136,22 +136,26 @@ static inline __attribute__((always_inline)) void q4_k_tile(const uint8_t *tile,
     for (int c = 0; c < cols; c++) acc[c] = zeros_f();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *rec = tile + b * Q4_K_RECORD;
-        lanes_i isum[GEMM_COLS], msum[GEMM_COLS];
+        lanes_i isum[K_GEMM_COLS], msum[K_GEMM_COLS];
         for (int c = 0; c < cols; c++) isum[c] = zeros_i(), msum[c] = zeros_i();
         for (int s = 0; s < 8; s++) {
-            /* two chains of dot products a row of x (low and high nibbles), so more are in flight */
-            lanes_i dot_low[GEMM_COLS], dot_high[GEMM_COLS];
-            for (int c = 0; c < cols; c++) dot_low[c] = zeros_i(), dot_high[c] = zeros_i();
+            /* the low and high nibbles' dots in two chains a row of x, or one (ONE_DOT_CHAIN) */
+            lanes_s dot_low[K_GEMM_COLS], dot_high[K_GEMM_COLS];
+            for (int c = 0; c < cols; c++) dot_low[c] = zeros_s(), dot_high[c] = zeros_s();
             for (int t = 0; t < 4; t++) {
                 const lanes_i q = load_bytes(rec + 320 + 256 * s + 64 * t), low = low_nibbles(q), high = high_nibbles(q);
                 for (int c = 0; c < cols; c++) {
                     const int8_t *xq = x[c * blocks + b].qs + 32 * s + 4 * t;
-                    dot_low[c] = dot4(dot_low[c], low, xq);
-                    dot_high[c] = dot4(dot_high[c], high, xq + 16);
+                    dot_low[c] = dot4_s(dot_low[c], low, xq);
+                    if (ONE_DOT_CHAIN)
+                        dot_low[c] = dot4_s(dot_low[c], high, xq + 16);
+                    else
+                        dot_high[c] = dot4_s(dot_high[c], high, xq + 16);
                 }
             }
-            const lanes_i scale = widen_u8(rec + 64 + 16 * s);
-            for (int c = 0; c < cols; c++) isum[c] = add_product(isum[c], add_i(dot_low[c], dot_high[c]), scale);
+            const lanes_i scale = scales_u8(rec + 64 + 16 * s);
+            for (int c = 0; c < cols; c++)
+                isum[c] = add_scaled(isum[c], ONE_DOT_CHAIN ? dot_low[c] : add_s(dot_low[c], dot_high[c]), scale);
         }
         for (int p = 0; p < 4; p++) {
             const lanes_i mins = widen_pairs(rec + 192 + 32 * p);
@@ -172,12 +176,15 @@ static inline __attribute__((always_inline)) void q6_k_tile(const uint8_t *tile,
     for (int c = 0; c < cols; c++) acc[c] = zeros_f();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *rec = tile + b * Q6_K_RECORD;
-        lanes_i isum[GEMM_COLS];
+        lanes_i isum[K_GEMM_COLS];
         for (int c = 0; c < cols; c++) isum[c] = zeros_i();
         for (int s = 0; s < 16; s++) {
-            lanes_i dot_even[GEMM_COLS], dot_odd[GEMM_COLS]; /* two chains a row of x */
-            for (int c = 0; c < cols; c++) dot_even[c] = broadcast_i(sums[(c * blocks + b) * 16 + s]), dot_odd[c] = zeros_i();
-            const lanes_i high = load_bytes(rec + 2336 + 64 * s);
+            /* two chains a row of x, or one (ONE_DOT_CHAIN); where a lanes_s holds the whole sub-block
+             * the -32 offset starts one */
+            lanes_s dot_even[K_GEMM_COLS], dot_odd[K_GEMM_COLS];
+            for (int c = 0; c < cols; c++)
+                dot_even[c] = SIX_BIT_DOTS >= 4 ? broadcast_i(sums[(c * blocks + b) * 16 + s]) : zeros_s(), dot_odd[c] = zeros_s();
+            const lanes_i high = load_bytes(rec + 2336 + 64 * s), scale = scales_i8(rec + 32 + 16 * s);
             for (int h = 0; h < 2; h++) {
                 const lanes_i low = load_bytes(rec + 288 + 128 * s + 64 * h);
                 /* values 8h + 0..3 and 8h + 4..7 of the sub-block: their top bits at 4h and 4h + 2 */
@@ -185,12 +192,20 @@ static inline __attribute__((always_inline)) void q6_k_tile(const uint8_t *tile,
                 const lanes_i odd = six_bits(shift_right(low, 4), h == 0 ? shift_left(high, 2) : shift_right(high, 2));
                 for (int c = 0; c < cols; c++) {
                     const int8_t *xq = x[c * blocks + b].qs + 16 * s + 8 * h;
-                    dot_even[c] = dot4(dot_even[c], even, xq);
-                    dot_odd[c] = dot4(dot_odd[c], odd, xq + 4);
+                    dot_even[c] = dot4_s(dot_even[c], even, xq);
+                    if (ONE_DOT_CHAIN)
+                        dot_even[c] = dot4_s(dot_even[c], odd, xq + 4);
+                    else
+                        dot_odd[c] = dot4_s(dot_odd[c], odd, xq + 4);
                 }
+                if (h == 1 || SIX_BIT_DOTS < 4)
+                    for (int c = 0; c < cols; c++) {
+                        isum[c] = add_scaled(isum[c], ONE_DOT_CHAIN ? dot_even[c] : add_s(dot_even[c], dot_odd[c]), scale);
+                        dot_even[c] = zeros_s(), dot_odd[c] = zeros_s();
+                    }
             }
-            const lanes_i scale = widen_i8(rec + 32 + 16 * s);
-            for (int c = 0; c < cols; c++) isum[c] = add_product(isum[c], add_i(dot_even[c], dot_odd[c]), scale);
+            if (SIX_BIT_DOTS < 4) /* the offset in add_scaled's form (six_bit_offset) */
+                for (int c = 0; c < cols; c++) isum[c] = add_scaled(isum[c], broadcast_i(sums[(c * blocks + b) * 16 + s]), scale);
         }
         const lanes_f d = halves(rec);
         for (int c = 0; c < cols; c++) acc[c] = fma_lanes(isum[c], times(d, x[c * blocks + b].d), acc[c]);
@@ -204,8 +219,8 @@ static void tile_times_rows(int64_t type, const uint8_t *tile, const block_q8_k 
     switch (cols) {                                                         \
     case 1: kernel(tile, x, sums, blocks, 1, acc); break;                   \
     case 2: kernel(tile, x, sums, blocks, 2, acc); break;                   \
-    case 3: kernel(tile, x, sums, blocks, GEMM_COLS > 3 ? 3 : GEMM_COLS, acc); break; /* 4 cols only */ \
-    default: kernel(tile, x, sums, blocks, GEMM_COLS, acc); break;          \
+    case 3: kernel(tile, x, sums, blocks, K_GEMM_COLS > 3 ? 3 : K_GEMM_COLS, acc); break; /* 4 cols only */ \
+    default: kernel(tile, x, sums, blocks, K_GEMM_COLS, acc); break;        \
     }
     if (type == Q4_K) {
         TILE_COLS(q4_k_tile)
@@ -282,9 +297,9 @@ void q8_gemm_quantized_rows(const block_q8_k *x, const int32_t *sums, const uint
     const int64_t blocks = k / 256, end = first_row + rows < n ? first_row + rows : n;
     for (int64_t first = first_row; first < end; first += GEMM_ROWS) {
         const uint8_t *tile = packed + first / GEMM_ROWS * blocks * record_bytes(type);
-        for (int64_t g = 0; g < m; g += GEMM_COLS) {
-            const int cols = m - g < GEMM_COLS ? (int)(m - g) : GEMM_COLS;
-            lanes_f acc[GEMM_COLS];
+        for (int64_t g = 0; g < m; g += K_GEMM_COLS) {
+            const int cols = m - g < K_GEMM_COLS ? (int)(m - g) : K_GEMM_COLS;
+            lanes_f acc[K_GEMM_COLS];
             tile_times_rows(type, tile, x + g * blocks, sums + g * blocks * 16, blocks, cols, acc);
             store_tile(acc, cols, bias, out + g * out_stride, out_stride, first, n);
         }

@@ -17,6 +17,8 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define GEMM_COLS 4 /* rows of x a tile's weights are multiplied into at once: 12 accumulators in registers */
+#define K_GEMM_COLS 4 /* the same for Q4_K and Q6_K tiles */
+#define ONE_DOT_CHAIN 0 /* each row of x keeps two chains of sums a sub-block, so more are in flight */
 
 typedef __m512i lanes_i;
 typedef __m512 lanes_f;
@@ -60,10 +62,26 @@ static inline lanes_f fma_lanes(lanes_i i, lanes_f scale, lanes_f acc) {
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), scale, acc);
 }
 static inline void store_f(float *out, lanes_f v) { _mm512_storeu_ps(out, v); }
+/* a few dot4 sums before a sub-block's scale multiplies them (lanes_s): 32-bit lanes here */
+typedef lanes_i lanes_s;
+#define SIX_BIT_DOTS 4 /* dot4s of 6-bit weights a lanes_s holds: a whole Q6_K sub-block */
+/* a Q6_K sub-block's -32 * (x's 16-value sum), as a lanes_s it starts from */
+static inline int32_t six_bit_offset(int bsum) { return -32 * bsum; }
+static inline lanes_s zeros_s(void) { return zeros_i(); }
+static inline lanes_s dot4_s(lanes_s acc, lanes_i w, const int8_t *x) { return dot4(acc, w, x); }
+static inline lanes_s add_s(lanes_s a, lanes_s b) { return add_i(a, b); }
+/* a sub-block's 16 scales (unsigned, signed) in the form add_scaled multiplies by */
+static inline lanes_i scales_u8(const uint8_t *p) { return widen_u8(p); }
+static inline lanes_i scales_i8(const uint8_t *p) { return widen_i8(p); }
+static inline lanes_i add_scaled(lanes_i acc, lanes_s sums, lanes_i scales) { return add_product(acc, sums, scales); }
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define GEMM_COLS 2 /* 16 lanes are two registers here: more rows of x spill */
+/* Q4_K and Q6_K tiles: one chain of 16-bit sums a row of x (2 registers) leaves room for 4 rows, and
+ * the nibbles cut from a weight load then feed 4 */
+#define K_GEMM_COLS 4
+#define ONE_DOT_CHAIN 1
 
 typedef struct { __m256i lo, hi; } lanes_i; /* rows 0-7, 8-15 */
 typedef struct { __m256 lo, hi; } lanes_f;
@@ -158,9 +176,54 @@ static inline void store_f(float *out, lanes_f v) {
     _mm256_storeu_ps(out, v.lo);
     _mm256_storeu_ps(out + 8, v.hi);
 }
+/* a few dot4 sums before a sub-block's scale multiplies them (lanes_s): vpmaddubsw's two 16-bit sums
+ * a lane, added with vpaddw, and vpmaddwd only once a sub-block, by the scale (in place of a vpmaddwd
+ * by 1 a dot4 and a vpmulld a sub-block). A pair is at most 2 * 63 * 127 = 16002 for 6-bit weights
+ * and 3810 for 4-bit ones, so 16 bits hold 2 dot4s of 6-bit weights, 8 of 4-bit ones (a Q4_K sub-block). */
+typedef lanes_i lanes_s;
+#define SIX_BIT_DOTS 2
+/* a Q6_K sub-block's -32 * (x's 16-value sum) as a lanes_s add_scaled takes: -16 * sum in both halves
+ * (|16 * sum| <= 16 * 16 * 127 fits 16 bits; -32 * sum may not) */
+static inline int32_t six_bit_offset(int bsum) {
+    const uint16_t half = (uint16_t)(int16_t)(-16 * bsum);
+    return (int32_t)((uint32_t)half | (uint32_t)half << 16);
+}
+static inline lanes_s zeros_s(void) { return zeros_i(); }
+static inline lanes_s dot4_s(lanes_s acc, lanes_i w, const int8_t *x) {
+    int32_t x4;
+    memcpy(&x4, x, sizeof x4);
+    const __m256i xv = _mm256_set1_epi32(x4);
+    lanes_s out = {_mm256_add_epi16(acc.lo, _mm256_maddubs_epi16(w.lo, xv)),
+                   _mm256_add_epi16(acc.hi, _mm256_maddubs_epi16(w.hi, xv))};
+    /* keeps the chain a chain: GCC otherwise reassociates a tile's 64 products into a tree whose
+     * leaves all go through the stack */
+    __asm__("" : "+x"(out.lo), "+x"(out.hi));
+    return out;
+}
+static inline lanes_s add_s(lanes_s a, lanes_s b) {
+    return (lanes_s){_mm256_add_epi16(a.lo, b.lo), _mm256_add_epi16(a.hi, b.hi)};
+}
+/* each lane's scale in both its 16-bit halves, for vpmaddwd */
+static inline __m256i twice16(__m256i v) {
+    return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(v, 16));
+}
+static inline lanes_i scales_u8(const uint8_t *p) {
+    const lanes_i v = widen_u8(p);
+    return (lanes_i){twice16(v.lo), twice16(v.hi)};
+}
+static inline lanes_i scales_i8(const uint8_t *p) {
+    const lanes_i v = widen_i8(p);
+    return (lanes_i){twice16(v.lo), twice16(v.hi)};
+}
+static inline lanes_i add_scaled(lanes_i acc, lanes_s sums, lanes_i scales) {
+    return (lanes_i){_mm256_add_epi32(acc.lo, _mm256_madd_epi16(sums.lo, scales.lo)),
+                     _mm256_add_epi32(acc.hi, _mm256_madd_epi16(sums.hi, scales.hi))};
+}
 
 #else
 #define GEMM_COLS 4
+#define K_GEMM_COLS 4
+#define ONE_DOT_CHAIN 0
 
 typedef struct { int32_t v[GEMM_ROWS]; } lanes_i;
 typedef struct { float v[GEMM_ROWS]; } lanes_f;
@@ -257,6 +320,15 @@ static inline lanes_f fma_lanes(lanes_i i, lanes_f scale, lanes_f acc) {
     return acc;
 }
 static inline void store_f(float *out, lanes_f v) { memcpy(out, v.v, sizeof v.v); }
+typedef lanes_i lanes_s; /* 32-bit sums, as on AVX-512 */
+#define SIX_BIT_DOTS 4
+static inline int32_t six_bit_offset(int bsum) { return -32 * bsum; }
+static inline lanes_s zeros_s(void) { return zeros_i(); }
+static inline lanes_s dot4_s(lanes_s acc, lanes_i w, const int8_t *x) { return dot4(acc, w, x); }
+static inline lanes_s add_s(lanes_s a, lanes_s b) { return add_i(a, b); }
+static inline lanes_i scales_u8(const uint8_t *p) { return widen_u8(p); }
+static inline lanes_i scales_i8(const uint8_t *p) { return widen_i8(p); }
+static inline lanes_i add_scaled(lanes_i acc, lanes_s sums, lanes_i scales) { return add_product(acc, sums, scales); }
 #endif
 
 /* csrc/q8_gemm_blocks32.c's part of the GEMM (32-weight blocks: Q8_0, Q5_0, Q5_1), which
