@@ -10,7 +10,9 @@ kept) and llama-batched-bench on the same file, one batch of B sequences of --pr
 bytes (every tensor but a looked-up embedding that is not also the LM head, and of a mixture of
 experts only the routed experts' share) over the read bandwidth measured in the same
 run (a torch sum over a buffer larger than the caches, --threads threads); roseinfer's batch-1 decode
-step is reported as a fraction of it (floor time / step time; 1.0 is at the floor).
+step is reported as a fraction of it (floor time / step time; 1.0 is at the floor). For a dense model,
+per batch size above 1, the exact path's compute ceiling too: torch's fp32 GEMM rate on a weight that
+stays in cache over the multiply-adds of a token (fp32 activations cannot decode faster).
 
     python benchmarks/cpu_gguf_peers.py --llama-cpp LLAMA_CPP/build/bin [--shape smollm2-1.7b]
         [--types Q4_K_M,Q8_0] [--batch-sizes 1,16,64] [--threads 2] [--work-dir /tmp/gguf-peers] [--gguf FILE]
@@ -90,6 +92,35 @@ def decode_weight_bytes(gguf: pathlib.Path, batch: int = 1) -> tuple[int, int, i
     return dense + round(experts * share), round(experts * share), experts
 
 
+def multiply_adds_per_token(gguf: pathlib.Path) -> int:
+    """Multiply-adds of one token's matmuls in a dense model: every 2-D weight's elements, an
+    embedding only where it is also the LM head (otherwise its rows are looked up)."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: int(t.n_elements) for t in GGUFReader(str(gguf)).tensors if len(t.shape) == 2}
+    tied = "output.weight" not in tensors
+    return sum(n for name, n in tensors.items() if tied or name != "token_embd.weight")
+
+
+def fp32_gemm_rate(threads: int, rows: int, seconds: float = 1.0) -> float:
+    """FLOP/s of torch's fp32 GEMM on `rows` rows of x against a 256 x 2048 weight (2 MB, in cache), with
+    `threads` threads: what fp32 multiply-adds reach here when memory is not what binds them."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x, w = torch.randn(rows, 2048), torch.randn(256, 2048)
+        for _ in range(50):
+            torch.nn.functional.linear(x, w)
+        calls, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            for _ in range(100):
+                torch.nn.functional.linear(x, w)
+            calls += 100
+        return 2 * rows * 2048 * 256 * calls / (time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(previous)
+
+
 def read_bandwidth(threads: int, nbytes: int = 1 << 30, repeats: int = 5) -> float:
     """Bytes/s a sum over nbytes of fp32 reads with `threads` torch threads: the best of `repeats`."""
     previous = torch.get_num_threads()
@@ -146,6 +177,13 @@ def compare(gguf: pathlib.Path, args: argparse.Namespace, bandwidth: float) -> N
         print(f"batch-1 decode: floor {weights / 1e9:.3f} GB / {bandwidth / 1e9:.1f} GB/s = {floor * 1e3:.1f} ms; "
               f"roseinfer step {step * 1e3:.1f} ms (floor/step {floor / step:.2f}){int8}, llama.cpp "
               f"{peer_step * 1e3:.1f} ms ({floor / peer_step:.2f})")
+    if not all_experts:
+        # the exact path multiplies fp32 activations by fp32 weights: its decode cannot beat this rate
+        macs = multiply_adds_per_token(gguf)
+        for batch in (b for b in sizes if b > 1):
+            rate = fp32_gemm_rate(args.threads, batch)
+            print(f"batch-{batch} compute ceiling of the exact path: fp32 GEMM in cache {rate / 1e9:.1f} GFLOP/s / "
+                  f"{2 * macs / 1e9:.2f} GFLOP a token = {rate / (2 * macs):.1f} tok/s")
 
 
 def main() -> None:
