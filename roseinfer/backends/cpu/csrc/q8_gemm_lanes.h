@@ -17,8 +17,6 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define GEMM_COLS 4 /* rows of x a tile's weights are multiplied into at once: 12 accumulators in registers */
-#define K_GEMM_COLS 4 /* the same for Q4_K and Q6_K tiles */
-#define ONE_DOT_CHAIN 0 /* each row of x keeps two chains of sums a sub-block, so more are in flight */
 
 typedef __m512i lanes_i;
 typedef __m512 lanes_f;
@@ -62,18 +60,6 @@ static inline lanes_f fma_lanes(lanes_i i, lanes_f scale, lanes_f acc) {
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), scale, acc);
 }
 static inline void store_f(float *out, lanes_f v) { _mm512_storeu_ps(out, v); }
-/* a few dot4 sums before a sub-block's scale multiplies them (lanes_s): 32-bit lanes here */
-typedef lanes_i lanes_s;
-#define SIX_BIT_DOTS 4 /* dot4s of 6-bit weights a lanes_s holds: a whole Q6_K sub-block */
-/* a Q6_K sub-block's -32 * (x's 16-value sum), as a lanes_s it starts from */
-static inline int32_t six_bit_offset(int bsum) { return -32 * bsum; }
-static inline lanes_s zeros_s(void) { return zeros_i(); }
-static inline lanes_s dot4_s(lanes_s acc, lanes_i w, const int8_t *x) { return dot4(acc, w, x); }
-static inline lanes_s add_s(lanes_s a, lanes_s b) { return add_i(a, b); }
-/* a sub-block's 16 scales (unsigned, signed) in the form add_scaled multiplies by */
-static inline lanes_i scales_u8(const uint8_t *p) { return widen_u8(p); }
-static inline lanes_i scales_i8(const uint8_t *p) { return widen_i8(p); }
-static inline lanes_i add_scaled(lanes_i acc, lanes_s sums, lanes_i scales) { return add_product(acc, sums, scales); }
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -222,8 +208,6 @@ static inline lanes_i add_scaled(lanes_i acc, lanes_s sums, lanes_i scales) {
 
 #else
 #define GEMM_COLS 4
-#define K_GEMM_COLS 4
-#define ONE_DOT_CHAIN 0
 
 typedef struct { int32_t v[GEMM_ROWS]; } lanes_i;
 typedef struct { float v[GEMM_ROWS]; } lanes_f;
@@ -320,12 +304,19 @@ static inline lanes_f fma_lanes(lanes_i i, lanes_f scale, lanes_f acc) {
     return acc;
 }
 static inline void store_f(float *out, lanes_f v) { memcpy(out, v.v, sizeof v.v); }
-typedef lanes_i lanes_s; /* 32-bit sums, as on AVX-512 */
-#define SIX_BIT_DOTS 4
+#endif
+
+#ifndef SIX_BIT_DOTS /* AVX-512 and plain C: the sub-block sums (lanes_s) in 32-bit lanes, as lanes_i */
+#define K_GEMM_COLS GEMM_COLS /* rows of x a Q4_K or Q6_K tile's weights are multiplied into at once */
+#define ONE_DOT_CHAIN 0 /* each row of x keeps two chains of sums a sub-block, so more are in flight */
+typedef lanes_i lanes_s;
+#define SIX_BIT_DOTS 4 /* dot4s of 6-bit weights a lanes_s holds: a whole Q6_K sub-block */
+/* a Q6_K sub-block's -32 * (x's 16-value sum), as a lanes_s it starts from */
 static inline int32_t six_bit_offset(int bsum) { return -32 * bsum; }
 static inline lanes_s zeros_s(void) { return zeros_i(); }
 static inline lanes_s dot4_s(lanes_s acc, lanes_i w, const int8_t *x) { return dot4(acc, w, x); }
 static inline lanes_s add_s(lanes_s a, lanes_s b) { return add_i(a, b); }
+/* a sub-block's 16 scales (unsigned, signed) in the form add_scaled multiplies by */
 static inline lanes_i scales_u8(const uint8_t *p) { return widen_u8(p); }
 static inline lanes_i scales_i8(const uint8_t *p) { return widen_i8(p); }
 static inline lanes_i add_scaled(lanes_i acc, lanes_s sums, lanes_i scales) { return add_product(acc, sums, scales); }
