@@ -2,8 +2,9 @@
  * and Q5_1) repacked at load (--cpu-activations int8): a tile
  * of GEMM_ROWS = 16 weight rows is interleaved so that one 64-byte vector holds 4 consecutive
  * weights of each of its 16 rows (a 32-bit lane a row), and one integer dot product (vpdpbusd on
- * AVX-512 VNNI; vpmaddubsw + vpmaddwd on AVX2) multiplies it by 4 values of one row of x broadcast
- * to every lane: a weight load feeds up to GEMM_COLS rows of x, and the 16 outputs of a tile stay in
+ * AVX-512 VNNI; vpmaddubsw, with 16-bit sums on AVX2: q8_gemm_lanes.h) multiplies it by 4 values of
+ * one row of x broadcast to every lane: a weight load feeds up to K_GEMM_COLS rows of x (GEMM_COLS
+ * for the 32-weight blocks), and the 16 outputs of a tile stay in
  * the lanes, never reduced across them. A sub-block's integer dot is multiplied by the 16 rows'
  * scales once; the rows of x are quantized to Q8_K as the unpacked path quantizes them.
  *
