@@ -28,12 +28,14 @@ are found two folders above build/bin; --llama-cpp-src overrides). The converter
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import pathlib
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import torch
 from cpu_peers import llama_cpp_rows, roseinfer_summaries  # beside this script
@@ -102,12 +104,21 @@ def multiply_adds_per_token(gguf: pathlib.Path) -> int:
     return sum(n for name, n in tensors.items() if tied or name != "token_embd.weight")
 
 
-def fp32_gemm_rate(threads: int, rows: int, seconds: float = 1.0) -> float:
-    """FLOP/s of torch's fp32 GEMM on `rows` rows of x against a 256 x 2048 weight (2 MB, in cache), with
-    `threads` threads: what fp32 multiply-adds reach here when memory is not what binds them."""
+@contextlib.contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """torch's intra-op threads set to `threads` for the block, then set back."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def fp32_gemm_rate(threads: int, rows: int, seconds: float = 1.0) -> float:
+    """FLOP/s of torch's fp32 GEMM on `rows` rows of x against a 256 x 2048 weight (2 MB, in cache), with
+    `threads` threads: what fp32 multiply-adds reach here when memory is not what binds them."""
+    with torch_threads(threads):
         x, w = torch.randn(rows, 2048), torch.randn(256, 2048)
         for _ in range(50):
             torch.nn.functional.linear(x, w)
@@ -117,23 +128,17 @@ def fp32_gemm_rate(threads: int, rows: int, seconds: float = 1.0) -> float:
                 torch.nn.functional.linear(x, w)
             calls += 100
         return 2 * rows * 2048 * 256 * calls / (time.perf_counter() - start)
-    finally:
-        torch.set_num_threads(previous)
 
 
 def read_bandwidth(threads: int, nbytes: int = 1 << 30, repeats: int = 5) -> float:
     """Bytes/s a sum over nbytes of fp32 reads with `threads` torch threads: the best of `repeats`."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         buffer = torch.ones(nbytes // 4)
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
             buffer.sum()
             times.append(time.perf_counter() - start)
-    finally:
-        torch.set_num_threads(previous)
     return nbytes / min(times)
 
 
