@@ -3,8 +3,9 @@
  * write outside a buffer aborts with a report. Every type it takes, one block per row and three, row
  * counts that leave partial groups of rows, and an output width that leaves a partial tile; also
  * through the norm prologue, as the one-call decode stack calls it; Q4_K, Q6_K, Q8_0, Q5_0 and Q5_1 also
- * repacked into csrc/q8_gemm.c's tiles of 16 rows (37: a partial tile) and run through its GEMM. The blocks are random bytes with
- * small fp16 scales (values do not matter here). */
+ * repacked into csrc/q8_gemm.c's tiles of 16 rows (37: a partial tile) and run through its GEMM, alone
+ * and as the parts of one weight (x's rows quantized once into every form they read). The blocks are
+ * random bytes with small fp16 scales (values do not matter here). */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -58,6 +59,32 @@ int main(void) {
             free(packed);
         }
     }
+    /* a weight in Q4_K, Q6_K and Q8_0 parts of 37 rows each, every part repacked */
+    const int64_t part_types[3][3] = {{12, 144, 256}, {14, 210, 256}, {8, 34, 32}}, k = 512, n = 37;
+    weight_part_t parts[3];
+    for (int p = 0; p < 3; p++) {
+        uint8_t *w = blocks(n * k / part_types[p][2], part_types[p][1]);
+        uint8_t *packed = malloc((size_t)q8_repacked_bytes(part_types[p][0], n, k));
+        if (q8_repack(w, part_types[p][0], n, k, packed, 2) != 0) {
+            printf("part %d: repacking failed\n", p);
+            return 1;
+        }
+        parts[p] = (weight_part_t){packed, part_types[p][0] | INT8_ACTIVATIONS | INT8_REPACKED, n};
+        free(w);
+    }
+    for (int64_t m = 1; m <= 11; m += 5) {
+        float *x = malloc(sizeof(float) * (size_t)(m * k)), *out = malloc(sizeof(float) * (size_t)(m * 3 * n));
+        float *norm = malloc(sizeof(float) * (size_t)k);
+        for (int64_t i = 0; i < m * k; i++) x[i] = (float)rand() / RAND_MAX - 0.5f;
+        for (int64_t i = 0; i < k; i++) norm[i] = 1.0f;
+        if (weight_matmul_f32(x, k, parts, -3, NULL, out, m, 3 * n, k, 2) != 0 ||
+            rms_norm_packed_matmul_f32(x, k, NULL, norm, 1e-5f, parts, -3, NULL, out, m, 3 * n, k, 2) != 0) {
+            printf("parts: a matmul returned nonzero\n");
+            return 1;
+        }
+        free(x); free(out); free(norm);
+    }
+    for (int p = 0; p < 3; p++) free((void *)parts[p].blocks);
     printf("ok\n");
     return 0;
 }

@@ -205,17 +205,26 @@ def test_a_tied_lm_head_runs_the_gemm_on_a_copy_and_the_embedding_keeps_its_bloc
     assert torch.equal(embedding(ids), dense[ids])
 
 
+PARTS_CASES = {
+    # Gemma-3's Q4_K_M q/k/v layout with a Q4_0 part, which keeps fp32 rows
+    "q5_0,q5_0,q8_0,q4_0": (96, [(QT.Q5_0, 37), (QT.Q5_0, 5), (QT.Q8_0, 16), (QT.Q4_0, 3)]),
+    # every part repacked, reading all three forms of x's rows (Q8_K with both sums, Q8_0) quantized once
+    "q4_k,q6_k,q8_0,q4_k": (512, [(QT.Q4_K, 37), (QT.Q6_K, 5), (QT.Q8_0, 16), (QT.Q4_K, 19)]),
+}
+
+
 @needs_kernels
 @pytest.mark.parametrize("rows", [1, 6])
-def test_a_weight_in_parts_runs_each_repacked_parts_gemm_into_its_columns(rows: int) -> None:
-    """A fused q/k/v in Q5_0, Q5_0 and Q8_0 (Gemma-3's Q4_K_M layout) with a Q4_0 part: under int8 each part
-    of a repacked type runs its GEMM into its columns, bit for bit as that part alone, and the Q4_0 part
-    keeps its fp32 rows; the weight becomes the parts' bytes back to back."""
+@pytest.mark.parametrize("case", list(PARTS_CASES))
+def test_a_weight_in_parts_runs_each_repacked_parts_gemm_into_its_columns(case: str, rows: int) -> None:
+    """A fused q/k/v in parts: under int8 each part of a repacked type runs its GEMM into its columns, bit
+    for bit as that part alone, a Q4_0 part keeps its fp32 rows; the weight becomes the parts' bytes back
+    to back."""
     from roseinfer.backends.cpu.quantized import QuantizedPartsLinear, install
     from roseinfer.layers.linear import Linear
     from roseinfer.models.weights import BlockPart
 
-    k, parts = 96, [(QT.Q5_0, 37), (QT.Q5_0, 5), (QT.Q8_0, 16), (QT.Q4_0, 3)]
+    k, parts = PARTS_CASES[case]
     blocks = [raw_blocks(qtype, n, k, seed=i) if qtype != QT.Q4_0 else random_blocks(qtype, n, k, seed=i)[0]
               for i, (qtype, n) in enumerate(parts)]
     linear = Linear(k, sum(n for _, n in parts), bias=True)
@@ -226,10 +235,10 @@ def test_a_weight_in_parts_runs_each_repacked_parts_gemm_into_its_columns(rows: 
     linear.weight = weight
     install(nn.Sequential(linear), int8_activations=True)
     assert isinstance(linear, QuantizedPartsLinear)
-    assert [p.type for p in linear.weight_parts] == [int(q) | INT8_ACTIVATIONS | INT8_REPACKED for q, _ in parts[:3]] + [
-        int(QT.Q4_0)]
+    assert [p.type for p in linear.weight_parts] == [
+        int(q) | INT8_ACTIVATIONS | INT8_REPACKED if q != QT.Q4_0 else int(q) for q, _ in parts]
     x = torch.randn(rows, k)
     biases = linear.bias.split([n for _, n in parts])
-    expected = [gemm(x, b, q, c) for b, (q, _), c in zip(blocks[:3], parts, biases)]
-    expected.append(ops.quant_matmul(x, blocks[3], int(QT.Q4_0), biases[3]))
+    expected = [gemm(x, b, q, c) if q != QT.Q4_0 else ops.quant_matmul(x, b, int(q), c)
+                for b, (q, _), c in zip(blocks, parts, biases)]
     assert torch.equal(linear(x), torch.cat(expected, dim=1))

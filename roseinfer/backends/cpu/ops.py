@@ -292,7 +292,7 @@ def weight_matmul(x: torch.Tensor, weight_ptr: int, weight_type: int, out_featur
         out=out.data_ptr(), m=m, n=out_features, k=k, num_threads=torch.get_num_threads())
     if failed:
         raise ValueError(f"weight_matmul: layout {weight_type} with rows of {k} weights into {out_features} "
-                         "outputs is not supported")
+                         "outputs is not supported, or its buffers could not be allocated")
     return out
 
 

@@ -23,6 +23,7 @@
 #include <string.h>
 
 #include "kernels.h"
+#include "q8_activations.h"
 #include "quants.h"
 #include "simd.h"
 
@@ -149,45 +150,87 @@ static void weight_matmul_tasks(const float *x, int64_t x_stride, const void *we
     }
 }
 
-/* out [m, n] = x [m, k] W^T (+ bias), W packed fp32 (weight_type 0), -weight_type parts
- * (weight_part_t) or GGUF blocks of that type. Returns nonzero (nothing written) where a type is not
- * handled, k is not whole blocks of it or the parts' rows do not add up to n. */
-int weight_matmul_f32(const float *x, int64_t x_stride, const void *weight, int64_t weight_type, const float *bias,
-                      float *out, int64_t m, int64_t n, int64_t k, int num_threads) {
-    if (!weight_shape_ok(weight, weight_type, n, k)) return 1;
-#pragma omp parallel num_threads(num_threads)
-    weight_matmul_tasks(x, x_stride, weight, weight_type, bias, out, m, n, k);
-    return 0;
+/* The forms of x's quantized rows that a weight's repacked tiles read (q8_rows_forms over its parts),
+ * or 0 where it, or one of its parts, is not repacked. */
+static unsigned repacked_forms(const void *weight, int64_t weight_type) {
+    if (weight_type == 0) return 0;
+    if (weight_type > 0) return weight_type & INT8_REPACKED ? q8_rows_forms(weight_type & ~TYPE_FLAGS) : 0;
+    const weight_part_t *parts = weight;
+    unsigned forms = 0;
+    for (int64_t i = 0; i < -weight_type; i++) {
+        if (!(parts[i].type & INT8_REPACKED)) return 0;
+        forms |= q8_rows_forms(parts[i].type & ~TYPE_FLAGS);
+    }
+    return forms;
 }
 
-enum prologue { NORM_ROWS, SILU_MUL_ROWS };
+/* weight_matmul_tasks where every part is repacked, on x's rows quantized for all of them */
+static void repacked_matmul_tasks(const q8_rows_t *rows, const void *weight, int64_t weight_type, const float *bias,
+                                  float *out, int64_t m, int64_t n) {
+    if (weight_type > 0) {
+        q8_gemm_part_tasks(rows, weight, weight_type & ~TYPE_FLAGS, bias, out, n, m, n);
+        return;
+    }
+    const weight_part_t *parts = weight;
+    for (int64_t i = 0, first = 0; i < -weight_type; first += parts[i].rows, i++)
+        q8_gemm_part_tasks(rows, parts[i].blocks, parts[i].type & ~TYPE_FLAGS, bias != NULL ? bias + first : NULL,
+                           out + first, n, m, parts[i].rows);
+}
+
+enum prologue { NO_ROWS, NORM_ROWS, SILU_MUL_ROWS };
 
 /* The matmul on rows computed first from x, in one parallel region: the `omp for` over the rows
- * ends in a barrier, so every row is written before a matmul task reads it. NORM_ROWS: x [m, k]
- * rows x_stride floats apart through rms_norm_row; SILU_MUL_ROWS: x rows [gate | up] of 2k floats
- * through silu_mul_row. weight_type 0: `packed` is the 64-row packed layout; negative: `packed` is
- * that many weight_part_t; otherwise a GGML type and `packed` its blocks (csrc/quant_matmul.c). Returns nonzero where the rows' buffer could not be
- * allocated or the type is not handled (nothing is written). */
+ * ends in a barrier, so every row is written before a matmul task reads it. NO_ROWS: x itself;
+ * NORM_ROWS: x [m, k] rows x_stride floats apart through rms_norm_row; SILU_MUL_ROWS: x rows
+ * [gate | up] of 2k floats through silu_mul_row. Where every part of W is repacked for the int8
+ * GEMM, the same loop quantizes each row once for all of them. Returns nonzero where a buffer could
+ * not be allocated or the type is not handled (nothing is written). */
 static int prologue_matmul(enum prologue kind, const float *x, int64_t x_stride, float *residual,
                            const float *norm_weight, float eps, const void *packed, int64_t weight_type,
                            const float *bias, float *out, int64_t m, int64_t n, int64_t k, int num_threads) {
     if (!weight_shape_ok(packed, weight_type, n, k)) return 1;
-    float *rows = malloc((size_t)(m * k) * sizeof(float));
-    if (rows == NULL) return 1;
+    const unsigned forms = repacked_forms(packed, weight_type);
+    float *rows = kind == NO_ROWS ? NULL : malloc((size_t)(m * k) * sizeof(float));
+    void *quantized = forms ? malloc(q8_rows_bytes(forms, m, k)) : NULL;
+    if ((kind != NO_ROWS && rows == NULL) || (forms && quantized == NULL)) {
+        free(rows);
+        free(quantized);
+        return 1;
+    }
+    const q8_rows_t q8 = forms ? q8_rows_at(quantized, forms, m, k) : (q8_rows_t){0};
+    const float *input = kind == NO_ROWS ? x : rows;
+    const int64_t input_stride = kind == NO_ROWS ? x_stride : k;
 #pragma omp parallel num_threads(num_threads)
     {
+        if (kind != NO_ROWS || forms) {
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < m; i++) {
-            const float *row = x + i * x_stride;
-            if (kind == NORM_ROWS)
-                rms_norm_row(row, residual != NULL ? residual + i * k : NULL, norm_weight, rows + i * k, k, eps);
-            else
-                silu_mul_row(row, row + k, rows + i * k, k);
+            for (int64_t i = 0; i < m; i++) {
+                const float *row = x + i * x_stride;
+                if (kind == NORM_ROWS)
+                    rms_norm_row(row, residual != NULL ? residual + i * k : NULL, norm_weight, rows + i * k, k, eps);
+                else if (kind == SILU_MUL_ROWS)
+                    silu_mul_row(row, row + k, rows + i * k, k);
+                if (forms) q8_rows_quantize(&q8, input + i * input_stride, i);
+            }
         }
-        weight_matmul_tasks(rows, k, packed, weight_type, bias, out, m, n, k);
+        if (forms)
+            repacked_matmul_tasks(&q8, packed, weight_type, bias, out, m, n);
+        else
+            weight_matmul_tasks(input, input_stride, packed, weight_type, bias, out, m, n, k);
     }
     free(rows);
+    free(quantized);
     return 0;
+}
+
+/* out [m, n] = x [m, k] W^T (+ bias), W packed fp32 (weight_type 0), -weight_type parts
+ * (weight_part_t) or GGUF blocks of that type. Returns nonzero (nothing written) where a type is not
+ * handled, k is not whole blocks of it, the parts' rows do not add up to n or a buffer could not be
+ * allocated. */
+int weight_matmul_f32(const float *x, int64_t x_stride, const void *weight, int64_t weight_type, const float *bias,
+                      float *out, int64_t m, int64_t n, int64_t k, int num_threads) {
+    return prologue_matmul(NO_ROWS, x, x_stride, NULL, NULL, 0.0f, weight, weight_type, bias, out, m, n, k,
+                           num_threads);
 }
 
 /* out = rms_norm(x (+ residual)) W^T (+ bias), with rms_norm_f32's rounding (rms_norm_row). residual:

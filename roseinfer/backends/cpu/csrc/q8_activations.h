@@ -10,6 +10,7 @@
 #ifndef ROSEINFER_Q8_ACTIVATIONS_H
 #define ROSEINFER_Q8_ACTIVATIONS_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #define Q8_GROUP 4 /* rows of x a weight row is multiplied into at once, decoded once for them */
@@ -52,6 +53,29 @@ void quantize_row_q8_0(const float *x, int64_t k, block_q8_0 *out);
  * not be allocated) */
 void q8_gemm_tasks(const float *x, int64_t x_stride, const uint8_t *packed, int64_t type, const float *bias,
                    float *out, int64_t out_stride, int64_t m, int64_t n, int64_t k);
+
+/* x's rows quantized once for every repacked part of one weight (a fused q/k/v reads them once, not
+ * once a part): the forms its parts' types read (q8_rows_forms) in one buffer of q8_rows_bytes */
+#define Q8_ROWS_Q4_K 1u /* Q8_K blocks and Q4_K's sums */
+#define Q8_ROWS_Q6_K 2u /* Q8_K blocks and Q6_K's sums */
+#define Q8_ROWS_32 4u   /* Q8_0 blocks */
+typedef struct {
+    unsigned forms;
+    int64_t k;
+    block_q8_k *k_rows;
+    int32_t *sums[2]; /* Q4_K's, Q6_K's: 16 a block */
+    block_q8_0 *rows32;
+} q8_rows_t;
+
+unsigned q8_rows_forms(int64_t type);
+size_t q8_rows_bytes(unsigned forms, int64_t m, int64_t k);
+q8_rows_t q8_rows_at(void *buffer, unsigned forms, int64_t m, int64_t k);
+/* row i of x, k floats, into every form of rows */
+void q8_rows_quantize(const q8_rows_t *rows, const float *x, int64_t i);
+/* q8_gemm_tasks' tiles on rows quantized already, shared over the enclosing parallel region with no
+ * barrier after them: a weight's parts run back to back, each thread on its share of each */
+void q8_gemm_part_tasks(const q8_rows_t *rows, const uint8_t *packed, int64_t type, const float *bias, float *out,
+                        int64_t out_stride, int64_t m, int64_t n);
 
 /* Row i of x quantized as q8_gemm_tasks quantizes it: k / 256 Q8_K blocks at out and the 16 integer
  * sums a block that a `type` (Q4_K or Q6_K) tile reads besides the q's, at sums */

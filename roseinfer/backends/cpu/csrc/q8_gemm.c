@@ -130,6 +130,48 @@ void q8_gemm_quantize_row(const float *x, int64_t type, int64_t k, block_q8_k *o
     for (int64_t b = 0; b < k / 256; b++) block_sums(type, out + b, sums + b * 16);
 }
 
+unsigned q8_rows_forms(int64_t type) {
+    return type == Q4_K ? Q8_ROWS_Q4_K : type == Q6_K ? Q8_ROWS_Q6_K : Q8_ROWS_32;
+}
+
+/* rows' buffer from address `at` on: Q8_K blocks (where a K-quant reads them), Q4_K's sums, Q6_K's
+ * sums, Q8_0 blocks, each where its form is wanted; returns the address past it */
+static uintptr_t lay_out(uintptr_t at, unsigned forms, int64_t m, int64_t k, q8_rows_t *rows) {
+    const size_t k_blocks = (size_t)(m * (k / 256));
+    *rows = (q8_rows_t){.forms = forms, .k = k};
+    rows->k_rows = (block_q8_k *)at;
+    at += forms & (Q8_ROWS_Q4_K | Q8_ROWS_Q6_K) ? k_blocks * sizeof(block_q8_k) : 0;
+    rows->sums[0] = (int32_t *)at;
+    at += forms & Q8_ROWS_Q4_K ? k_blocks * 16 * sizeof(int32_t) : 0;
+    rows->sums[1] = (int32_t *)at;
+    at += forms & Q8_ROWS_Q6_K ? k_blocks * 16 * sizeof(int32_t) : 0;
+    rows->rows32 = (block_q8_0 *)at;
+    return at + (forms & Q8_ROWS_32 ? (size_t)(m * (k / 32)) * sizeof(block_q8_0) : 0);
+}
+
+size_t q8_rows_bytes(unsigned forms, int64_t m, int64_t k) {
+    q8_rows_t rows;
+    return (size_t)lay_out(0, forms, m, k, &rows);
+}
+
+q8_rows_t q8_rows_at(void *buffer, unsigned forms, int64_t m, int64_t k) {
+    q8_rows_t rows;
+    lay_out((uintptr_t)buffer, forms, m, k, &rows);
+    return rows;
+}
+
+void q8_rows_quantize(const q8_rows_t *rows, const float *x, int64_t i) {
+    const int64_t k = rows->k, blocks = k / 256;
+    if (rows->forms & (Q8_ROWS_Q4_K | Q8_ROWS_Q6_K)) {
+        block_q8_k *q = rows->k_rows + i * blocks;
+        const int six = !(rows->forms & Q8_ROWS_Q4_K);
+        q8_gemm_quantize_row(x, six ? Q6_K : Q4_K, k, q, rows->sums[six] + i * blocks * 16);
+        for (int64_t b = 0; !six && (rows->forms & Q8_ROWS_Q6_K) && b < blocks; b++)
+            block_sums(Q6_K, q + b, rows->sums[1] + (i * blocks + b) * 16);
+    }
+    if (rows->forms & Q8_ROWS_32) quantize_row_q8_0(x, k, rows->rows32 + i * (k / 32));
+}
+
 /* Sub-block s of `parts` prefetches its share of the record after next: one or two rows of x read
  * the tiles faster than the hardware prefetcher brings them (one thread, 110 MB of Q6_K, one row:
  * 8.6 GB/s without, 22 with); more rows are bound by their arithmetic */
@@ -266,38 +308,36 @@ static void blocks32_quantized_rows(const block_q8_0 *x, const uint8_t *packed, 
     }
 }
 
+void q8_gemm_part_tasks(const q8_rows_t *rows, const uint8_t *packed, int64_t type, const float *bias, float *out,
+                        int64_t out_stride, int64_t m, int64_t n) {
+    const int64_t k = rows->k, tiles = (n + GEMM_ROWS - 1) / GEMM_ROWS;
+#pragma omp for schedule(static) nowait
+    for (int64_t t = 0; t < tiles; t++) {
+        if (q8_k_activations(type))
+            q8_gemm_quantized_rows(rows->k_rows, rows->sums[type == Q6_K], packed, type, bias, out, out_stride, m,
+                                   t * GEMM_ROWS, GEMM_ROWS, n, k);
+        else
+            blocks32_quantized_rows(rows->rows32, packed, type, bias, out, out_stride, m, t * GEMM_ROWS, n, k / 32);
+    }
+}
+
 void q8_gemm_tasks(const float *x, int64_t x_stride, const uint8_t *packed, int64_t type, const float *bias,
                    float *out, int64_t out_stride, int64_t m, int64_t n, int64_t k) {
-    const int k_blocks = q8_k_activations(type); /* else 32-blocks on Q8_0 rows */
-    const int64_t blocks = k / quant_block_weights(type), tiles = (n + GEMM_ROWS - 1) / GEMM_ROWS;
-    const size_t row_block_bytes = k_blocks ? sizeof(block_q8_k) + 16 * sizeof(int32_t) : sizeof(block_q8_0);
+    const unsigned forms = q8_rows_forms(type);
     void *buffer = NULL;
 #pragma omp single copyprivate(buffer)
-    buffer = malloc((size_t)(m * blocks) * row_block_bytes);
+    buffer = malloc(q8_rows_bytes(forms, m, k));
     if (buffer == NULL) { /* NaN outputs rather than silently wrong ones */
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < m; i++)
             for (int64_t j = 0; j < n; j++) out[i * out_stride + j] = NAN;
         return;
     }
-    block_q8_k *activations = buffer;
-    block_q8_0 *activations32 = buffer;
-    int32_t *sums = (int32_t *)(activations + m * blocks);
+    const q8_rows_t rows = q8_rows_at(buffer, forms, m, k);
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < m; i++) {
-        if (k_blocks)
-            q8_gemm_quantize_row(x + i * x_stride, type, k, activations + i * blocks, sums + i * blocks * 16);
-        else
-            quantize_row_q8_0(x + i * x_stride, k, activations32 + i * blocks);
-    }
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < tiles; t++) {
-        if (k_blocks)
-            q8_gemm_quantized_rows(activations, sums, packed, type, bias, out, out_stride, m, t * GEMM_ROWS, GEMM_ROWS,
-                                   n, k);
-        else
-            blocks32_quantized_rows(activations32, packed, type, bias, out, out_stride, m, t * GEMM_ROWS, n, blocks);
-    }
+    for (int64_t i = 0; i < m; i++) q8_rows_quantize(&rows, x + i * x_stride, i);
+    q8_gemm_part_tasks(&rows, packed, type, bias, out, out_stride, m, n);
+#pragma omp barrier
 #pragma omp single
     free(buffer);
 }
