@@ -3,8 +3,8 @@
  * rows, 4 consecutive weights of each row in a 32-bit lane, one integer dot product multiplying them
  * by 4 values of a row of x broadcast. Each weight is an unsigned byte u = q + offset, so vpdpbusd
  * takes it as is: Q8_0's signed q shifted by 128 (the AVX2 build, whose vpmaddubsw pairs would
- * saturate there, multiplies u - 128 with its sign moved onto x), Q5_0's and Q5_1's 0..31 as stored.
- * The shift comes back in the integers: a row's chain starts at -offset * S.
+ * saturate there, multiplies q = u - 128 itself, its sign moved onto x: WIDE_OFFSET 0), Q5_0's and
+ * Q5_1's 0..31 as stored. The shift comes back in the integers: a row's chain starts at -offset * S.
  *
  * Repacked record of a tile's block b (rows past n are zeros):
  *   Q8_0 (544 B): fp16 d[16]; u[8][64]: byte 4r + i of u[t] is row r's q of value 4t + i, plus 128.
@@ -62,7 +62,7 @@ static inline __attribute__((always_inline)) void q8_0_tile(const uint8_t *tile,
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *rec = tile + b * Q8_0_RECORD;
         lanes_i dot_first[GEMM_COLS], dot_second[GEMM_COLS]; /* values 0-15 and 16-31: two chains */
-        for (int c = 0; c < cols; c++) dot_first[c] = broadcast_i(-128 * x[c * blocks + b].sum), dot_second[c] = zeros_i();
+        for (int c = 0; c < cols; c++) dot_first[c] = broadcast_i(-WIDE_OFFSET * x[c * blocks + b].sum), dot_second[c] = zeros_i();
         for (int t = 0; t < 4; t++) {
             const lanes_i first = load_bytes(rec + 32 + 64 * t), second = load_bytes(rec + 32 + 64 * (t + 4));
             for (int c = 0; c < cols; c++) {

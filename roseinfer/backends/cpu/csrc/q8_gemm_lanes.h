@@ -38,7 +38,9 @@ static inline lanes_i dot4(lanes_i acc, lanes_i w, const int8_t *x) {
     memcpy(&x4, x, sizeof x4);
     return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(x4));
 }
-/* dot4 for unsigned bytes up to 255 (Q8_0's q + 128): vpdpbusd's sums never saturate */
+/* dot4 for unsigned bytes up to 255 (Q8_0's u = q + 128): vpdpbusd's sums never saturate; the
+ * products carry 128 x above q x, which the chain takes back (WIDE_OFFSET) */
+#define WIDE_OFFSET 128
 static inline lanes_i dot4_wide(lanes_i acc, lanes_i w, const int8_t *x) { return dot4(acc, w, x); }
 /* each byte's bit 4 (a Q5 weight's fifth bit, moved there), the rest cleared */
 static inline lanes_i bit4(lanes_i v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x10)); }
@@ -104,17 +106,18 @@ static inline lanes_i dot4(lanes_i acc, lanes_i w, const int8_t *x) {
     const __m256i xv = _mm256_set1_epi32(x4);
     return (lanes_i){dot4_half(acc.lo, w.lo, xv), dot4_half(acc.hi, w.hi, xv)};
 }
-/* dot4 for unsigned bytes up to 255, where vpmaddubsw's pairs would saturate: w - 128 signed (its
- * magnitude unsigned, its sign moved onto x) times x, plus 128 times x's 4 values */
-static inline __m256i dot4_wide_half(__m256i acc, __m256i w, __m256i x, __m256i x_sum) {
+/* dot4 for Q8_0's unsigned bytes u = q + 128, where vpmaddubsw's pairs would saturate: q itself
+ * (its magnitude unsigned, its sign moved onto x) times x, so no offset to take back (WIDE_OFFSET) */
+#define WIDE_OFFSET 0
+static inline __m256i dot4_wide_half(__m256i acc, __m256i w, __m256i x) {
     const __m256i s = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
-    return _mm256_add_epi32(dot4_half(acc, _mm256_abs_epi8(s), _mm256_sign_epi8(x, s)), x_sum);
+    return dot4_half(acc, _mm256_abs_epi8(s), _mm256_sign_epi8(x, s));
 }
 static inline lanes_i dot4_wide(lanes_i acc, lanes_i w, const int8_t *x) {
     int32_t x4;
     memcpy(&x4, x, sizeof x4);
-    const __m256i xv = _mm256_set1_epi32(x4), x_sum = _mm256_set1_epi32(128 * (x[0] + x[1] + x[2] + x[3]));
-    return (lanes_i){dot4_wide_half(acc.lo, w.lo, xv, x_sum), dot4_wide_half(acc.hi, w.hi, xv, x_sum)};
+    const __m256i xv = _mm256_set1_epi32(x4);
+    return (lanes_i){dot4_wide_half(acc.lo, w.lo, xv), dot4_wide_half(acc.hi, w.hi, xv)};
 }
 static inline lanes_i bit4(lanes_i v) {
     const __m256i bit = _mm256_set1_epi8(0x10);
@@ -250,6 +253,7 @@ static inline lanes_i dot4(lanes_i acc, lanes_i w, const int8_t *x) {
     }
     return acc;
 }
+#define WIDE_OFFSET 128 /* as AVX-512's */
 static inline lanes_i dot4_wide(lanes_i acc, lanes_i w, const int8_t *x) { return dot4(acc, w, x); }
 static inline lanes_i bit4(lanes_i v) {
     for (int r = 0; r < GEMM_ROWS; r++) v.v[r] &= 0x10101010;
