@@ -164,10 +164,11 @@ void q8_rows_quantize(const q8_rows_t *rows, const float *x, int64_t i) {
     const int64_t k = rows->k, blocks = k / 256;
     if (rows->forms & (Q8_ROWS_Q4_K | Q8_ROWS_Q6_K)) {
         block_q8_k *q = rows->k_rows + i * blocks;
-        const int six = !(rows->forms & Q8_ROWS_Q4_K);
-        q8_gemm_quantize_row(x, six ? Q6_K : Q4_K, k, q, rows->sums[six] + i * blocks * 16);
-        for (int64_t b = 0; !six && (rows->forms & Q8_ROWS_Q6_K) && b < blocks; b++)
-            block_sums(Q6_K, q + b, rows->sums[1] + (i * blocks + b) * 16);
+        quantize_row_q8_k(x, k, q);
+        for (int64_t b = 0; b < blocks; b++) {
+            if (rows->forms & Q8_ROWS_Q4_K) block_sums(Q4_K, q + b, rows->sums[0] + (i * blocks + b) * 16);
+            if (rows->forms & Q8_ROWS_Q6_K) block_sums(Q6_K, q + b, rows->sums[1] + (i * blocks + b) * 16);
+        }
     }
     if (rows->forms & Q8_ROWS_32) quantize_row_q8_0(x, k, rows->rows32 + i * (k / 32));
 }
