@@ -1,8 +1,11 @@
-/* y = x W^T (+ bias) for many rows of x, W in GGUF blocks, as a GEMM. x is transposed once per call
- * (x^T [k][m rounded up to a vector], the padding 0); a thread takes TILE_ROWS rows of W at a time,
- * dequantizes PANEL_COLUMNS of their columns into a row-major tile (the values dequantize_rows_f32
- * writes) and multiplies it into every row of x: per column, V vectors of x^T times R weights
- * broadcast from the tile into R x V accumulators (outputs of R rows of W for V x 16 rows of x),
+/* y = x W^T (+ bias) for many rows of x, W in GGUF blocks, as a GEMM. x is transposed once per call,
+ * a vector of rows at a time (x^T [m / VEC_FLOATS][k][VEC_FLOATS], m rounded up, the padding 0): a
+ * column's vector then lies next to the one before it, where rows of x^T m floats apart put a
+ * panel's columns in a few L1 sets (2 KB apart at 512 rows of x). A thread takes TILE_ROWS rows of
+ * W at a time, dequantizes PANEL_COLUMNS of their columns into a row-major tile (the values
+ * dequantize_rows_f32 writes) and multiplies it into every row of x: per column, V vectors of x^T
+ * times R weights broadcast from the tile into R x V accumulators (outputs of R rows of W for V
+ * vectors of rows of x),
  * carrying each output's running sum from one panel to the next. A weight is decoded once per call,
  * never transposed, and each output's products are summed in column order from 0: the sums of
  * packed_matmul_f32 on the dequantized W, bit for bit. The tile (96 KB) and the panel of x^T stay in
@@ -26,14 +29,14 @@
 #define ACCUMULATORS 12 /* AVX2's 16 registers, and the portable build */
 #endif
 
-/* acc[j][v] += tile rows j < R (rows TILE_STRIDE apart) times x^T's vectors v < V (x^T rows m_pad
- * apart), over `width` columns */
+/* acc[j][v] += tile rows j < R (rows TILE_STRIDE apart) times x^T's vectors v < V (their blocks
+ * block_floats apart), over `width` columns */
 static inline __attribute__((always_inline)) void tile_times_columns(const float *tile, const float *xt,
-                                                                     int64_t m_pad, int64_t width,
+                                                                     int64_t block_floats, int64_t width,
                                                                      vec_t acc[][4], const int R, const int V) {
     for (int64_t c = 0; c < width; c++) {
         vec_t xv[4];
-        for (int v = 0; v < V; v++) xv[v] = load_vec(xt + c * m_pad + v * VEC_FLOATS);
+        for (int v = 0; v < V; v++) xv[v] = load_vec(xt + v * block_floats + c * VEC_FLOATS);
         for (int j = 0; j < R; j++) {
             const float w = tile[j * TILE_STRIDE + c];
             for (int v = 0; v < V; v++) acc[j][v] += w * xv[v];
@@ -44,32 +47,32 @@ static inline __attribute__((always_inline)) void tile_times_columns(const float
 /* sums [R][m_pad] (rows m_pad apart) += R tile rows times V vectors of x^T, from sums (0 at the
  * first panel) through registers */
 static inline __attribute__((always_inline)) void register_tile(const float *tile, const float *xt, int64_t m_pad,
-                                                                int64_t width, float *sums, int first_panel,
-                                                                const int R, const int V) {
+                                                                int64_t block_floats, int64_t width, float *sums,
+                                                                int first_panel, const int R, const int V) {
     vec_t acc[ACCUMULATORS][4];
     for (int j = 0; j < R; j++)
         for (int v = 0; v < V; v++) acc[j][v] = first_panel ? (vec_t){0} : load_vec(sums + j * m_pad + v * VEC_FLOATS);
-    tile_times_columns(tile, xt, m_pad, width, acc, R, V);
+    tile_times_columns(tile, xt, block_floats, width, acc, R, V);
     for (int j = 0; j < R; j++)
         for (int v = 0; v < V; v++) store_vec(sums + j * m_pad + v * VEC_FLOATS, acc[j][v]);
 }
 
-/* sums [TILE_ROWS][m_pad] += the tile times every vector of x^T's panel */
-static void tile_times_panel(const float *tile, const float *xt, int64_t m_pad, int64_t width, float *sums,
-                             int first_panel) {
+/* sums [TILE_ROWS][m_pad] += the tile times every vector of x^T's panel (its blocks block_floats apart) */
+static void tile_times_panel(const float *tile, const float *xt, int64_t m_pad, int64_t block_floats, int64_t width,
+                             float *sums, int first_panel) {
     for (int64_t v0 = 0; v0 < m_pad; ) {
         const int64_t left = (m_pad - v0) / VEC_FLOATS;
         const int V = left >= 4 ? 4 : left >= 2 ? 2 : 1;
         for (int j = 0; j < TILE_ROWS; j += ACCUMULATORS / V) {
-            const float *t = tile + j * TILE_STRIDE, *x = xt + v0;
+            const float *t = tile + j * TILE_STRIDE, *x = xt + v0 / VEC_FLOATS * block_floats;
             float *s = sums + j * m_pad + v0;
             /* constant shapes, so the accumulators stay in registers */
             if (V == 4)
-                register_tile(t, x, m_pad, width, s, first_panel, ACCUMULATORS / 4, 4);
+                register_tile(t, x, m_pad, block_floats, width, s, first_panel, ACCUMULATORS / 4, 4);
             else if (V == 2)
-                register_tile(t, x, m_pad, width, s, first_panel, ACCUMULATORS / 2, 2);
+                register_tile(t, x, m_pad, block_floats, width, s, first_panel, ACCUMULATORS / 2, 2);
             else
-                register_tile(t, x, m_pad, width, s, first_panel, ACCUMULATORS, 1);
+                register_tile(t, x, m_pad, block_floats, width, s, first_panel, ACCUMULATORS, 1);
         }
         v0 += V * VEC_FLOATS;
     }
@@ -80,7 +83,7 @@ static void tile_times_panel(const float *tile, const float *xt, int64_t m_pad, 
 int quant_tiled_tasks(const float *x, int64_t x_stride, const uint8_t *weight, int64_t type, const float *bias,
                       float *out, int64_t out_stride, int64_t m, int64_t n, int64_t k) {
     const int64_t row_bytes = quant_row_bytes(type, k), tiles = (n + TILE_ROWS - 1) / TILE_ROWS;
-    const int64_t m_pad = (m + VEC_FLOATS - 1) / VEC_FLOATS * VEC_FLOATS;
+    const int64_t m_pad = (m + VEC_FLOATS - 1) / VEC_FLOATS * VEC_FLOATS, block_floats = k * VEC_FLOATS;
     /* x^T, then each thread's tile [TILE_ROWS][PANEL_COLUMNS] and running sums [TILE_ROWS][m_pad] */
     const size_t thread_floats = (size_t)(TILE_ROWS * TILE_STRIDE + TILE_ROWS * m_pad);
     float *buffers = NULL;
@@ -91,7 +94,8 @@ int quant_tiled_tasks(const float *x, int64_t x_stride, const uint8_t *weight, i
     float *sums = tile + TILE_ROWS * TILE_STRIDE;
 #pragma omp for schedule(static)
     for (int64_t c = 0; c < k; c++)
-        for (int64_t i = 0; i < m_pad; i++) xt[c * m_pad + i] = i < m ? x[i * x_stride + c] : 0.0f;
+        for (int64_t i = 0; i < m_pad; i++)
+            xt[i / VEC_FLOATS * block_floats + c * VEC_FLOATS + i % VEC_FLOATS] = i < m ? x[i * x_stride + c] : 0.0f;
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t first_row = t * TILE_ROWS, rows = n - first_row < TILE_ROWS ? n - first_row : TILE_ROWS;
@@ -104,7 +108,7 @@ int quant_tiled_tasks(const float *x, int64_t x_stride, const uint8_t *weight, i
                 else if (r >= rows)
                     memset(tile + r * TILE_STRIDE, 0, (size_t)width * sizeof(float));
             }
-            tile_times_panel(tile, xt + first * m_pad, m_pad, width, sums, first == 0);
+            tile_times_panel(tile, xt + first * VEC_FLOATS, m_pad, block_floats, width, sums, first == 0);
         }
         for (int64_t i = 0; i < m; i++)
             for (int64_t j = 0; j < rows; j++)
