@@ -13,7 +13,7 @@
  * A single row of x (one sequence decoding) times Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/MXFP4 takes the block scale
  * out of the sum instead, d * sum(q x) + m * sum(x) with x's chunk sums taken once: the same real
  * weights and fp32 sums, in another order, and 6 multiplies a chunk in place of 8 (the one-row kernel is bound
- * by its instructions, not by memory). Q4_K and Q6_K on AVX-512 take csrc/kquant_avx512.c instead,
+ * by its instructions, not by memory). Q4_K and Q6_K on AVX-512 and AVX2 take csrc/kquant.c instead,
  * and from TILED_MIN_ROWS rows every type takes csrc/quant_tiled_matmul.c on every target. */
 #include <stdint.h>
 #include <string.h>
@@ -34,18 +34,6 @@
 #else
 #define TILED_MIN_ROWS 32
 #endif
-#define MAX_SCALED_CHUNKS 2048 /* the one-row path's x chunk sums live on the stack: k <= 65536 */
-
-static inline vec8 load8(const float *p) {
-    vec8 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline float hsum8(vec8 v) {
-    const vec4 s4 = (vec4){v[0], v[1], v[2], v[3]} + (vec4){v[4], v[5], v[6], v[7]};
-    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
-}
 
 /* sums[r] = row r of x (r < rows) times weight row w, over k columns */
 static inline __attribute__((always_inline)) void group_times_row(int type, const float *x, int64_t x_stride,
@@ -84,13 +72,6 @@ static inline __attribute__((always_inline)) float row_times_scaled_row(int type
         if (!scaled_chunk_unshifted(type)) offsets += m * sx[c];
     }
     return hsum8(acc0 + acc1) + offsets;
-}
-
-static inline void chunk_sums(const float *x, int64_t k, float *sx) {
-    for (int64_t c = 0; c < k / 32; c++) {
-        const float *xc = x + 32 * c;
-        sx[c] = hsum8((load8(xc) + load8(xc + 8)) + (load8(xc + 16) + load8(xc + 24)));
-    }
 }
 
 /* One type's tasks (type constant after inlining), shared over the enclosing parallel region. */

@@ -88,13 +88,13 @@ void quant_matmul_tasks(const float *x, int64_t x_stride, const uint8_t *weight,
 int quant_tiled_tasks(const float *x, int64_t x_stride, const uint8_t *weight, int64_t type, const float *bias,
                       float *out, int64_t out_stride, int64_t m, int64_t n, int64_t k);
 
-/* The same tasks for the types csrc/kquant_avx512.c has a kernel for on this target; returns 0 (nothing
- * done) for the others, which quant_matmul_tasks then runs itself */
+/* The same tasks for the types (and row counts) csrc/kquant.c has a kernel for on this target; returns
+ * 0 (nothing done) for the others, which quant_matmul_tasks then runs itself */
 int kquant_matmul_tasks(const float *x, int64_t x_stride, const uint8_t *weight, int64_t type, const float *bias,
                         float *out, int64_t out_stride, int64_t m, int64_t n, int64_t k);
 
 /* out[0..32 count) = 32-weight chunks first .. first + count - 1 of a Q4_K or Q6_K row, dequantized by
- * csrc/kquant_avx512.c where this target has it and the chunks are whole blocks; returns 0 (nothing
+ * csrc/kquant.c where this target has it and the chunks are whole blocks; returns 0 (nothing
  * done) otherwise */
 int kquant_dequantize_chunks(int64_t type, const uint8_t *row, int64_t first, int64_t count, float *out);
 
@@ -323,6 +323,16 @@ static inline __attribute__((always_inline)) void dequant_chunk(int type, const 
         const uint64_t q = (load64(ql + 8 * i) >> (4 * (t >> 1)) & NIBBLES)
                            | (load64(qh + 8 * i) >> (2 * t) & 0x0303030303030303ull) << 4;
         w[i] = (d * (float)scales[i >> 1]) * (u8_lanes(q) - 32.0f);
+    }
+}
+
+#define MAX_SCALED_CHUNKS 2048 /* the one-row paths' x chunk sums live on the stack: k <= 65536 */
+
+/* sx[c] = x's 32-wide chunk c summed, c < k / 32: what the one-row kernels multiply a chunk's offset by */
+static inline void chunk_sums(const float *x, int64_t k, float *sx) {
+    for (int64_t c = 0; c < k / 32; c++) {
+        const float *xc = x + 32 * c;
+        sx[c] = hsum8((load8(xc) + load8(xc + 8)) + (load8(xc + 16) + load8(xc + 24)));
     }
 }
 

@@ -21,6 +21,12 @@ static inline vec16 load16(const float *p) {
 typedef float vec8 __attribute__((vector_size(32)));
 typedef float vec4 __attribute__((vector_size(16)));
 
+static inline vec8 load8(const float *p) {
+    vec8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
 /* The widest float vector the target keeps in registers: 16 floats with AVX-512, else 8 (AVX2; the
  * portable build lowers it to what it has). Kernels tiled for the register file use it: GCC builds a
  * vector wider than the target's through the stack, where a scalar times one became sixteen scalar
@@ -50,6 +56,20 @@ static inline float hsum16(vec16 v) {
                     + (vec8){v[8], v[9], v[10], v[11], v[12], v[13], v[14], v[15]};
     const vec4 s4 = (vec4){s8[0], s8[1], s8[2], s8[3]} + (vec4){s8[4], s8[5], s8[6], s8[7]};
     return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+static inline float hsum8(vec8 v) {
+    const vec4 s4 = (vec4){v[0], v[1], v[2], v[3]} + (vec4){v[4], v[5], v[6], v[7]};
+    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+/* a vec_t's lanes summed */
+static inline float hsum_vec(vec_t v) {
+#if defined(__AVX512F__)
+    return hsum16(v);
+#else
+    return hsum8(v);
+#endif
 }
 
 static inline float dot(const float *a, const float *b, int64_t n) {
