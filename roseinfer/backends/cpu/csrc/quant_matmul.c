@@ -28,12 +28,12 @@
 /* from this many rows of x, W dequantized once into fp32 tiles (csrc/quant_tiled_matmul.c) beats
  * decoding it again for every group of rows. On AVX-512 that is from two vectors of rows (17: at 16
  * the tiles' one-vector kernel only tied the block kernel; at 24, 1.1-1.3x); elsewhere (measured on
- * AVX2) from 13, where the tiles' two vectors of rows cost what 16 rows do (at 12 a tie, at 16
- * 1.1-1.4x). */
+ * AVX2) from 14: the tiles cost the same from 13 to 16 rows, and at 13 Q8_0's block kernel was still
+ * 10 % faster (Q4_K's 5 % slower); at 16 the tiles were 1.1-1.4x. */
 #if defined(__AVX512F__)
 #define TILED_MIN_ROWS 17
 #else
-#define TILED_MIN_ROWS 13
+#define TILED_MIN_ROWS 14
 #endif
 
 /* sums[r] = row r of x (r < rows) times weight row w, over k columns */
