@@ -142,7 +142,8 @@ static inline __attribute__((always_inline)) void q6_k_half_ints(const uint8_t *
     const __m256i tops[4] = {_mm256_slli_epi16(high, 4), _mm256_slli_epi16(high, 2), high, _mm256_srli_epi16(high, 2)};
     const __m256i lows[4] = {ql0, ql1, _mm256_srli_epi16(ql0, 4), _mm256_srli_epi16(ql1, 4)};
     for (int t = 0; t < 4; t++)
-        ints->q[t] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(lows[t], low4), _mm256_and_si256(tops[t], top2)), bias);
+        ints->q[t] = _mm256_sub_epi8(
+            _mm256_or_si256(_mm256_and_si256(lows[t], low4), _mm256_and_si256(tops[t], top2)), bias);
 #endif
 }
 
@@ -208,8 +209,8 @@ static inline __attribute__((always_inline)) void q6_k_rows(const uint8_t *w, co
 #if !KQ_AVX512
 /* One row of x on AVX2: each sub-block's scale times the sum of its integers times x, minus its min
  * times x's sum over it (sx: chunk_sums), the form quant_matmul.c's one-row path gives the 32-weight
- * types. A weight then costs no multiply-add of its own, and on AVX2 the multiply-adds and the
- * int-to-float conversions share two pipes. */
+ * types. A weight then costs no multiply-add of its own: the kernel is bound by its instruction
+ * count (docs/profiling.md section 12). */
 static float q4_k_row(const uint8_t *w, const float *x, const float *sx, int64_t k) {
     float sm[16] __attribute__((aligned(32)));
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), mins = _mm256_setzero_ps();
@@ -225,8 +226,8 @@ static float q4_k_row(const uint8_t *w, const float *x, const float *sx, int64_t
                 const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * i)));
                 low = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(15))),
                                       _mm256_loadu_ps(xp + 8 * i), low);
-                high = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4)), _mm256_loadu_ps(xp + 32 + 8 * i),
-                                       high);
+                high = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4)),
+                                       _mm256_loadu_ps(xp + 32 + 8 * i), high);
             }
             acc0 = _mm256_fmadd_ps(low, _mm256_set1_ps(sm[2 * p]), acc0);
             acc1 = _mm256_fmadd_ps(high, _mm256_set1_ps(sm[2 * p + 1]), acc1);
@@ -247,7 +248,8 @@ static float q6_k_row(const uint8_t *w, const float *x, int64_t k) {
             q6_k_half_ints(b, half, &ints);
             const float *xh = x + 256 * blk + 128 * half;
             for (int g = 0; g < 8; g++) {
-                const vec8 sum = q6_k_ints(&ints, 2 * g) * load8(xh + 16 * g) + q6_k_ints(&ints, 2 * g + 1) * load8(xh + 16 * g + 8);
+                const vec8 sum = q6_k_ints(&ints, 2 * g) * load8(xh + 16 * g)
+                                 + q6_k_ints(&ints, 2 * g + 1) * load8(xh + 16 * g + 8);
                 acc[g % 2] += sum * ds[8 * half + g];
             }
         }
