@@ -11,8 +11,10 @@ bytes (every tensor but a looked-up embedding that is not also the LM head, and 
 experts only the routed experts' share) over the read bandwidth measured in the same
 run (a torch sum over a buffer larger than the caches, --threads threads); roseinfer's batch-1 decode
 step is reported as a fraction of it (floor time / step time; 1.0 is at the floor). For a dense model,
-per batch size above 1, the exact path's compute ceiling too: torch's fp32 GEMM rate on a weight that
-stays in cache over the multiply-adds of a token (fp32 activations cannot decode faster).
+with batch sizes above 1, the exact path's compute ceiling too: torch's fp32 GEMM rate at a
+compute-bound shape (512 rows of x, a weight in cache) over the multiply-adds of a token (fp32
+activations cannot decode faster at any batch size; at a decode batch's own few rows torch's rate
+is lower, and roseinfer's tiles beat it there).
 
     python benchmarks/cpu_gguf_peers.py --llama-cpp LLAMA_CPP/build/bin [--shape smollm2-1.7b]
         [--types Q4_K_M,Q8_0] [--batch-sizes 1,16,64] [--threads 2] [--work-dir /tmp/gguf-peers] [--gguf FILE]
@@ -115,7 +117,7 @@ def torch_threads(threads: int) -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
-def fp32_gemm_rate(threads: int, rows: int, seconds: float = 1.0) -> float:
+def fp32_gemm_rate(threads: int, rows: int = 512, seconds: float = 1.0) -> float:
     """FLOP/s of torch's fp32 GEMM on `rows` rows of x against a 256 x 2048 weight (2 MB, in cache), with
     `threads` threads: what fp32 multiply-adds reach here when memory is not what binds them."""
     with torch_threads(threads):
@@ -184,10 +186,9 @@ def compare(gguf: pathlib.Path, args: argparse.Namespace, bandwidth: float) -> N
               f"{peer_step * 1e3:.1f} ms ({floor / peer_step:.2f})")
     if not all_experts:
         # the exact path multiplies fp32 activations by fp32 weights: its decode cannot beat this rate
-        macs = multiply_adds_per_token(gguf)
-        for batch in (b for b in sizes if b > 1):
-            rate = fp32_gemm_rate(args.threads, batch)
-            print(f"batch-{batch} compute ceiling of the exact path: fp32 GEMM in cache {rate / 1e9:.1f} GFLOP/s / "
+        if any(b > 1 for b in sizes):
+            macs, rate = multiply_adds_per_token(gguf), fp32_gemm_rate(args.threads)
+            print(f"compute ceiling of the exact path: fp32 GEMM on 512 rows in cache {rate / 1e9:.1f} GFLOP/s / "
                   f"{2 * macs / 1e9:.2f} GFLOP a token = {rate / (2 * macs):.1f} tok/s")
 
 
