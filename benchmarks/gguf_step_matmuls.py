@@ -16,6 +16,7 @@ import pathlib
 import subprocess
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from gguf import GGUFReader
@@ -45,8 +46,10 @@ def main() -> None:
     total = sum(w.nbytes for w, *_ in weights)
     widest, most = max(k for *_, k in weights), max(n for *_, n, _ in weights)
     with tempfile.TemporaryDirectory() as tmp:
-        libraries = {"before": build(args.before_csrc, pathlib.Path(tmp) / "before.so"),
-                     "after": build(kernels.CSRC, pathlib.Path(tmp) / "after.so")}
+        with ThreadPoolExecutor(2) as pool:  # both builds at once: each compiles its sources one by one
+            builds = {"before": pool.submit(build, args.before_csrc, pathlib.Path(tmp) / "before.so"),
+                      "after": pool.submit(build, kernels.CSRC, pathlib.Path(tmp) / "after.so")}
+        libraries = {name: future.result() for name, future in builds.items()}
         print(f"{args.gguf.name}: {len(weights)} weights, {total / 1e9:.3f} GB")
         for m in (int(r) for r in args.rows.split(",")):
             x = np.random.default_rng(0).standard_normal((m, widest)).astype(np.float32)

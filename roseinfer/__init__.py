@@ -2,7 +2,7 @@
 
 The names below are imported on first use (PEP 562), so that importing one submodule does not
 import the engine: a tensor-parallel rank's process (executor/rank_processes.py) needs the model and
-its backend, not the sampler, whose grammar library pulls in torch's compiler stack (seconds).
+its backend, not the engine, its scheduler and its sampler.
 """
 from __future__ import annotations
 

@@ -30,7 +30,12 @@ def test_workload_is_nano_vllms() -> None:
     assert all(t < 10_000 for p in make_workload(5, (50, 50), (1, 1), 150_000, 0).prompts for t in p)
 
 
-def test_both_backends_make_every_token(tiny_model_factory, capsys) -> None:
+def test_both_backends_make_every_token(tiny_model_factory, capsys, monkeypatch) -> None:
+    # On CPU transformers sizes its continuous-batching cache from the machine's memory (90 % of it,
+    # without psutil the NUMA node's) and fills it at start: 25 s here. 1 GiB holds this workload.
+    from transformers.generation.continuous_batching import cache
+
+    monkeypatch.setattr(cache, "get_device_and_memory_breakdown", lambda: (torch.device("cpu"), 1 << 30, 0, 0))
     model = str(tiny_model_factory("qwen3"))
     rc = main(["bench", "throughput", "--model", model, "--num-prompts", "6", "--input-len", "5:20",
                "--output-len", "3:9", "--backend", "both", "--num-threads", "1"])

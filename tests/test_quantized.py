@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf_quantizers import encode_weights
 from gguf_writer import make_tiny_tokenizer, write_tiny_gguf
 from roseinfer import LLM, SamplingParams
-from roseinfer.backends.cpu import ops
+from roseinfer.backends.cpu import kernels, ops
 from roseinfer.loader.gguf import convert_gguf
 from test_native_kernels import needs_kernels
 from tiny_models import assert_greedy_matches_hf_on_the_fp32_folder, hf_greedy
@@ -159,6 +159,10 @@ def test_matmul_floors_run_on_blocks_from_one_c_loop(tmp_path: Path, monkeypatch
 def test_tensor_parallel_dequantizes_blocks_at_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A rank's share of a row would cut through blocks: under tensor parallelism auto dequantizes at
     load (still HF's tokens on the dequantized weights), and gguf is refused before anything starts."""
+    # the conversions in a cache of the test's own, the kernels the session's: rank 1's process
+    # would compile its own copy of them otherwise
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "kernels").symlink_to(kernels._cache_dir(), target_is_directory=True)
     monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(tmp_path / "cache"))
     tok = make_tiny_tokenizer(300)
     src = write_tiny_gguf(tmp_path / "tiny.gguf", _tiny_hf("llama", 64, len(tok), tie_word_embeddings=False), tok,

@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 
 from tiny_models import (ARCHS, CHAT_TEMPLATE, SHARDED_ARCHS, SLIDING_WINDOW, build_tiny_model, hf_greedy,
-                         load_hf_model, sample_prompts)
+                         hf_greedy_generate, load_hf_model, sample_prompts)
 
 
 def _weights(model_dir: pathlib.Path) -> dict[str, tuple[int, ...]]:
@@ -146,9 +146,9 @@ def test_reference_is_cached_and_repeatable(tiny_model_factory) -> None:
     d = tiny_model_factory("llama")
     assert load_hf_model(d) is load_hf_model(str(d))
     prompt = sample_prompts(d, 1, seed=3)[0]
-    assert hf_greedy(d, prompt, 12) == hf_greedy(d, prompt, 12)
+    assert hf_greedy(d, prompt, 12) == hf_greedy_generate(d, prompt, 12) == hf_greedy_generate(d, prompt, 12)
     # Greedy is prefix-consistent: a shorter run is a prefix of a longer one.
-    assert hf_greedy(d, prompt, 5) == hf_greedy(d, prompt, 12)[:5]
+    assert hf_greedy_generate(d, prompt, 5) == hf_greedy(d, prompt, 12)[:5]
 
 
 @pytest.mark.parametrize("arch,override", [

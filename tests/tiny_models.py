@@ -314,14 +314,27 @@ def load_hf_model(model_dir: str | pathlib.Path) -> Any:
     return _load_hf(str(pathlib.Path(model_dir).resolve()))
 
 
-@torch.no_grad()
 def hf_greedy(model_dir: str | pathlib.Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """Pure argmax continuation of one prompt: exactly max_new_tokens new ids, never stopping at EOS.
 
     EOS is disabled rather than suppressed (min_new_tokens would mask EOS logits and change the
     argmax), so an engine run with ignore_eos matches this list exactly, and one that stops at
     EOS matches its prefix up to and including the EOS id.
+
+    Generated once a session per folder, prompt and length: tests in every mode and module ask for
+    the same references again (test_reference_is_cached_and_repeatable generates anew to compare).
     """
+    return list(_hf_greedy_cached(str(pathlib.Path(model_dir).resolve()), tuple(prompt_ids), max_new_tokens))
+
+
+@lru_cache(maxsize=None)
+def _hf_greedy_cached(model_dir: str, prompt_ids: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
+    return tuple(hf_greedy_generate(model_dir, list(prompt_ids), max_new_tokens))
+
+
+@torch.no_grad()
+def hf_greedy_generate(model_dir: str | pathlib.Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """hf_greedy's run of HF's generate, every time it is called."""
     model = load_hf_model(model_dir)
     pad = model.generation_config.pad_token_id
     input_ids = torch.tensor([prompt_ids], dtype=torch.long)

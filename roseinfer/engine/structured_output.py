@@ -14,7 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import llguidance
-import llguidance.torch
+# its numpy helpers, not its torch ones: llguidance.torch imports torch's compiler stack (torch.compile
+# at import), seconds of every engine's start; the masks are CPU tensors, which .numpy() shares
+import llguidance.numpy
 import torch
 
 from roseinfer.platforms import platform_for
@@ -113,7 +115,7 @@ def _first_token_error(matcher: llguidance.LLMatcher, vocab: int) -> str | None:
     on the way are shared with the copies requests get."""
     probe = matcher.deep_copy()
     bitmask = torch.zeros(1, (vocab + 31) // 32, dtype=torch.int32)
-    llguidance.torch.fill_next_token_bitmask(probe, bitmask)  # drops the GIL, as compiling does
+    llguidance.numpy.fill_next_token_bitmask(probe, bitmask.numpy())  # drops the GIL, as compiling does
     allowed = allowed_tokens(bitmask, vocab)[0].nonzero()
     if not probe.is_error() and len(allowed):
         probe.consume_token(int(allowed[0]))
@@ -181,8 +183,8 @@ class GrammarMasks:
         """logits with every token the grammar forbids at -inf in the given rows (a new tensor)."""
         vocab = logits.shape[1]
         bitmask = torch.empty(len(rows), (vocab + 31) // 32, dtype=torch.int32)
-        llguidance.torch.fill_next_token_bitmask_par(
-            self.executor, [(m.matcher, j) for j, m in enumerate(matchers)], bitmask)
+        llguidance.numpy.fill_next_token_bitmask_par(
+            self.executor, [(m.matcher, j) for j, m in enumerate(matchers)], bitmask.numpy())
         bitmask = platform_for(logits.device).upload(bitmask)
         allowed = allowed_tokens(bitmask, vocab)
         out = logits.clone()

@@ -252,8 +252,7 @@ class ModelRunner:
 
     def _prompt_logprobs(self, items: list[ScheduledRequest], hidden: torch.Tensor,
                          pieces: list[tuple[int, slice, list[int]]]) -> PromptLogprobs:
-        # imported here: a tensor-parallel worker never samples, and sampler.py imports llguidance's
-        # torch helpers, which import torch's compiler stack (seconds of a worker's start)
+        # imported here: a tensor-parallel worker never samples, so it never loads the sampler
         from roseinfer.engine.sampler import token_logprobs
 
         result: PromptLogprobs = [[] for _ in items]

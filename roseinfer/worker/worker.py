@@ -87,8 +87,7 @@ class Worker:
         """The pool and the runner. With eos_token_ids this worker samples (rank 0 and a draft model)."""
         sampler = None
         if eos_token_ids is not None:
-            # imported here: sampler.py imports llguidance's torch helpers, which import torch's
-            # compiler stack (seconds of a tensor-parallel rank's start, which never samples)
+            # imported here: a tensor-parallel rank never samples, so it never loads the sampler
             from roseinfer.engine.sampler import Sampler
 
             sampler = Sampler(eos_token_ids, self.device, self.spec.config.seed, self.backend.argmax)
