@@ -2,8 +2,8 @@
 
 Stock PyTorch has no CPU kernel that reads a paged KV cache in place, and on small decode batches
 its chains of elementwise ops cost more in dispatch than in arithmetic. The few hot spots that
-need it are a page of plain C with OpenMP each, not a torch extension: they compile in about a
-second with the system C compiler (no torch headers, no pybind), and ctypes drops the GIL for the
+need it are plain C with OpenMP, not a torch extension: they compile once per machine in seconds
+with the system C compiler (no torch headers, no pybind), and ctypes drops the GIL for the
 call. `-fopenmp` links libgomp by its soname, which resolves to the copy torch has already loaded,
 so the kernels share torch's OpenMP threads instead of starting a second pool.
 
