@@ -24,6 +24,7 @@ from test_int8_activations import quantized_blocks
 from test_native_kernels import needs_kernels
 from test_quant_kernel_builds import BUILDS, kernels_built_for
 from test_quantized import _tiny_hf, random_blocks
+from tiny_models import random_linear
 
 TYPES = (QT.Q4_K, QT.Q6_K, QT.Q8_0, QT.Q5_0, QT.Q5_1)
 BLOCKS32 = (QT.Q8_0, QT.Q5_0, QT.Q5_1)
@@ -221,13 +222,12 @@ def test_a_weight_in_parts_runs_each_repacked_parts_gemm_into_its_columns(case: 
     for bit as that part alone, a Q4_0 part keeps its fp32 rows; the weight becomes the parts' bytes back
     to back."""
     from roseinfer.backends.cpu.quantized import QuantizedPartsLinear, install
-    from roseinfer.layers.linear import Linear
     from roseinfer.models.weights import BlockPart
 
     k, parts = PARTS_CASES[case]
     blocks = [raw_blocks(qtype, n, k, seed=i) if qtype != QT.Q4_0 else random_blocks(qtype, n, k, seed=i)[0]
               for i, (qtype, n) in enumerate(parts)]
-    linear = Linear(k, sum(n for _, n in parts), bias=True)
+    linear = random_linear(k, sum(n for _, n in parts), bias=True)
     flat = torch.cat([b.reshape(-1) for b in blocks])
     offsets = [0, *np.cumsum([b.numel() for b in blocks])]
     weight = nn.Parameter(flat, requires_grad=False)

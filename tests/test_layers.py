@@ -7,6 +7,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as phi3_apply_rotary_pos_emb
 
 from roseinfer.layers.rotary import RotaryEmbedding, apply_rotary, interleave_rotary_rows
+from tiny_models import random_linear
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)])
@@ -95,10 +96,9 @@ def test_rms_norm_equals_llama_rms_norm(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("bias", [False, True])
 def test_prepacked_linear_matches_f_linear(bias: bool) -> None:
     from roseinfer.backends.cpu.layers import to_packed
-    from roseinfer.layers.linear import Linear
 
     torch.manual_seed(0)
-    layer = Linear(48, 80, bias=bias)
+    layer = random_linear(48, 80, bias=bias)
     weight = layer.weight.detach().clone()
     with torch.inference_mode():
         inputs = [torch.randn(1, 48), torch.randn(37, 48), torch.randn(5, 100)[:, 10:58]]  # last: strided rows
@@ -139,11 +139,10 @@ def test_prepacked_linear_runs_oneDNN_on_padded_row_counts_only(monkeypatch) -> 
     1..300 rows must reach it as 29 padded sizes, and every output row stays exact."""
     from roseinfer.backends.cpu import ops
     from roseinfer.backends.cpu.layers import padded_rows, to_packed
-    from roseinfer.layers.linear import Linear
 
     monkeypatch.setattr(ops, "PACKED_MATMUL_MAX_ROWS", 0)  # every row count to oneDNN, also on AVX-512
     torch.manual_seed(0)
-    layer = Linear(48, 80, bias=True)
+    layer = random_linear(48, 80, bias=True)
     weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
     seen = _onednn_row_counts(monkeypatch)
     with torch.inference_mode():
@@ -194,11 +193,10 @@ def test_packed_linear_sends_decode_sized_batches_to_the_c_kernel(bias: bool, ou
     one, strided rows included; more rows stay on oneDNN. Both agree with F.linear."""
     from roseinfer.backends.cpu import ops
     from roseinfer.backends.cpu.layers import padded_rows, to_packed
-    from roseinfer.layers.linear import Linear
 
     monkeypatch.setattr(ops, "PACKED_MATMUL_MAX_ROWS", 14)
     torch.manual_seed(0)
-    layer = Linear(48, out_features, bias=bias)
+    layer = random_linear(48, out_features, bias=bias)
     weight = layer.weight.detach().clone()
     seen = _onednn_row_counts(monkeypatch)
     with torch.inference_mode():
@@ -264,9 +262,8 @@ def test_packed_matmul_kernel_runs_where_its_tiles_were_measured(monkeypatch, fl
 def _native_linear(in_features: int, out_features: int, bias: bool):
     """A Linear whose decode-sized batches run in csrc/packed_matmul.c, or a skip where they cannot."""
     from roseinfer.backends.cpu.layers import to_packed
-    from roseinfer.layers.linear import Linear
 
-    layer = to_packed(Linear(in_features, out_features, bias=bias))
+    layer = to_packed(random_linear(in_features, out_features, bias=bias))
     if layer.native_weights is None:
         pytest.skip(f"the kernel reads 64-row blocks; oneDNN packs {layer.packed_block}-row blocks here")
     return layer

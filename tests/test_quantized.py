@@ -19,7 +19,7 @@ from roseinfer import LLM, SamplingParams
 from roseinfer.backends.cpu import kernels, ops
 from roseinfer.loader.gguf import convert_gguf
 from test_native_kernels import needs_kernels
-from tiny_models import assert_greedy_matches_hf_on_the_fp32_folder, hf_greedy
+from tiny_models import assert_greedy_matches_hf_on_the_fp32_folder, hf_greedy, random_linear
 
 QTYPES = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.MXFP4]
 
@@ -318,7 +318,7 @@ def test_quantized_linear_runs_the_c_matmul_at_every_row_count() -> None:
     from roseinfer.backends.cpu import quantized
 
     blocks, dense = random_blocks(QT.Q4_1, 45, 64)
-    linear = quantized.Linear(64, 45, bias=True)
+    linear = random_linear(64, 45, bias=True)
     linear.weight = torch.nn.Parameter(blocks, requires_grad=False)
     linear.weight.ggml_type = int(QT.Q4_1)
     quantized.install(linear)

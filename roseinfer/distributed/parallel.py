@@ -130,6 +130,7 @@ def row_parallel(in_features: int, out_features: int, tp: TensorParallel, bias: 
 def vocab_parallel_embedding(vocab_size: int, hidden_size: int, tp: TensorParallel) -> nn.Embedding:
     """An embedding table holding this rank's rows of the vocabulary (look up through tp.embed)."""
     part = tp.vocab(vocab_size)
-    embedding = nn.Embedding(part.rows, hidden_size)
+    # no random values, as Linear: the checkpoint sets the table
+    embedding = nn.Embedding.from_pretrained(torch.empty(part.rows, hidden_size), freeze=False)
     embedding.tp_parts = [part]
     return embedding

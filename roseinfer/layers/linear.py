@@ -11,6 +11,11 @@ from torch import nn
 class Linear(nn.Linear):
     """nn.Linear, under the name the models use for every matmul (so `linear_layers` finds them)."""
 
+    def reset_parameters(self) -> None:
+        """No random values: the checkpoint sets every weight (the loaders refuse one it lacks), and an
+        untouched torch.empty costs no memory until written, so a weight kept in GGUF blocks never
+        costs its fp32 size at load."""
+
     def weight_bytes(self) -> int:
         return self.weight.numel() * self.weight.element_size()
 
