@@ -8,13 +8,14 @@ kept) and llama-batched-bench on the same file, one batch of B sequences of --pr
 --max-new-tokens output tokens per batch size (output tok/s end to end), and prefill of
 --prefill-batch prompts of --prefill-len tokens (prompt tok/s). The floor is a decode step's weight
 bytes (every tensor but a looked-up embedding that is not also the LM head, and of a mixture of
-experts only the routed experts' share) over the read bandwidth measured in the same
-run (a torch sum over a buffer larger than the caches, --threads threads); roseinfer's batch-1 decode
-step is reported as a fraction of it (floor time / step time; 1.0 is at the floor). For a dense model,
-with batch sizes above 1, the exact path's compute ceiling too: torch's fp32 GEMM rate at a
-compute-bound shape (512 rows of x, a weight in cache) over the multiply-adds of a token (fp32
-activations cannot decode faster at any batch size; at a decode batch's own few rows torch's rate
-is lower, and roseinfer's tiles beat it there).
+experts only the routed experts' share) over the read bandwidth (a torch sum over a buffer larger than
+the caches, --threads threads), read just before and just after the batch-1 runs, the larger of the
+two; roseinfer's and llama.cpp's batch-1 decode steps are reported as fractions of it (floor time /
+step time; 1.0 is at the floor). For a dense model, with batch sizes above 1, the exact path's compute
+ceiling too: torch's fp32 GEMM rate at a compute-bound shape (512 rows of x, a weight in cache) over
+the multiply-adds of a token, decoding and end to end (prompt tokens cost the same multiply-adds but
+the LM head's; fp32 activations cannot beat it at any batch size; at a decode batch's own few rows
+torch's rate is lower, and roseinfer's tiles beat it there).
 
     python benchmarks/cpu_gguf_peers.py --llama-cpp LLAMA_CPP/build/bin [--shape smollm2-1.7b]
         [--types Q4_K_M,Q8_0] [--batch-sizes 1,16,64] [--threads 2] [--work-dir /tmp/gguf-peers] [--gguf FILE]
@@ -33,7 +34,6 @@ import argparse
 import contextlib
 import os
 import pathlib
-import statistics
 import subprocess
 import sys
 import time
@@ -96,14 +96,15 @@ def decode_weight_bytes(gguf: pathlib.Path, batch: int = 1) -> tuple[int, int, i
     return dense + round(experts * share), round(experts * share), experts
 
 
-def multiply_adds_per_token(gguf: pathlib.Path) -> int:
-    """Multiply-adds of one token's matmuls in a dense model: every 2-D weight's elements, an
-    embedding only where it is also the LM head (otherwise its rows are looked up)."""
+def multiply_adds_per_token(gguf: pathlib.Path) -> tuple[int, int]:
+    """Multiply-adds of one token's matmuls in a dense model, (below the LM head, the LM head): every
+    2-D weight's elements, an embedding only where it is also the LM head (otherwise its rows are
+    looked up)."""
     from gguf import GGUFReader
 
     tensors = {t.name: int(t.n_elements) for t in GGUFReader(str(gguf)).tensors if len(t.shape) == 2}
-    tied = "output.weight" not in tensors
-    return sum(n for name, n in tensors.items() if tied or name != "token_embd.weight")
+    head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+    return sum(n for name, n in tensors.items() if name not in (head, "token_embd.weight")), tensors[head]
 
 
 @contextlib.contextmanager
@@ -144,14 +145,26 @@ def read_bandwidth(threads: int, nbytes: int = 1 << 30, repeats: int = 5) -> flo
     return nbytes / min(times)
 
 
-def compare(gguf: pathlib.Path, args: argparse.Namespace, bandwidth: float) -> None:
+def batch_runs(gguf: pathlib.Path, args: argparse.Namespace, sizes: list[int]) -> tuple[dict, dict, dict]:
+    """roseinfer exact, roseinfer int8 ({} with --no-int8) and llama.cpp, one row per batch size."""
+    shape = (args.prompt_len, args.max_new_tokens, args.threads)
+    if not sizes:
+        return {}, {}, {}
+    ours = roseinfer_summaries(gguf, "gguf", sizes, *shape)
+    ours_int8 = roseinfer_summaries(gguf, "gguf", sizes, *shape, cpu_activations="int8") if args.int8 else {}
+    return ours, ours_int8, llama_cpp_rows(args.llama_cpp, gguf, sizes, *shape)
+
+
+def compare(gguf: pathlib.Path, args: argparse.Namespace) -> None:
     """One file's table: roseinfer (exact, and with int8 activations), llama.cpp and the ratios per
     row, then the floor."""
     sizes = [int(b) for b in args.batch_sizes.split(",")]
-    shape = (args.prompt_len, args.max_new_tokens, args.threads)
-    ours = roseinfer_summaries(gguf, "gguf", sizes, *shape)
-    ours_int8 = roseinfer_summaries(gguf, "gguf", sizes, *shape, cpu_activations="int8") if args.int8 else None
-    peer = llama_cpp_rows(args.llama_cpp, gguf, sizes, *shape)
+    # batch 1 runs between two readings of the read bandwidth, which drifts by the minute on a shared host
+    bandwidths = [read_bandwidth(args.threads)] if 1 in sizes else []
+    ours, ours_int8, peer = batch_runs(gguf, args, [1] if 1 in sizes else [])
+    bandwidths += [read_bandwidth(args.threads)] if 1 in sizes else []
+    for runs, more in zip((ours, ours_int8, peer), batch_runs(gguf, args, [b for b in sizes if b != 1])):
+        runs.update(more)
     ours_prefill = roseinfer_summaries(gguf, "gguf", [args.prefill_batch], args.prefill_len, 1,
                                        args.threads)[args.prefill_batch]
     ours_int8_prefill = roseinfer_summaries(gguf, "gguf", [args.prefill_batch], args.prefill_len, 1, args.threads,
@@ -174,22 +187,30 @@ def compare(gguf: pathlib.Path, args: argparse.Namespace, bandwidth: float) -> N
               f"{read_experts / 1e9:.3f} GB of them ({read_experts / all_experts:.1%}); batch 16 "
               f"{decode_weight_bytes(gguf, 16)[1] / 1e9:.3f} GB, batch 64 {decode_weight_bytes(gguf, 64)[1] / 1e9:.3f} GB "
               f"(expected, routing independent)")
-    floor = weights / bandwidth
-    if 1 in sizes:
+    if bandwidths:
+        # the larger reading: the smaller floor, so the stricter fraction
+        bandwidth = max(bandwidths)
+        floor = weights / bandwidth
         step, peer_step = 1 / ours[1]["throughput_decode_tokens"], 1 / peer[1].decode_rate
         int8 = ""
         if ours_int8:
             int8_step = 1 / ours_int8[1]["throughput_decode_tokens"]
             int8 = f", int8 {int8_step * 1e3:.1f} ms ({floor / int8_step:.2f})"
+        print(f"read bandwidth, {args.threads} threads, before and after the batch-1 runs: "
+              f"{bandwidths[0] / 1e9:.1f} and {bandwidths[1] / 1e9:.1f} GB/s")
         print(f"batch-1 decode: floor {weights / 1e9:.3f} GB / {bandwidth / 1e9:.1f} GB/s = {floor * 1e3:.1f} ms; "
               f"roseinfer step {step * 1e3:.1f} ms (floor/step {floor / step:.2f}){int8}, llama.cpp "
               f"{peer_step * 1e3:.1f} ms ({floor / peer_step:.2f})")
-    if not all_experts:
-        # the exact path multiplies fp32 activations by fp32 weights: its decode cannot beat this rate
-        if any(b > 1 for b in sizes):
-            macs, rate = multiply_adds_per_token(gguf), fp32_gemm_rate(args.threads)
-            print(f"compute ceiling of the exact path: fp32 GEMM on 512 rows in cache {rate / 1e9:.1f} GFLOP/s / "
-                  f"{2 * macs / 1e9:.2f} GFLOP a token = {rate / (2 * macs):.1f} tok/s")
+    if not all_experts and any(b > 1 for b in sizes):
+        # the exact path multiplies fp32 activations by fp32 weights: no batch size decodes faster than
+        # this, and end to end a prompt token costs what an output token does (bar the LM head)
+        layers, head = multiply_adds_per_token(gguf)
+        rate, new = fp32_gemm_rate(args.threads), args.max_new_tokens
+        per_sequence = (args.prompt_len + new - 1) * layers + new * head
+        print(f"compute ceiling of the exact path: fp32 GEMM on 512 rows in cache {rate / 1e9:.1f} GFLOP/s / "
+              f"{2 * (layers + head) / 1e9:.2f} GFLOP a token = {rate / (2 * (layers + head)):.1f} tok/s decoding, "
+              f"{new * rate / (2 * per_sequence):.1f} output tok/s end to end at {args.prompt_len} prompt + "
+              f"{new} output tokens a sequence (the rows above)")
 
 
 def main() -> None:
@@ -220,10 +241,8 @@ def main() -> None:
     files = ({f.name: f for f in args.gguf} if args.gguf
              else build_ggufs(args.shape, args.types.split(","), args.work_dir, args.llama_cpp, src,
                              args.num_layers))
-    bandwidth = statistics.median(read_bandwidth(args.threads) for _ in range(3))
-    print(f"read bandwidth, {args.threads} threads: {bandwidth / 1e9:.1f} GB/s")
     for gguf in files.values():
-        compare(gguf, args, bandwidth)
+        compare(gguf, args)
 
 
 if __name__ == "__main__":
