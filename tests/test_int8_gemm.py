@@ -21,10 +21,10 @@ from roseinfer import LLM
 from roseinfer.backends.cpu import ops
 from roseinfer.backends.cpu.quantized import INT8_ACTIVATIONS, INT8_REPACKED, QuantizedEmbedding, QuantizedLinear
 from test_int8_activations import quantized_blocks
+from test_layers import random_linear
 from test_native_kernels import needs_kernels
 from test_quant_kernel_builds import BUILDS, kernels_built_for
 from test_quantized import _tiny_hf, random_blocks
-from tiny_models import random_linear
 
 TYPES = (QT.Q4_K, QT.Q6_K, QT.Q8_0, QT.Q5_0, QT.Q5_1)
 BLOCKS32 = (QT.Q8_0, QT.Q5_0, QT.Q5_1)

@@ -6,8 +6,15 @@ import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as phi3_apply_rotary_pos_emb
 
+from roseinfer.layers.linear import Linear
 from roseinfer.layers.rotary import RotaryEmbedding, apply_rotary, interleave_rotary_rows
-from tiny_models import random_linear
+
+
+def random_linear(in_features: int, out_features: int, bias: bool) -> Linear:
+    """roseinfer's Linear with nn.Linear's random values (it is built without any: a checkpoint sets them)."""
+    layer = Linear(in_features, out_features, bias=bias)
+    torch.nn.Linear.reset_parameters(layer)
+    return layer
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)])
@@ -219,7 +226,6 @@ def test_packed_layout_is_verified_row_for_row(monkeypatch) -> None:
     layer keeps every row count on oneDNN."""
     from roseinfer.backends.cpu import onednn
     from roseinfer.backends.cpu.layers import to_packed
-    from roseinfer.layers.linear import Linear
 
     weights = torch.randn(128, 48)
     packed = onednn.pack(weights)
@@ -246,7 +252,6 @@ def test_packed_matmul_kernel_runs_where_its_tiles_were_measured(monkeypatch, fl
     Arm among them, keep oneDNN (with 64-row packing where the kernel could read it at all)."""
     from roseinfer.backends.cpu import ops
     from roseinfer.backends.cpu.layers import to_packed
-    from roseinfer.layers.linear import Linear
 
     monkeypatch.setattr(ops, "cpu_flags", lambda: flags)
     ops.packed_matmul_suits_cpu.cache_clear()

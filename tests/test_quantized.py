@@ -18,8 +18,9 @@ from gguf_writer import make_tiny_tokenizer, write_tiny_gguf
 from roseinfer import LLM, SamplingParams
 from roseinfer.backends.cpu import kernels, ops
 from roseinfer.loader.gguf import convert_gguf
+from test_layers import random_linear
 from test_native_kernels import needs_kernels
-from tiny_models import assert_greedy_matches_hf_on_the_fp32_folder, hf_greedy, random_linear
+from tiny_models import assert_greedy_matches_hf_on_the_fp32_folder, hf_greedy
 
 QTYPES = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.MXFP4]
 

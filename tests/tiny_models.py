@@ -390,12 +390,3 @@ def assert_greedy_matches_hf_on_the_fp32_folder(llm: Any, gguf_path: str | pathl
     refs = [hf_greedy(folder, p, 12) for p in prompts]
     assert any(len(set(r)) > 2 for r in refs), "degenerate reference"
     assert [o.token_ids for o in outs] == refs
-
-
-def random_linear(in_features: int, out_features: int, bias: bool) -> Any:
-    """roseinfer's Linear with nn.Linear's random values (it is built without any: a checkpoint sets them)."""
-    from roseinfer.layers.linear import Linear
-
-    layer = Linear(in_features, out_features, bias=bias)
-    torch.nn.Linear.reset_parameters(layer)
-    return layer
