@@ -22,10 +22,11 @@ from test_native_kernels import needs_kernels
 from test_quant_kernel_builds import BUILDS, kernels_built_for
 from test_quantized import QTYPES as ALL_QTYPES, _tiny_hf, random_blocks
 
-K_QUANTS = (QT.Q4_K, QT.Q6_K)
+K_QUANTS = (QT.Q4_K, QT.Q5_K, QT.Q6_K)
 agreement_module = benchmark_script("int8_agreement")
 
-QTYPES = [q for q in ALL_QTYPES if q in INT8_TYPES]  # Q5_K and MXFP4 keep fp32 rows under int8
+# Q5_K's integer kernel reads repacked tiles only (test_int8_gemm.py); MXFP4 keeps fp32 rows under int8
+QTYPES = [q for q in ALL_QTYPES if q in INT8_TYPES and q != QT.Q5_K]
 
 
 def quantized_blocks(x: np.ndarray, qtype: QT) -> tuple[np.ndarray, np.ndarray]:

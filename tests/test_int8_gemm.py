@@ -1,7 +1,7 @@
 """The int8 path's repacked GEMM (csrc/q8_gemm.c, csrc/q8_gemm_blocks32.c) against a numpy reference that
 pins its numbers: x quantized to Q8_K (Q8_0 for the 32-weight blocks) as the kernel quantizes it, each
 block's integer sums exact (int64), and per output acc = fma(float32(I), d * dx, acc) (Q4_K then
-acc = fma(float32(M), -(dmin * dx), acc); Q5_1 acc = fma(float32(S), m * dx, acc), S x's block sum)
+acc = fma(float32(M), -(dmin * dx), acc), and so Q5_K; Q5_1 acc = fma(float32(S), m * dx, acc), S x's block sum)
 block after block, an fp32 fused multiply-add emulated exactly, then + bias; bit for bit, in every
 build this CPU can run, for partial tiles of 16 rows, every group size of rows of x and 1 or 3 blocks a
 row; and a tied LM head's repacked copy beside the embedding's blocks."""
@@ -26,10 +26,10 @@ from test_native_kernels import needs_kernels
 from test_quant_kernel_builds import BUILDS, kernels_built_for
 from test_quantized import _tiny_hf, random_blocks
 
-TYPES = (QT.Q4_K, QT.Q6_K, QT.Q8_0, QT.Q5_0, QT.Q5_1)
+TYPES = (QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q8_0, QT.Q5_0, QT.Q5_1)
 BLOCKS32 = (QT.Q8_0, QT.Q5_0, QT.Q5_1)
 # where each type keeps its fp16 scales (d, then dmin or m)
-SCALE_OFFSETS = {QT.Q4_K: (0, 2), QT.Q6_K: (208,), QT.Q8_0: (0,), QT.Q5_0: (0,), QT.Q5_1: (0, 2)}
+SCALE_OFFSETS = {QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,), QT.Q8_0: (0,), QT.Q5_0: (0,), QT.Q5_1: (0, 2)}
 
 
 def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
@@ -47,16 +47,20 @@ def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
 
 
 def k_quant_parts(blocks: np.ndarray, qtype: QT) -> tuple[np.ndarray, ...]:
-    """A K-quant weight's blocks [n, b, bytes] as integers: Q4_K (d, dmin, scales [n, b, 8], mins [n, b, 8],
-    q [n, b, 256]); Q6_K (d, scales [n, b, 16], q - 32 [n, b, 256]); d and dmin float32."""
-    if qtype == QT.Q4_K:
+    """A K-quant weight's blocks [n, b, bytes] as integers: Q4_K and Q5_K (d, dmin, scales [n, b, 8],
+    mins [n, b, 8], q [n, b, 256]); Q6_K (d, scales [n, b, 16], q - 32 [n, b, 256]); d and dmin float32."""
+    if qtype in (QT.Q4_K, QT.Q5_K):
         d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
         dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
         s = blocks[..., 4:16].astype(np.int64)
         scales = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | (s[..., 0:4] >> 6) << 4], axis=-1)
         mins = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | (s[..., 4:8] >> 6) << 4], axis=-1)
-        qs = blocks[..., 16:144].reshape(*blocks.shape[:2], 4, 32).astype(np.int64)
+        nibbles = 48 if qtype == QT.Q5_K else 16
+        qs = blocks[..., nibbles:nibbles + 128].reshape(*blocks.shape[:2], 4, 32).astype(np.int64)
         q = np.stack([qs & 15, qs >> 4], axis=3).reshape(*blocks.shape[:2], 256)  # sub-block 2g + nibble
+        if qtype == QT.Q5_K:  # value l of sub-block s: bit s of qh[l] is its fifth bit
+            qh = blocks[..., 16:48].astype(np.int64)
+            q |= (qh[..., None, :] >> np.arange(8)[:, None] & 1).reshape(*blocks.shape[:2], 256) << 4
         return d, dmin, scales, mins, q
     ql, qh = blocks[..., 0:128].astype(np.int64), blocks[..., 128:192].astype(np.int64)
     values = []
@@ -109,7 +113,7 @@ def reference(x: torch.Tensor, weight: torch.Tensor, qtype: QT, bias: torch.Tens
     parts = k_quant_parts(weight.numpy().reshape(n, nb, -1), qtype)
     acc = np.zeros((m, n), dtype=np.float32)
     for b in range(nb):
-        if qtype == QT.Q4_K:
+        if qtype in (QT.Q4_K, QT.Q5_K):
             d, dmin, scales, mins, q = (p[:, b] for p in parts)
             dots = np.einsum("nsl,msl->mns", q.reshape(n, 8, 32), xq[:, b].reshape(m, 8, 32))
             isum = (dots * scales[None]).sum(axis=2)
@@ -180,7 +184,7 @@ def test_int8_gemm_in_every_build(build: str, kernel_builds: Path, monkeypatch: 
 @needs_kernels
 def test_repacking_rejects_what_the_gemm_does_not_take() -> None:
     weight = raw_blocks(QT.Q4_K, 4, 256, seed=0)
-    for qtype in (QT.Q5_K, QT.Q4_0, QT.Q4_1):
+    for qtype in (QT.Q4_0, QT.Q4_1, QT.MXFP4):
         with pytest.raises(ValueError, match="not supported"):
             ops.repack_for_int8_gemm(weight, int(qtype), 256)
     with pytest.raises(ValueError, match="not supported"):

@@ -331,7 +331,7 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, g
 
 
 def repack_for_int8_gemm(weight: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
-    """A Q4_K, Q6_K, Q8_0, Q5_0 or Q5_1 weight (uint8 [n, bytes per row], k weights a row) in
+    """A Q4_K, Q5_K, Q6_K, Q8_0, Q5_0 or Q5_1 weight (uint8 [n, bytes per row], k weights a row) in
     csrc/q8_gemm.c's tiles of 16 rows, a flat uint8 tensor: the layout weight type qtype | INT8_ACTIVATIONS | INT8_REPACKED reads."""
     library, n, weight = native_library(), weight.shape[0], weight.contiguous()
     out = torch.empty(library.q8_repacked_bytes(type=qtype, n=n, k=k), dtype=torch.uint8)

@@ -9,7 +9,7 @@ With int8 activations (--cpu-activations int8) the linear's type carries INT8_AC
 matmul of it, the one-call decode stack's included, quantizes the rows of x to 8 bits and multiplies
 with integer dot products (csrc/q8_activations.c) at any row count; a linear in parts does so for its
 parts of the repacked types below (each part's tiles write its columns), and keeps fp32 rows for others.
-A Q4_K, Q6_K, Q8_0, Q5_0 or Q5_1 weight is repacked once, here, into csrc/q8_gemm.c's tiles of 16 rows
+A Q4_K, Q5_K, Q6_K, Q8_0, Q5_0 or Q5_1 weight is repacked once, here, into csrc/q8_gemm.c's tiles of 16 rows
 (INT8_REPACKED), which replace its blocks, except a tied LM head's: the embedding looks its rows up in
 those, so the head keeps a repacked copy beside them (the one weight held twice). One weight load
 there feeds several rows of x and the tile's 16 outputs accumulate in vector lanes."""
@@ -28,11 +28,11 @@ from roseinfer.layers.linear import Linear
 
 # the types csrc/quants.h dequantizes
 QUANTIZED_TYPES = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4"})
-# those csrc/q8_activations.c also multiplies by int8 rows (Q5_K and MXFP4 keep fp32 rows under int8)
-INT8_TYPES = frozenset({GGMLQuantizationType[name] for name in QUANTIZED_TYPES - {"Q5_K", "MXFP4"}})
+# those the int8 path multiplies by int8 rows (MXFP4 keeps fp32 rows under int8; Q5_K only repacked)
+INT8_TYPES = frozenset({GGMLQuantizationType[name] for name in QUANTIZED_TYPES - {"MXFP4"}})
 INT8_ACTIVATIONS = 0x100  # csrc/quants.h's: a weight type with this bit set takes rows of x quantized to 8 bits
 INT8_REPACKED = 0x200  # csrc/quants.h's: with INT8_ACTIVATIONS, the weight is in csrc/q8_gemm.c's tiles
-REPACKED_TYPES = frozenset(GGMLQuantizationType[name] for name in ("Q4_K", "Q6_K", "Q8_0", "Q5_0", "Q5_1"))
+REPACKED_TYPES = frozenset(GGMLQuantizationType[name] for name in ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0", "Q5_1"))
 
 
 def is_blocks(weight: torch.Tensor | None) -> bool:

@@ -86,7 +86,7 @@ int moe_experts_f32(const float *x, int64_t x_stride, const int64_t *experts, co
                     int64_t top_k, const uint8_t *gate_up, int64_t gate_up_type, const uint8_t *down,
                     int64_t down_type, int64_t num_experts, int64_t hidden, int64_t width, float *out,
                     int num_threads);
-/* the int8 path's GEMM (q8_gemm.c): a Q4_K, Q6_K, Q8_0, Q5_0 or Q5_1 weight [n, k] in GGUF blocks
+/* the int8 path's GEMM (q8_gemm.c): a Q4_K, Q5_K, Q6_K, Q8_0, Q5_0 or Q5_1 weight [n, k] in GGUF blocks
  * repacked into tiles of 16 rows, q8_repacked_bytes(type, n, k) bytes at out, for a weight type with INT8_ACTIVATIONS and
  * INT8_REPACKED (quants.h); returns nonzero for another type or a k not whole blocks */
 int64_t q8_repacked_bytes(int64_t type, int64_t n, int64_t k);

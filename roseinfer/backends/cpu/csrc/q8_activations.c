@@ -13,11 +13,7 @@
 
 #define Q8_TILE 16
 
-int q8_handles(int64_t type) {
-    return type == Q4_K || type == Q6_K || type == Q8_0 || type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1;
-}
-
-int q8_k_activations(int64_t type) { return type == Q4_K || type == Q6_K; }
+int q8_k_activations(int64_t type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
 
 /* round to nearest, ties to even, for |v| < 2^22: llama.cpp's nearest_int, which its quantizers use */
 static inline int nearest_int(float v) {
@@ -76,7 +72,7 @@ void quantize_row_q8_0(const float *x, int64_t k, block_q8_0 *out) {
 
 int q8_matmul_tasks(const float *x, int64_t x_stride, const uint8_t *weight, int64_t type, const float *bias,
                     float *out, int64_t m, int64_t n, int64_t k) {
-    if (type == Q5_K) return 0; /* no integer dot for it: the caller's fp32 path */
+    if (type == Q5_K) return 0; /* its integer dots read repacked tiles only: the caller's fp32 path */
     const int k_blocks = q8_k_activations(type);
     const int64_t blocks = k_blocks ? k / 256 : k / 32;
     const size_t block_bytes = k_blocks ? sizeof(block_q8_k) : sizeof(block_q8_0);

@@ -1,7 +1,7 @@
 /* The 8-bit activation path's blocks and dot products (--cpu-activations int8): rows of x quantized
  * to 8-bit integers with one scale a block, multiplied by GGUF weight blocks with integer dot
  * products, as llama.cpp computes (its numerics, not its code):
- *   Q8_K (for Q4_K, Q6_K weights): 256 values, d = max / -127 of the value largest in magnitude,
+ *   Q8_K (for Q4_K, Q5_K, Q6_K weights): 256 values, d = max / -127 of the value largest in magnitude,
  *        q = round-to-nearest-even(x / d) capped at 127, and the 16 sums of 16 q's (bsums), which
  *        carry a K-quant's per-sub-block minimum (Q4_K) or its -32 offset (Q6_K) in 16 products.
  *   Q8_0 (for Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 weights): 32 values, d = amax / 127 the same way, and the
@@ -27,8 +27,7 @@ typedef struct {
     int8_t qs[32];
 } block_q8_0;
 
-/* Whether the int8 path takes weights of this GGML type, and whether with Q8_K (else Q8_0) rows. */
-int q8_handles(int64_t type);
+/* Whether the int8 path multiplies weights of this GGML type by Q8_K (else Q8_0) rows. */
 int q8_k_activations(int64_t type);
 
 /* sums[r] = weight row w (GGML type `type`, blocks blocks of it) times activation row r of x,
@@ -48,7 +47,7 @@ void quantize_row_q8_k(const float *x, int64_t k, block_q8_k *out);
 /* x[0..k) (k a multiple of 32) as k / 32 Q8_0 blocks */
 void quantize_row_q8_0(const float *x, int64_t k, block_q8_0 *out);
 
-/* quant_matmul_tasks for a Q4_K, Q6_K, Q8_0, Q5_0 or Q5_1 weight repacked by q8_repack (csrc/q8_gemm.c),
+/* quant_matmul_tasks for a Q4_K, Q5_K, Q6_K, Q8_0, Q5_0 or Q5_1 weight repacked by q8_repack (csrc/q8_gemm.c),
  * x quantized to Q8_K (Q8_0 for the 32-weight blocks) a row first; out: [m, n] in rows out_stride floats apart (NaN where the rows' buffer could
  * not be allocated) */
 void q8_gemm_tasks(const float *x, int64_t x_stride, const uint8_t *packed, int64_t type, const float *bias,
@@ -78,7 +77,7 @@ void q8_gemm_part_tasks(const q8_rows_t *rows, const uint8_t *packed, int64_t ty
                         int64_t out_stride, int64_t m, int64_t n);
 
 /* Row i of x quantized as q8_gemm_tasks quantizes it: k / 256 Q8_K blocks at out and the 16 integer
- * sums a block that a `type` (Q4_K or Q6_K) tile reads besides the q's, at sums */
+ * sums a block that a `type` (Q4_K, Q5_K or Q6_K) tile reads besides the q's, at sums */
 void q8_gemm_quantize_row(const float *x, int64_t type, int64_t k, block_q8_k *out, int32_t *sums);
 
 /* q8_gemm_tasks' output rows [first_row, first_row + rows) (first_row a multiple of 16; clipped at n)

@@ -1,5 +1,5 @@
-/* The int8 path's GEMM for Q4_K and Q6_K weights (and, through csrc/q8_gemm_blocks32.c, Q8_0, Q5_0
- * and Q5_1) repacked at load (--cpu-activations int8): a tile
+/* The int8 path's GEMM for Q4_K, Q5_K and Q6_K weights (and, through csrc/q8_gemm_blocks32.c, Q8_0,
+ * Q5_0 and Q5_1) repacked at load (--cpu-activations int8): a tile
  * of GEMM_ROWS = 16 weight rows is interleaved so that one 64-byte vector holds 4 consecutive
  * weights of each of its 16 rows (a 32-bit lane a row), and one integer dot product (vpdpbusd on
  * AVX-512 VNNI; vpmaddubsw, with 16-bit sums on AVX2: q8_gemm_lanes.h) multiplies it by 4 values of
@@ -13,14 +13,16 @@
  *   Q4_K (2368 B): fp16 d[16], dmin[16]; u8 scales[8 sub-blocks][16 rows]; u8 mins[4 pairs][16 rows][2]
  *                  (sub-blocks 2p, 2p + 1); qs[8][4][64]: byte 4r + i of qs[s][t] holds row r's value
  *                  32s + 4t + i in its low nibble and value 32s + 16 + 4t + i in its high one.
+ *   Q5_K (2880 B): Q4_K's record, then high[8][64]: bits 2t and 2t + 1 of byte 4r + i of high[s] are
+ *                  the fifth bits of the values in the low and high nibble of byte 4r + i of qs[s][t].
  *   Q6_K (3360 B, as many as the blocks): fp16 d[16]; i8 scales[16 sub-blocks of 16][16 rows];
  *                  low[16][2][64]: byte 4r + i of low[s][h] holds the low 4 bits of row r's values
  *                  16s + 8h + i (low nibble) and 16s + 8h + 4 + i (high nibble); high[16][64]: bits
  *                  2t, 2t + 1 of byte 4r + i of high[s] are the top 2 bits of row r's value 16s + 4t + i.
  * Output (row j, row i of x), in this order, the one every ISA build and the test's reference keep:
  *   acc = 0; for each block b:  I = sum over sub-blocks of scale * (integer dot of q and x's q),
- *     Q4_K: acc = fma((float)I, d * dx, acc); acc = fma((float)M, -(dmin * dx), acc), M = sum of
- *           min * (sum of x's q over the sub-block);
+ *     Q4_K, Q5_K: acc = fma((float)I, d * dx, acc); acc = fma((float)M, -(dmin * dx), acc), M = sum
+ *           of min * (sum of x's q over the sub-block);
  *     Q6_K: I with q - 32 (the -32 from x's 16-value sums), acc = fma((float)I, d * dx, acc);
  *   out = acc + bias. Every integer sum is exact in 32 bits. */
 #include <math.h>
@@ -34,22 +36,29 @@
 #include "quants.h"
 
 #define Q4_K_RECORD 2368
+#define Q5_K_RECORD 2880
 #define Q6_K_RECORD 3360
 
 static inline int repacked_type(int64_t type) {
-    return type == Q4_K || type == Q6_K || type == Q8_0 || type == Q5_0 || type == Q5_1;
+    return type == Q4_K || type == Q5_K || type == Q6_K || type == Q8_0 || type == Q5_0 || type == Q5_1;
 }
 
 static inline int64_t record_bytes(int64_t type) {
-    return type == Q4_K ? Q4_K_RECORD : type == Q6_K ? Q6_K_RECORD : blocks32_record_bytes(type);
+    return type == Q4_K   ? Q4_K_RECORD
+           : type == Q5_K ? Q5_K_RECORD
+           : type == Q6_K ? Q6_K_RECORD
+                          : blocks32_record_bytes(type);
 }
 
 int64_t q8_repacked_bytes(int64_t type, int64_t n, int64_t k) {
     return (n + GEMM_ROWS - 1) / GEMM_ROWS * (k / quant_block_weights(type)) * record_bytes(type);
 }
 
-/* One tile-block record from the blocks of rows[0..count) (count <= 16; the rest stay zero). */
-static void repack_q4_k(const uint8_t *const *rows, int count, uint8_t *out) {
+/* One tile-block record from the Q4_K or Q5_K blocks of rows[0..count) (count <= 16; the rest stay
+ * zero): a Q5_K block is a Q4_K one with qh[32] (bit s of qh[l]: value l of sub-block s's fifth bit)
+ * before its nibbles. */
+static void repack_q4_k(int64_t type, const uint8_t *const *rows, int count, uint8_t *out) {
+    const int nibbles = type == Q5_K ? 48 : 16;
     for (int r = 0; r < count; r++) {
         const uint8_t *blk = rows[r];
         uint8_t sm[16];
@@ -64,9 +73,12 @@ static void repack_q4_k(const uint8_t *const *rows, int count, uint8_t *out) {
             for (int t = 0; t < 4; t++)
                 for (int i = 0; i < 4; i++) {
                     /* value l of sub-block s: byte 32 (s / 2) + l, the high nibble for odd s */
-                    const uint8_t *q = blk + 16 + 32 * (s / 2);
+                    const uint8_t *q = blk + nibbles + 32 * (s / 2);
                     const int low = (q[4 * t + i] >> (4 * (s & 1))) & 15, high = (q[16 + 4 * t + i] >> (4 * (s & 1))) & 15;
                     out[320 + 256 * s + 64 * t + 4 * r + i] = (uint8_t)(low | high << 4);
+                    if (type == Q5_K)
+                        out[Q4_K_RECORD + 64 * s + 4 * r + i] |= (uint8_t)((blk[16 + 4 * t + i] >> s & 1) << (2 * t)
+                                                                           | (blk[32 + 4 * t + i] >> s & 1) << (2 * t + 1));
                 }
     }
 }
@@ -100,8 +112,8 @@ int q8_repack(const uint8_t *weight, int64_t type, int64_t n, int64_t k, uint8_t
             const uint8_t *rows[GEMM_ROWS];
             for (int r = 0; r < count; r++) rows[r] = weight + (t * GEMM_ROWS + r) * row_bytes + b * quant_block_bytes(type);
             uint8_t *dst = out + (t * blocks + b) * record;
-            if (type == Q4_K)
-                repack_q4_k(rows, count, dst);
+            if (type == Q4_K || type == Q5_K)
+                repack_q4_k(type, rows, count, dst);
             else if (type == Q6_K)
                 repack_q6_k(rows, count, dst);
             else
@@ -111,7 +123,7 @@ int q8_repack(const uint8_t *weight, int64_t type, int64_t n, int64_t k, uint8_t
     return 0;
 }
 
-/* x's integer sums a kernel reads besides its q's, 16 a block: Q4_K: 4 pairs of 16-bit sums over
+/* x's integer sums a kernel reads besides its q's, 16 a block: Q4_K, Q5_K: 4 pairs of 16-bit sums over
  * sub-blocks (2p, 2p + 1) of 32; Q6_K: -32 times each 16-value sum, as six_bit_offset packs it */
 static void block_sums(int64_t type, const block_q8_k *x, int32_t *sums) {
     for (int s = 0; s < 16; s++) sums[s] = 0;
@@ -131,7 +143,7 @@ void q8_gemm_quantize_row(const float *x, int64_t type, int64_t k, block_q8_k *o
 }
 
 unsigned q8_rows_forms(int64_t type) {
-    return type == Q4_K ? Q8_ROWS_Q4_K : type == Q6_K ? Q8_ROWS_Q6_K : Q8_ROWS_32;
+    return type == Q4_K || type == Q5_K ? Q8_ROWS_Q4_K : type == Q6_K ? Q8_ROWS_Q6_K : Q8_ROWS_32;
 }
 
 /* rows' buffer from address `at` on: Q8_K blocks (where a K-quant reads them), Q4_K's sums, Q6_K's
@@ -181,21 +193,36 @@ static inline void prefetch_ahead(const uint8_t *rec, int64_t record, int s, int
     for (int64_t line = 0; line < record / parts + 64; line += 64) __builtin_prefetch(ahead + line);
 }
 
-/* acc[c] for rows of x c < cols: a tile's 16 outputs, every block */
-static inline __attribute__((always_inline)) void q4_k_tile(const uint8_t *tile, const block_q8_k *x,
+/* row r's 4 bytes of `nibbles` (a weight vector's nibbles) with their fifth bits from `high`, which
+ * holds them at bit `bit` of each byte */
+static inline lanes_i with_fifth_bit(lanes_i nibbles, lanes_i high, const int bit) {
+    return or_i(nibbles, bit4(bit <= 4 ? shift_left(high, 4 - bit) : shift_right(high, bit - 4)));
+}
+
+/* acc[c] for rows of x c < cols: a tile's 16 outputs, every block; five_bits: Q5_K's tiles (the
+ * nibbles' fifth bits or-ed in), else Q4_K's */
+static inline __attribute__((always_inline)) void nibbles_tile(const uint8_t *tile, const block_q8_k *x,
                                                            const int32_t *sums, int64_t blocks, const int cols,
-                                                           lanes_f *acc) {
+                                                           lanes_f *acc, const int five_bits) {
+    const int64_t record = five_bits ? Q5_K_RECORD : Q4_K_RECORD;
+    /* dot4s a chain of sums takes before the sub-block's scale multiplies it: 16-bit sums hold 8 of
+     * 4-bit weights, FIVE_BIT_DOTS of 5-bit ones */
+    const int chain_dots = five_bits ? FIVE_BIT_DOTS : 8;
     for (int c = 0; c < cols; c++) acc[c] = zeros_f();
     for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *rec = tile + b * Q4_K_RECORD;
+        const uint8_t *rec = tile + b * record;
         lanes_i isum[K_GEMM_COLS], msum[K_GEMM_COLS];
         for (int c = 0; c < cols; c++) isum[c] = zeros_i(), msum[c] = zeros_i();
         for (int s = 0; s < 8; s++) {
             /* the low and high nibbles' dots in two chains a row of x, or one (ONE_DOT_CHAIN) */
             lanes_s dot_low[K_GEMM_COLS], dot_high[K_GEMM_COLS];
             for (int c = 0; c < cols; c++) dot_low[c] = zeros_s(), dot_high[c] = zeros_s();
+            const lanes_i scale = scales_u8(rec + 64 + 16 * s);
+            const lanes_i high_bits = five_bits ? load_bytes(rec + Q4_K_RECORD + 64 * s) : zeros_i();
             for (int t = 0; t < 4; t++) {
-                const lanes_i q = load_bytes(rec + 320 + 256 * s + 64 * t), low = low_nibbles(q), high = high_nibbles(q);
+                const lanes_i q = load_bytes(rec + 320 + 256 * s + 64 * t);
+                lanes_i low = low_nibbles(q), high = high_nibbles(q);
+                if (five_bits) low = with_fifth_bit(low, high_bits, 2 * t), high = with_fifth_bit(high, high_bits, 2 * t + 1);
                 for (int c = 0; c < cols; c++) {
                     const int8_t *xq = x[c * blocks + b].qs + 32 * s + 4 * t;
                     dot_low[c] = dot4_s(dot_low[c], low, xq);
@@ -204,11 +231,13 @@ static inline __attribute__((always_inline)) void q4_k_tile(const uint8_t *tile,
                     else
                         dot_high[c] = dot4_s(dot_high[c], high, xq + 16);
                 }
+                if ((2 * t + 2) % chain_dots == 0)
+                    for (int c = 0; c < cols; c++) {
+                        isum[c] = add_scaled(isum[c], ONE_DOT_CHAIN ? dot_low[c] : add_s(dot_low[c], dot_high[c]), scale);
+                        dot_low[c] = zeros_s(), dot_high[c] = zeros_s();
+                    }
             }
-            const lanes_i scale = scales_u8(rec + 64 + 16 * s);
-            if (cols <= 2) prefetch_ahead(rec, Q4_K_RECORD, s, 8);
-            for (int c = 0; c < cols; c++)
-                isum[c] = add_scaled(isum[c], ONE_DOT_CHAIN ? dot_low[c] : add_s(dot_low[c], dot_high[c]), scale);
+            if (cols <= 2) prefetch_ahead(rec, record, s, 8);
         }
         for (int p = 0; p < 4; p++) {
             const lanes_i mins = widen_pairs(rec + 192 + 32 * p);
@@ -221,6 +250,18 @@ static inline __attribute__((always_inline)) void q4_k_tile(const uint8_t *tile,
             acc[c] = fma_lanes(msum[c], times(dmin, -dx), acc[c]);
         }
     }
+}
+
+static inline __attribute__((always_inline)) void q4_k_tile(const uint8_t *tile, const block_q8_k *x,
+                                                           const int32_t *sums, int64_t blocks, const int cols,
+                                                           lanes_f *acc) {
+    nibbles_tile(tile, x, sums, blocks, cols, acc, 0);
+}
+
+static inline __attribute__((always_inline)) void q5_k_tile(const uint8_t *tile, const block_q8_k *x,
+                                                           const int32_t *sums, int64_t blocks, const int cols,
+                                                           lanes_f *acc) {
+    nibbles_tile(tile, x, sums, blocks, cols, acc, 1);
 }
 
 static inline __attribute__((always_inline)) void q6_k_tile(const uint8_t *tile, const block_q8_k *x,
@@ -278,6 +319,8 @@ static void tile_times_rows(int64_t type, const uint8_t *tile, const block_q8_k 
     }
     if (type == Q4_K) {
         TILE_COLS(q4_k_tile)
+    } else if (type == Q5_K) {
+        TILE_COLS(q5_k_tile)
     } else {
         TILE_COLS(q6_k_tile)
     }

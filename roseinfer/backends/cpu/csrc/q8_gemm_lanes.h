@@ -171,6 +171,7 @@ static inline void store_f(float *out, lanes_f v) {
  * and 3810 for 4-bit ones, so 16 bits hold 2 dot4s of 6-bit weights, 8 of 4-bit ones (a Q4_K sub-block). */
 typedef lanes_i lanes_s;
 #define SIX_BIT_DOTS 2
+#define FIVE_BIT_DOTS 4 /* 2 * 31 * 127 a pair: 4 dot4s of Q5_K's 5-bit weights */
 /* a Q6_K sub-block's -32 * (x's 16-value sum) as a lanes_s add_scaled takes: -16 * sum in both halves
  * (|16 * sum| <= 16 * 16 * 127 fits 16 bits; -32 * sum may not) */
 static inline int32_t six_bit_offset(int bsum) {
@@ -315,6 +316,7 @@ static inline void store_f(float *out, lanes_f v) { memcpy(out, v.v, sizeof v.v)
 #define ONE_DOT_CHAIN 0 /* each row of x keeps two chains of sums a sub-block, so more are in flight */
 typedef lanes_i lanes_s;
 #define SIX_BIT_DOTS 4 /* dot4s of 6-bit weights a lanes_s holds: a whole Q6_K sub-block */
+#define FIVE_BIT_DOTS 8 /* and of 5-bit ones: a whole Q5_K sub-block */
 /* a Q6_K sub-block's -32 * (x's 16-value sum), as a lanes_s it starts from */
 static inline int32_t six_bit_offset(int bsum) { return -32 * bsum; }
 static inline lanes_s zeros_s(void) { return zeros_i(); }

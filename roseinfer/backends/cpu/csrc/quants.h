@@ -35,7 +35,7 @@ enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q
 /* A weight type with this bit set: the same blocks, multiplied by rows of x quantized to 8 bits
  * (--cpu-activations int8: csrc/q8_activations.c) instead of by fp32 rows */
 #define INT8_ACTIVATIONS 0x100
-/* With INT8_ACTIVATIONS on Q4_K, Q6_K, Q8_0, Q5_0 or Q5_1: the blocks repacked into csrc/q8_gemm.c's tiles of 16 rows */
+/* With INT8_ACTIVATIONS on Q4_K, Q5_K, Q6_K, Q8_0, Q5_0 or Q5_1: the blocks repacked into csrc/q8_gemm.c's tiles of 16 rows */
 #define INT8_REPACKED 0x200
 #define TYPE_FLAGS ((int64_t)(INT8_ACTIVATIONS | INT8_REPACKED))
 
@@ -67,7 +67,7 @@ static inline int64_t quant_block_weights(int64_t type) {
 /* Whether `type` is handled and k is a whole number of its blocks. */
 static inline int quant_shape_ok(int64_t type, int64_t k) {
     const int64_t base = type & ~TYPE_FLAGS;
-    const int repacked = base == Q4_K || base == Q6_K || base == Q8_0 || base == Q5_0 || base == Q5_1;
+    const int repacked = base == Q4_K || base == Q5_K || base == Q6_K || base == Q8_0 || base == Q5_0 || base == Q5_1;
     if ((type & INT8_REPACKED) && (!(type & INT8_ACTIVATIONS) || !repacked)) return 0;
     return quant_block_bytes(type) != 0 && k > 0 && k % quant_block_weights(type) == 0;
 }
