@@ -2,8 +2,8 @@
  * carrying INT8_ACTIVATIONS) for tests/test_asan_kernels.py, built with AddressSanitizer: any read or
  * write outside a buffer aborts with a report. Every type it takes, one block per row and three, row
  * counts that leave partial groups of rows, and an output width that leaves a partial tile; also
- * through the norm prologue, as the one-call decode stack calls it; Q4_K, Q6_K, Q8_0, Q5_0 and Q5_1 also
- * repacked into csrc/q8_gemm.c's tiles of 16 rows (37: a partial tile) and run through its GEMM, alone
+ * through the norm prologue, as the one-call decode stack calls it (Q5_K's unrepacked blocks take the
+ * fp32 path); the K-quants, Q8_0, Q5_0 and Q5_1 also repacked into csrc/q8_gemm.c's tiles of 16 rows (37: a partial tile) and run through its GEMM, alone
  * and as the parts of one weight (x's rows quantized once into every form they read). The blocks are
  * random bytes with small fp16 scales (values do not matter here). */
 #include <stdint.h>
@@ -16,11 +16,11 @@
 #define INT8_ACTIVATIONS 0x100 /* csrc/quants.h's */
 #define INT8_REPACKED 0x200
 
-static const int64_t TYPES[][3] = {{2, 18, 32}, {3, 20, 32},    {6, 22, 32},
-                                   {7, 24, 32}, {8, 34, 32},    {12, 144, 256}, {14, 210, 256}};
+static const int64_t TYPES[][3] = {{2, 18, 32},    {3, 20, 32},    {6, 22, 32},    {7, 24, 32},
+                                   {8, 34, 32},    {12, 144, 256}, {13, 176, 256}, {14, 210, 256}};
 
 int main(void) {
-    for (int t = 0; t < 7; t++) {
+    for (int t = 0; t < (int)(sizeof TYPES / sizeof TYPES[0]); t++) {
         const int64_t type = TYPES[t][0] | INT8_ACTIVATIONS, bytes = TYPES[t][1], per_block = TYPES[t][2];
         for (int64_t blocks_per_row = 1; blocks_per_row <= 3; blocks_per_row += 2) {
             const int64_t k = blocks_per_row * per_block, n = 37;

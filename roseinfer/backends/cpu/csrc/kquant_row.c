@@ -1,0 +1,101 @@
+/* One row of x (a sequence decoding alone) times Q4_K, Q5_K and Q6_K weights on AVX2, in the form
+ * quant_matmul.c's one-row path gives the 32-weight types: each sub-block's scale times the sum of its
+ * integers times x, minus its min times x's sum over it. A weight then costs no multiply-add of its
+ * own: the kernels are bound by their instruction count (docs/profiling.md section 12). */
+#include "kquant_blocks.h"
+
+#if defined(KQ_AVX512) && !KQ_AVX512
+/* x times a Q4_K weight row (sx: x's 32-value sums, chunk_sums) */
+static float q4_k_row(const uint8_t *w, const float *x, const float *sx, int64_t k) {
+    float sm[16] __attribute__((aligned(32)));
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), mins = _mm256_setzero_ps();
+    for (int64_t blk = 0; blk < k / 256; blk++) {
+        const uint8_t *b = w + blk * 144;
+        q4_k_scales_mins(b, sm);
+        mins = _mm256_fmadd_ps(_mm256_load_ps(sm + 8), _mm256_loadu_ps(sx + 8 * blk), mins);
+        for (int p = 0; p < 4; p++) {
+            const uint8_t *q = b + 16 + 32 * p;
+            const float *xp = x + 256 * blk + 64 * p;
+            __m256 low = _mm256_setzero_ps(), high = _mm256_setzero_ps();
+            for (int i = 0; i < 4; i++) {
+                const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * i)));
+                low = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(15))),
+                                      _mm256_loadu_ps(xp + 8 * i), low);
+                high = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4)),
+                                       _mm256_loadu_ps(xp + 32 + 8 * i), high);
+            }
+            acc0 = _mm256_fmadd_ps(low, _mm256_set1_ps(sm[2 * p]), acc0);
+            acc1 = _mm256_fmadd_ps(high, _mm256_set1_ps(sm[2 * p + 1]), acc1);
+        }
+    }
+    return hsum8((vec8)_mm256_add_ps(acc0, acc1)) - hsum8((vec8)mins);
+}
+
+/* Q5_K's (a Q4_K block with qh[32] before its nibbles): weight l of sub-block s adds bit s of qh[l] as
+ * its fifth bit, or-ed into the nibble before the conversion */
+static inline __attribute__((always_inline)) __m256i fifth_bit(__m256i qh, const int s) {
+    return _mm256_and_si256(s <= 4 ? _mm256_slli_epi32(qh, 4 - s) : _mm256_srli_epi32(qh, s - 4), _mm256_set1_epi32(16));
+}
+
+static float q5_k_row(const uint8_t *w, const float *x, const float *sx, int64_t k) {
+    float sm[16] __attribute__((aligned(32)));
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), mins = _mm256_setzero_ps();
+    for (int64_t blk = 0; blk < k / 256; blk++) {
+        const uint8_t *b = w + blk * 176;
+        q4_k_scales_mins(b, sm);
+        mins = _mm256_fmadd_ps(_mm256_load_ps(sm + 8), _mm256_loadu_ps(sx + 8 * blk), mins);
+        __m256i qh[4];
+        for (int i = 0; i < 4; i++) qh[i] = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 16 + 8 * i)));
+        for (int p = 0; p < 4; p++) {
+            const uint8_t *q = b + 48 + 32 * p;
+            const float *xp = x + 256 * blk + 64 * p;
+            __m256 low = _mm256_setzero_ps(), high = _mm256_setzero_ps();
+            for (int i = 0; i < 4; i++) {
+                const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * i)));
+                const __m256i low5 = _mm256_or_si256(_mm256_and_si256(bytes, _mm256_set1_epi32(15)), fifth_bit(qh[i], 2 * p));
+                const __m256i high5 = _mm256_or_si256(_mm256_srli_epi32(bytes, 4), fifth_bit(qh[i], 2 * p + 1));
+                low = _mm256_fmadd_ps(_mm256_cvtepi32_ps(low5), _mm256_loadu_ps(xp + 8 * i), low);
+                high = _mm256_fmadd_ps(_mm256_cvtepi32_ps(high5), _mm256_loadu_ps(xp + 32 + 8 * i), high);
+            }
+            acc0 = _mm256_fmadd_ps(low, _mm256_set1_ps(sm[2 * p]), acc0);
+            acc1 = _mm256_fmadd_ps(high, _mm256_set1_ps(sm[2 * p + 1]), acc1);
+        }
+    }
+    return hsum8((vec8)_mm256_add_ps(acc0, acc1)) - hsum8((vec8)mins);
+}
+
+/* The same for Q6_K: each 16 weights' scale times the sum of their integers (minus 32) times x */
+static float q6_k_row(const uint8_t *w, const float *x, int64_t k) {
+    float ds[16] __attribute__((aligned(32)));
+    vec8 acc[2] = {{0}, {0}};
+    for (int64_t blk = 0; blk < k / 256; blk++) {
+        const uint8_t *b = w + blk * 210;
+        q6_k_scales(b, ds);
+        for (int half = 0; half < 2; half++) {
+            q6_k_half_t ints;
+            q6_k_half_ints(b, half, &ints);
+            const float *xh = x + 256 * blk + 128 * half;
+            for (int g = 0; g < 8; g++) {
+                const vec8 sum = q6_k_ints(&ints, 2 * g) * load8(xh + 16 * g)
+                                 + q6_k_ints(&ints, 2 * g + 1) * load8(xh + 16 * g + 8);
+                acc[g % 2] += sum * ds[8 * half + g];
+            }
+        }
+    }
+    return hsum8(acc[0] + acc[1]);
+}
+
+void kquant_row_tasks(int64_t type, const float *x, const uint8_t *weight, const float *bias, float *out,
+                      int64_t n, int64_t k) {
+    const int64_t row_bytes = quant_row_bytes(type, k);
+    float sx[MAX_SCALED_CHUNKS];
+    if (type != Q6_K) chunk_sums(x, k, sx);
+#pragma omp for schedule(static)
+    for (int64_t j = 0; j < n; j++) {
+        const uint8_t *w = weight + j * row_bytes;
+        out[j] = (type == Q4_K ? q4_k_row(w, x, sx, k) : type == Q5_K ? q5_k_row(w, x, sx, k) : q6_k_row(w, x, k))
+                 + (bias != NULL ? bias[j] : 0.0f);
+    }
+}
+
+#endif
