@@ -202,12 +202,9 @@ static inline lanes_i with_fifth_bit(lanes_i nibbles, lanes_i high, const int bi
 /* acc[c] for rows of x c < cols: a tile's 16 outputs, every block; five_bits: Q5_K's tiles (the
  * nibbles' fifth bits or-ed in), else Q4_K's */
 static inline __attribute__((always_inline)) void nibbles_tile(const uint8_t *tile, const block_q8_k *x,
-                                                           const int32_t *sums, int64_t blocks, const int cols,
-                                                           lanes_f *acc, const int five_bits) {
+                                                              const int32_t *sums, int64_t blocks, const int cols,
+                                                              lanes_f *acc, const int five_bits) {
     const int64_t record = five_bits ? Q5_K_RECORD : Q4_K_RECORD;
-    /* dot4s a chain of sums takes before the sub-block's scale multiplies it: 16-bit sums hold 8 of
-     * 4-bit weights, FIVE_BIT_DOTS of 5-bit ones */
-    const int chain_dots = five_bits ? FIVE_BIT_DOTS : 8;
     for (int c = 0; c < cols; c++) acc[c] = zeros_f();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *rec = tile + b * record;
@@ -217,7 +214,6 @@ static inline __attribute__((always_inline)) void nibbles_tile(const uint8_t *ti
             /* the low and high nibbles' dots in two chains a row of x, or one (ONE_DOT_CHAIN) */
             lanes_s dot_low[K_GEMM_COLS], dot_high[K_GEMM_COLS];
             for (int c = 0; c < cols; c++) dot_low[c] = zeros_s(), dot_high[c] = zeros_s();
-            const lanes_i scale = scales_u8(rec + 64 + 16 * s);
             const lanes_i high_bits = five_bits ? load_bytes(rec + Q4_K_RECORD + 64 * s) : zeros_i();
             for (int t = 0; t < 4; t++) {
                 const lanes_i q = load_bytes(rec + 320 + 256 * s + 64 * t);
@@ -231,13 +227,19 @@ static inline __attribute__((always_inline)) void nibbles_tile(const uint8_t *ti
                     else
                         dot_high[c] = dot4_s(dot_high[c], high, xq + 16);
                 }
-                if ((2 * t + 2) % chain_dots == 0)
+                /* 16-bit sums hold 8 dot4s of 4-bit weights (the sub-block), FIVE_BIT_DOTS of 5-bit ones */
+                if (five_bits && FIVE_BIT_DOTS < 8 && t == 1) {
+                    const lanes_i scale = scales_u8(rec + 64 + 16 * s);
                     for (int c = 0; c < cols; c++) {
                         isum[c] = add_scaled(isum[c], ONE_DOT_CHAIN ? dot_low[c] : add_s(dot_low[c], dot_high[c]), scale);
                         dot_low[c] = zeros_s(), dot_high[c] = zeros_s();
                     }
+                }
             }
+            const lanes_i scale = scales_u8(rec + 64 + 16 * s);
             if (cols <= 2) prefetch_ahead(rec, record, s, 8);
+            for (int c = 0; c < cols; c++)
+                isum[c] = add_scaled(isum[c], ONE_DOT_CHAIN ? dot_low[c] : add_s(dot_low[c], dot_high[c]), scale);
         }
         for (int p = 0; p < 4; p++) {
             const lanes_i mins = widen_pairs(rec + 192 + 32 * p);
