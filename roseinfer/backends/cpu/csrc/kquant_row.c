@@ -46,6 +46,8 @@ static float q5_k_row(const uint8_t *w, const float *x, const float *sx, int64_t
         mins = _mm256_fmadd_ps(_mm256_load_ps(sm + 8), _mm256_loadu_ps(sx + 8 * blk), mins);
         __m256i qh[4];
         for (int i = 0; i < 4; i++) qh[i] = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 16 + 8 * i)));
+        /* unrolled, so that fifth_bit's shifts take constant counts */
+#pragma GCC unroll 4
         for (int p = 0; p < 4; p++) {
             const uint8_t *q = b + 48 + 32 * p;
             const float *xp = x + 256 * blk + 64 * p;

@@ -215,6 +215,8 @@ static inline __attribute__((always_inline)) void nibbles_tile(const uint8_t *ti
             lanes_s dot_low[K_GEMM_COLS], dot_high[K_GEMM_COLS];
             for (int c = 0; c < cols; c++) dot_low[c] = zeros_s(), dot_high[c] = zeros_s();
             const lanes_i high_bits = five_bits ? load_bytes(rec + Q4_K_RECORD + 64 * s) : zeros_i();
+            /* unrolled, so that Q5_K's shifts take constant counts */
+#pragma GCC unroll 4
             for (int t = 0; t < 4; t++) {
                 const lanes_i q = load_bytes(rec + 320 + 256 * s + 64 * t);
                 lanes_i low = low_nibbles(q), high = high_nibbles(q);
