@@ -69,18 +69,24 @@ static inline __attribute__((always_inline)) void q6_k_rows(const uint8_t *w, co
 }
 
 
-/* out[0..256 blocks) = blocks first .. first + blocks - 1 of a Q4_K or Q6_K row, dequantized: the
- * vectors the matmul above multiplies, the values of quants.h's dequant_chunk */
+/* out[0..256 blocks) = blocks first .. first + blocks - 1 of a Q4_K or Q6_K row (on AVX2 Q5_K too),
+ * dequantized: the vectors the matmul above multiplies, the values of quants.h's dequant_chunk */
 static void kquant_dequantize(int64_t type, const uint8_t *row, int64_t first, int64_t blocks, float *out) {
     float scales[16] __attribute__((aligned(64)));
     for (int64_t blk = 0; blk < blocks; blk++) {
         float *o = out + 256 * blk;
-        if (type == Q4_K) {
-            const uint8_t *b = row + (first + blk) * 144;
+        if (type == Q4_K || type == Q5_K) {
+            const uint8_t *b = row + (first + blk) * quant_block_bytes(type);
             q4_k_scales_mins(b, scales);
+#pragma GCC unroll 4 /* constant shift counts for q5_k_pair */
             for (int p = 0; p < 4; p++) {
                 vec_t wv[PAIR_VECS];
-                q4_k_pair(b, scales, p, wv);
+#if !KQ_AVX512
+                if (type == Q5_K)
+                    q5_k_pair(b, scales, p, wv);
+                else
+#endif
+                    q4_k_pair(b, scales, p, wv);
                 for (int v = 0; v < PAIR_VECS; v++) store_vec(o + 64 * p + VEC_FLOATS * v, wv[v]);
             }
             continue;
@@ -160,7 +166,7 @@ int kquant_matmul_tasks(const float *x, int64_t x_stride, const uint8_t *weight,
 }
 
 int kquant_dequantize_chunks(int64_t type, const uint8_t *row, int64_t first, int64_t count, float *out) {
-    if ((type != Q4_K && type != Q6_K) || first % 8 != 0 || count % 8 != 0) return 0;
+    if ((type != Q4_K && type != Q6_K && (type != Q5_K || KQ_AVX512)) || first % 8 != 0 || count % 8 != 0) return 0;
     kquant_dequantize(type, row, first / 8, count / 8, out);
     return 1;
 }

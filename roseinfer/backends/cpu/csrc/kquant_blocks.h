@@ -76,6 +76,31 @@ static inline __attribute__((always_inline)) void q4_k_pair(const uint8_t *b, co
 #endif
 }
 
+#if !KQ_AVX512
+/* A Q5_K block is a Q4_K one with qh[32] before its nibbles: weight l of sub-block s adds bit s of qh[l]
+ * as its fifth bit. That bit of qh's bytes widened to 32-bit lanes, as 16 or 0. */
+static inline __attribute__((always_inline)) __m256i fifth_bit(__m256i qh, const int s) {
+    return _mm256_and_si256(s <= 4 ? _mm256_slli_epi32(qh, 4 - s) : _mm256_srli_epi32(qh, s - 4), _mm256_set1_epi32(16));
+}
+
+/* q4_k_pair for the Q5_K block at b (AVX2 only: AVX-512 dequantizes Q5_K with the generic kernel) */
+static inline __attribute__((always_inline)) void q5_k_pair(const uint8_t *b, const float sm[16], const int p,
+                                                           vec_t w[PAIR_VECS]) {
+    const uint8_t *q = b + 48 + 32 * p;
+    const __m256 low_scale = _mm256_set1_ps(sm[2 * p]), low_min = _mm256_set1_ps(sm[8 + 2 * p]);
+    const __m256 high_scale = _mm256_set1_ps(sm[2 * p + 1]), high_min = _mm256_set1_ps(sm[9 + 2 * p]);
+    for (int i = 0; i < 4; i++) {
+        const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * i)));
+        const __m256i qh = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 16 + 8 * i)));
+        const __m256 low = _mm256_cvtepi32_ps(_mm256_or_si256(_mm256_and_si256(bytes, _mm256_set1_epi32(15)),
+                                                              fifth_bit(qh, 2 * p)));
+        const __m256 high = _mm256_cvtepi32_ps(_mm256_or_si256(_mm256_srli_epi32(bytes, 4), fifth_bit(qh, 2 * p + 1)));
+        w[i] = (vec_t)_mm256_fmsub_ps(low, low_scale, low_min);
+        w[4 + i] = (vec_t)_mm256_fmsub_ps(high, high_scale, high_min);
+    }
+}
+#endif
+
 /* ds[0..16) = a Q6_K block's 16 scales times d */
 static inline void q6_k_scales(const uint8_t *b, float ds[16]) {
     const __m128i scales = _mm_loadu_si128((const __m128i *)(b + 192));

@@ -31,12 +31,7 @@ static float q4_k_row(const uint8_t *w, const float *x, const float *sx, int64_t
     return hsum8((vec8)_mm256_add_ps(acc0, acc1)) - hsum8((vec8)mins);
 }
 
-/* Q5_K's (a Q4_K block with qh[32] before its nibbles): weight l of sub-block s adds bit s of qh[l] as
- * its fifth bit, or-ed into the nibble before the conversion */
-static inline __attribute__((always_inline)) __m256i fifth_bit(__m256i qh, const int s) {
-    return _mm256_and_si256(s <= 4 ? _mm256_slli_epi32(qh, 4 - s) : _mm256_srli_epi32(qh, s - 4), _mm256_set1_epi32(16));
-}
-
+/* Q5_K's, each nibble's fifth bit (fifth_bit) or-ed in before the conversion */
 static float q5_k_row(const uint8_t *w, const float *x, const float *sx, int64_t k) {
     float sm[16] __attribute__((aligned(32)));
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), mins = _mm256_setzero_ps();
