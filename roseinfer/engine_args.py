@@ -28,7 +28,7 @@ HELP = {
                     "dequantizes every tensor to fp32 at load; auto (default): gguf where the backend can, else fp32",
     "cpu_activations": "cpu backend, GGUF blocks kept (--quantization gguf/auto): fp32 multiplies them by fp32 rows "
                        "(exact on the dequantized weights); int8 quantizes each row of x to 8 bits (Q8_K for "
-                       "Q4_K/Q6_K, Q8_0 for Q8_0/Q4_0/Q4_1/Q5_0/Q5_1) and multiplies with integer dot products, "
+                       "Q4_K/Q5_K/Q6_K, Q8_0 for Q8_0/Q4_0/Q4_1/Q5_0/Q5_1) and multiplies with integer dot products, "
                        "as llama.cpp does (faster, not exact: docs/quantization.md); auto (default): fp32",
     "enforce_eager": "CUDA: run decode steps eagerly instead of replaying CUDA graphs captured at start-up",
     "generation_config": "sampling defaults for request fields left unset: auto (the model's "

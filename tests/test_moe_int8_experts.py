@@ -1,5 +1,5 @@
 """Routed experts on the int8 path (--cpu-activations int8, backends/cpu/quantized_experts.py): a one-call
-layer's Q4_K and Q6_K projections repacked at install for csrc/q8_gemm.c, and csrc/moe_experts.c's
+layer's Q4_K, Q5_K and Q6_K projections repacked at install for csrc/q8_gemm.c, and csrc/moe_experts.c's
 one call multiplying rows quantized to Q8_K. Against the numpy reference that pins the dense int8
 GEMM's numbers (test_int8_gemm.py) run on each expert's rows, and against the per-expert loop through
 the dense int8 GEMM, bit for bit, in every build this CPU can run; another type keeps the exact
@@ -71,7 +71,8 @@ def _check(types: tuple[QT, QT], tokens: int, seed: int) -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize("types", [(QT.Q4_K, QT.Q6_K), (QT.Q6_K, QT.Q4_K)], ids=["Q4_K+Q6_K", "Q6_K+Q4_K"])
+@pytest.mark.parametrize("types", [(QT.Q4_K, QT.Q6_K), (QT.Q6_K, QT.Q4_K), (QT.Q5_K, QT.Q6_K)],
+                         ids=["Q4_K+Q6_K", "Q6_K+Q4_K", "Q5_K+Q6_K"])
 @pytest.mark.parametrize("tokens", [1, 7, 40])
 def test_int8_one_call_equals_the_pinned_reference_and_the_dense_gemm_per_expert(types: tuple[QT, QT],
                                                                                   tokens: int) -> None:

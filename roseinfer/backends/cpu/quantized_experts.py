@@ -11,7 +11,7 @@ Qwen-MoE, Mixtral, OLMoE), the whole layer's routed experts run in one C call in
 (csrc/moe_experts.c: the same kernels on the same rows in the same order, so the same bits, without
 a Python loop of two calls per routed expert). The other backends dequantize these tensors at load.
 
-With int8 activations (--cpu-activations int8) a one-call layer's Q4_K and Q6_K projections are
+With int8 activations (--cpu-activations int8) a one-call layer's Q4_K, Q5_K and Q6_K projections are
 repacked at install into csrc/q8_gemm.c's tiles, each expert's own (its rows a multiple of 16), the
 weight's type then carrying INT8_ACTIVATIONS | INT8_REPACKED as a dense linear's does: the C call
 multiplies rows of x quantized to Q8_K (gate/up's input once a token, down's once a routed row),
@@ -68,7 +68,7 @@ def takes_one_call(module: StackedExperts) -> bool:
 
 GEMM_ROWS = 16  # csrc/q8_gemm_lanes.h's: the rows of a repacked tile, which must not straddle two experts
 # the one call quantizes rows of x to Q8_K, what these take; the repacked 32-block types keep exact kernels here
-EXPERT_REPACKED_TYPES = frozenset(GGMLQuantizationType[name] for name in ("Q4_K", "Q6_K"))
+EXPERT_REPACKED_TYPES = frozenset(GGMLQuantizationType[name] for name in ("Q4_K", "Q5_K", "Q6_K"))
 
 
 def repacked_for_int8(weight: torch.Tensor, in_features: int) -> torch.Tensor | None:
@@ -88,7 +88,7 @@ def repacked_for_int8(weight: torch.Tensor, in_features: int) -> torch.Tensor | 
 def install(model: nn.Module, int8_activations: bool = False) -> None:
     """OneCallQuantizedExperts, or QuantizedExperts, in place of the StackedExperts whose weights hold
     blocks (after the backend's layers: the activation must be the native SiLU * up by then); with
-    int8_activations a one-call layer's Q4_K and Q6_K projections repacked for the int8 GEMM."""
+    int8_activations a one-call layer's Q4_K, Q5_K and Q6_K projections repacked for the int8 GEMM."""
     for module in model.modules():
         if type(module) is StackedExperts and (is_blocks(module.gate_up_proj) or is_blocks(module.down_proj)):
             one_call = takes_one_call(module)

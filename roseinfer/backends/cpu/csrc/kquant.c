@@ -75,18 +75,25 @@ static void kquant_dequantize(int64_t type, const uint8_t *row, int64_t first, i
     float scales[16] __attribute__((aligned(64)));
     for (int64_t blk = 0; blk < blocks; blk++) {
         float *o = out + 256 * blk;
-        if (type == Q4_K || type == Q5_K) {
-            const uint8_t *b = row + (first + blk) * quant_block_bytes(type);
+#if !KQ_AVX512
+        if (type == Q5_K) {
+            const uint8_t *b = row + (first + blk) * 176;
             q4_k_scales_mins(b, scales);
-#pragma GCC unroll 4 /* constant shift counts for q5_k_pair */
+#pragma GCC unroll 4 /* constant shift counts for q5_k_pair (and Q4_K's loop left as it was: unrolled, it ran slower) */
             for (int p = 0; p < 4; p++) {
                 vec_t wv[PAIR_VECS];
-#if !KQ_AVX512
-                if (type == Q5_K)
-                    q5_k_pair(b, scales, p, wv);
-                else
+                q5_k_pair(b, scales, p, wv);
+                for (int v = 0; v < PAIR_VECS; v++) store_vec(o + 64 * p + VEC_FLOATS * v, wv[v]);
+            }
+            continue;
+        }
 #endif
-                    q4_k_pair(b, scales, p, wv);
+        if (type == Q4_K) {
+            const uint8_t *b = row + (first + blk) * 144;
+            q4_k_scales_mins(b, scales);
+            for (int p = 0; p < 4; p++) {
+                vec_t wv[PAIR_VECS];
+                q4_k_pair(b, scales, p, wv);
                 for (int v = 0; v < PAIR_VECS; v++) store_vec(o + 64 * p + VEC_FLOATS * v, wv[v]);
             }
             continue;

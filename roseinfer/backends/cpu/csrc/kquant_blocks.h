@@ -1,6 +1,6 @@
-/* The Q4_K and Q6_K block decoders that csrc/kquant.c (a few rows of x, and the tiles' dequantization)
- * and csrc/kquant_row.c (one row of x on AVX2) share, on AVX-512 (with BW) and AVX2; KQ_AVX512 is
- * defined (1 or 0) where they exist. */
+/* The Q4_K and Q6_K block decoders (on AVX2 Q5_K's too) that csrc/kquant.c (a few rows of x, and the
+ * tiles' dequantization) and csrc/kquant_row.c (one row of x on AVX2) share, on AVX-512 (with BW) and
+ * AVX2; KQ_AVX512 is defined (1 or 0) where they exist. */
 #ifndef ROSEINFER_KQUANT_BLOCKS_H
 #define ROSEINFER_KQUANT_BLOCKS_H
 

@@ -13,8 +13,9 @@
  * A single row of x (one sequence decoding) times Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/MXFP4 takes the block scale
  * out of the sum instead, d * sum(q x) + m * sum(x) with x's chunk sums taken once: the same real
  * weights and fp32 sums, in another order, and 6 multiplies a chunk in place of 8 (the one-row kernel is bound
- * by its instructions, not by memory). Q4_K and Q6_K on AVX-512 and AVX2 take csrc/kquant.c instead,
- * and from TILED_MIN_ROWS rows every type takes csrc/quant_tiled_matmul.c on every target. */
+ * by its instructions, not by memory). Q4_K and Q6_K on AVX-512 and AVX2 (and one row of Q5_K on AVX2)
+ * take csrc/kquant.c instead, and from TILED_MIN_ROWS rows every type takes csrc/quant_tiled_matmul.c
+ * on every target. */
 #include <stdint.h>
 #include <string.h>
 
