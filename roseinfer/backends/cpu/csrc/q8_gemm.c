@@ -195,7 +195,7 @@ static inline void prefetch_ahead(const uint8_t *rec, int64_t record, int s, int
 
 /* row r's 4 bytes of `nibbles` (a weight vector's nibbles) with their fifth bits from `high`, which
  * holds them at bit `bit` of each byte */
-static inline lanes_i with_fifth_bit(lanes_i nibbles, lanes_i high, const int bit) {
+static inline __attribute__((always_inline)) lanes_i with_fifth_bit(lanes_i nibbles, lanes_i high, const int bit) {
     return or_i(nibbles, bit4(bit <= 4 ? shift_left(high, 4 - bit) : shift_right(high, bit - 4)));
 }
 
