@@ -68,7 +68,6 @@ static inline __attribute__((always_inline)) void q6_k_rows(const uint8_t *w, co
     }
 }
 
-
 /* out[0..256 blocks) = blocks first .. first + blocks - 1 of a Q4_K or Q6_K row (on AVX2 Q5_K too),
  * dequantized: the vectors the matmul above multiplies, the values of quants.h's dequant_chunk */
 static void kquant_dequantize(int64_t type, const uint8_t *row, int64_t first, int64_t blocks, float *out) {
