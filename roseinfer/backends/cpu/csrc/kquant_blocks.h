@@ -115,14 +115,10 @@ static inline void q6_k_scales(const uint8_t *b, float ds[16]) {
     SCALES_STORED();
 }
 
-/* The 6-bit integers minus 32 of half a Q6_K block, in weight order: stored (AVX-512, where they
- * are widened 16 at a time from memory) or in four registers of 32 (AVX2, widened 8 at a time from
- * them) */
-#if KQ_AVX512
+/* The 6-bit integers minus 32 of half a Q6_K block, in weight order, stored: they are assembled 64
+ * (AVX2: 32) bytes at a time and widened a vector at a time from memory (a load and one shuffle, where
+ * widening from a register takes up to three shuffles on AVX2) */
 typedef struct { int8_t q[128] __attribute__((aligned(64))); } q6_k_half_t;
-#else
-typedef struct { __m256i q[4]; } q6_k_half_t;
-#endif
 
 /* half `half` of the Q6_K block at b: weight 32 t + l takes nibble t / 2 of ql[32 (t & 1) + l] and
  * bits 2t, 2t + 1 of qh[l] on top */
@@ -148,23 +144,22 @@ static inline __attribute__((always_inline)) void q6_k_half_ints(const uint8_t *
     const __m256i tops[4] = {_mm256_slli_epi16(high, 4), _mm256_slli_epi16(high, 2), high, _mm256_srli_epi16(high, 2)};
     const __m256i lows[4] = {ql0, ql1, _mm256_srli_epi16(ql0, 4), _mm256_srli_epi16(ql1, 4)};
     for (int t = 0; t < 4; t++)
-        ints->q[t] = _mm256_sub_epi8(
-            _mm256_or_si256(_mm256_and_si256(lows[t], low4), _mm256_and_si256(tops[t], top2)), bias);
+        _mm256_store_si256((__m256i *)(ints->q + 32 * t),
+                           _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(lows[t], low4),
+                                                           _mm256_and_si256(tops[t], top2)), bias));
 #endif
+    /* a compiler barrier, so that they are widened from memory, not from the registers they came from */
+    __asm__ volatile("" ::: "memory");
 }
 
 /* integers VEC_FLOATS v .. VEC_FLOATS v + VEC_FLOATS - 1 of a half, as floats */
+static inline __attribute__((always_inline)) vec_t q6_k_ints(const q6_k_half_t *ints, int v) {
 #if KQ_AVX512
-static inline __attribute__((always_inline)) vec_t q6_k_ints(const q6_k_half_t *ints, int v) {
     return (vec_t)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128((const __m128i *)(ints->q + 16 * v))));
-}
 #else
-static inline __attribute__((always_inline)) vec_t q6_k_ints(const q6_k_half_t *ints, int v) {
-    const __m256i quarter = ints->q[v / 4];
-    const __m128i lane = v % 4 < 2 ? _mm256_castsi256_si128(quarter) : _mm256_extracti128_si256(quarter, 1);
-    return (vec_t)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v % 2 ? _mm_unpackhi_epi64(lane, lane) : lane));
-}
+    return (vec_t)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(ints->q + 8 * v))));
 #endif
+}
 
 /* weights 128 half + VEC_FLOATS v .. + VEC_FLOATS - 1 of a Q6_K block, from its half's integers and
  * its scales ds (one a 16 weights) */
