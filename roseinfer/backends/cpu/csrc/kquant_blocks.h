@@ -147,9 +147,9 @@ static inline __attribute__((always_inline)) void q6_k_half_ints(const uint8_t *
         _mm256_store_si256((__m256i *)(ints->q + 32 * t),
                            _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(lows[t], low4),
                                                            _mm256_and_si256(tops[t], top2)), bias));
-#endif
     /* a compiler barrier, so that they are widened from memory, not from the registers they came from */
     __asm__ volatile("" ::: "memory");
+#endif
 }
 
 /* integers VEC_FLOATS v .. VEC_FLOATS v + VEC_FLOATS - 1 of a half, as floats */
