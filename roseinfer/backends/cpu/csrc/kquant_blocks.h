@@ -48,12 +48,45 @@ static inline void q4_k_scales_mins(const uint8_t *b, float sm[16]) {
     SCALES_STORED();
 }
 
+#if !KQ_AVX512
+/* A Q5_K block is a Q4_K one with qh[32] before its nibbles: weight l of sub-block s adds bit s of qh[l]
+ * as its fifth bit. That bit of qh's bytes widened to 32-bit lanes, as 16 or 0. */
+static inline __attribute__((always_inline)) __m256i fifth_bit(__m256i qh, const int s) {
+    return _mm256_and_si256(s <= 4 ? _mm256_slli_epi32(qh, 4 - s) : _mm256_srli_epi32(qh, s - 4), _mm256_set1_epi32(16));
+}
+
+/* q4_k_pair's AVX2 form, or with five_bits Q5_K's (each nibble's fifth bit or-ed in before the
+ * conversion; AVX-512 dequantizes Q5_K with the generic kernel) */
+static inline __attribute__((always_inline)) void nibbles_pair(const uint8_t *b, const float sm[16], const int p,
+                                                              vec_t w[PAIR_VECS], const int five_bits) {
+    const uint8_t *q = b + (five_bits ? 48 : 16) + 32 * p;
+    const __m256 low_scale = _mm256_set1_ps(sm[2 * p]), low_min = _mm256_set1_ps(sm[8 + 2 * p]);
+    const __m256 high_scale = _mm256_set1_ps(sm[2 * p + 1]), high_min = _mm256_set1_ps(sm[9 + 2 * p]);
+    for (int i = 0; i < 4; i++) {
+        const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * i)));
+        __m256i low_q = _mm256_and_si256(bytes, _mm256_set1_epi32(15)), high_q = _mm256_srli_epi32(bytes, 4);
+        if (five_bits) {
+            const __m256i qh = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 16 + 8 * i)));
+            low_q = _mm256_or_si256(low_q, fifth_bit(qh, 2 * p));
+            high_q = _mm256_or_si256(high_q, fifth_bit(qh, 2 * p + 1));
+        }
+        w[i] = (vec_t)_mm256_fmsub_ps(_mm256_cvtepi32_ps(low_q), low_scale, low_min);
+        w[4 + i] = (vec_t)_mm256_fmsub_ps(_mm256_cvtepi32_ps(high_q), high_scale, high_min);
+    }
+}
+
+static inline __attribute__((always_inline)) void q5_k_pair(const uint8_t *b, const float sm[16], const int p,
+                                                           vec_t w[PAIR_VECS]) {
+    nibbles_pair(b, sm, p, w, 1);
+}
+#endif
+
 /* w = weights 64 p .. 64 p + 63 of the Q4_K block at b (sub-block 2 p from the low nibbles of its
  * 32 bytes, 2 p + 1 from the high ones), in order */
 static inline __attribute__((always_inline)) void q4_k_pair(const uint8_t *b, const float sm[16], int p,
                                                            vec_t w[PAIR_VECS]) {
-    const uint8_t *q = b + 16 + 32 * p;
 #if KQ_AVX512
+    const uint8_t *q = b + 16 + 32 * p;
     const __m512 nibble_values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512 low_table = _mm512_fmsub_ps(_mm512_set1_ps(sm[2 * p]), nibble_values, _mm512_set1_ps(sm[8 + 2 * p]));
     const __m512 high_table = _mm512_fmsub_ps(_mm512_set1_ps(sm[2 * p + 1]), nibble_values,
@@ -64,42 +97,9 @@ static inline __attribute__((always_inline)) void q4_k_pair(const uint8_t *b, co
         w[2 + h] = (vec_t)_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), high_table);
     }
 #else
-    const __m256 low_scale = _mm256_set1_ps(sm[2 * p]), low_min = _mm256_set1_ps(sm[8 + 2 * p]);
-    const __m256 high_scale = _mm256_set1_ps(sm[2 * p + 1]), high_min = _mm256_set1_ps(sm[9 + 2 * p]);
-    for (int i = 0; i < 4; i++) {
-        const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * i)));
-        const __m256 low = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(15)));
-        const __m256 high = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
-        w[i] = (vec_t)_mm256_fmsub_ps(low, low_scale, low_min);
-        w[4 + i] = (vec_t)_mm256_fmsub_ps(high, high_scale, high_min);
-    }
+    nibbles_pair(b, sm, p, w, 0);
 #endif
 }
-
-#if !KQ_AVX512
-/* A Q5_K block is a Q4_K one with qh[32] before its nibbles: weight l of sub-block s adds bit s of qh[l]
- * as its fifth bit. That bit of qh's bytes widened to 32-bit lanes, as 16 or 0. */
-static inline __attribute__((always_inline)) __m256i fifth_bit(__m256i qh, const int s) {
-    return _mm256_and_si256(s <= 4 ? _mm256_slli_epi32(qh, 4 - s) : _mm256_srli_epi32(qh, s - 4), _mm256_set1_epi32(16));
-}
-
-/* q4_k_pair for the Q5_K block at b (AVX2 only: AVX-512 dequantizes Q5_K with the generic kernel) */
-static inline __attribute__((always_inline)) void q5_k_pair(const uint8_t *b, const float sm[16], const int p,
-                                                           vec_t w[PAIR_VECS]) {
-    const uint8_t *q = b + 48 + 32 * p;
-    const __m256 low_scale = _mm256_set1_ps(sm[2 * p]), low_min = _mm256_set1_ps(sm[8 + 2 * p]);
-    const __m256 high_scale = _mm256_set1_ps(sm[2 * p + 1]), high_min = _mm256_set1_ps(sm[9 + 2 * p]);
-    for (int i = 0; i < 4; i++) {
-        const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * i)));
-        const __m256i qh = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 16 + 8 * i)));
-        const __m256 low = _mm256_cvtepi32_ps(_mm256_or_si256(_mm256_and_si256(bytes, _mm256_set1_epi32(15)),
-                                                              fifth_bit(qh, 2 * p)));
-        const __m256 high = _mm256_cvtepi32_ps(_mm256_or_si256(_mm256_srli_epi32(bytes, 4), fifth_bit(qh, 2 * p + 1)));
-        w[i] = (vec_t)_mm256_fmsub_ps(low, low_scale, low_min);
-        w[4 + i] = (vec_t)_mm256_fmsub_ps(high, high_scale, high_min);
-    }
-}
-#endif
 
 /* ds[0..16) = a Q6_K block's 16 scales times d */
 static inline void q6_k_scales(const uint8_t *b, float ds[16]) {
