@@ -160,9 +160,10 @@ def compare(gguf: pathlib.Path, args: argparse.Namespace) -> None:
     row, then the floor."""
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     # batch 1 runs between two readings of the read bandwidth, which drifts by the minute on a shared host
-    bandwidths = [read_bandwidth(args.threads)] if 1 in sizes else []
-    ours, ours_int8, peer = batch_runs(gguf, args, [1] if 1 in sizes else [])
-    bandwidths += [read_bandwidth(args.threads)] if 1 in sizes else []
+    batch_one = [1] if 1 in sizes else []
+    bandwidths = [read_bandwidth(args.threads) for _ in batch_one]
+    ours, ours_int8, peer = batch_runs(gguf, args, batch_one)
+    bandwidths += [read_bandwidth(args.threads) for _ in batch_one]
     for runs, more in zip((ours, ours_int8, peer), batch_runs(gguf, args, [b for b in sizes if b != 1])):
         runs.update(more)
     ours_prefill = roseinfer_summaries(gguf, "gguf", [args.prefill_batch], args.prefill_len, 1,
