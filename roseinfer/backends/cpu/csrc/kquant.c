@@ -72,6 +72,17 @@ static inline __attribute__((always_inline)) void q6_k_rows(const uint8_t *w, co
  * dequantized: the vectors the matmul above multiplies, the values of quants.h's dequant_chunk */
 static void kquant_dequantize(int64_t type, const uint8_t *row, int64_t first, int64_t blocks, float *out) {
     float scales[16] __attribute__((aligned(64)));
+    if (type == Q6_K) {
+        q6_k_halves_t run;
+        q6_k_halves_start(&run, row + first * 210, 2 * blocks);
+        for (int64_t h = 0; h < 2 * blocks; h++) {
+            const q6_k_half_t *ints = q6_k_halves_next(&run, h);
+            if (h % 2 == 0) q6_k_scales(row + (first + h / 2) * 210, scales);
+            for (int v = 0; v < HALF_VECS; v++)
+                store_vec(out + 128 * h + VEC_FLOATS * v, q6_k_vector(ints, scales, (int)(h % 2), v));
+        }
+        return;
+    }
     for (int64_t blk = 0; blk < blocks; blk++) {
         float *o = out + 256 * blk;
 #if !KQ_AVX512
@@ -95,15 +106,6 @@ static void kquant_dequantize(int64_t type, const uint8_t *row, int64_t first, i
                 q4_k_pair(b, scales, p, wv);
                 for (int v = 0; v < PAIR_VECS; v++) store_vec(o + 64 * p + VEC_FLOATS * v, wv[v]);
             }
-            continue;
-        }
-        const uint8_t *b = row + (first + blk) * 210;
-        q6_k_scales(b, scales);
-        for (int half = 0; half < 2; half++) {
-            q6_k_half_t ints;
-            q6_k_half_ints(b, half, &ints);
-            for (int v = 0; v < HALF_VECS; v++)
-                store_vec(o + 128 * half + VEC_FLOATS * v, q6_k_vector(&ints, scales, half, v));
         }
     }
 }

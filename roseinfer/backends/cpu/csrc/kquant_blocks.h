@@ -168,6 +168,27 @@ static inline __attribute__((always_inline)) vec_t q6_k_vector(const q6_k_half_t
     return ds[8 * half + VEC_FLOATS * v / 16] * q6_k_ints(ints, v);
 }
 
+/* Consecutive halves of Q6_K blocks, each half's integers stored two halves before they are read:
+ * widened right after their store, the loads waited on it (docs/profiling.md section 15) */
+typedef struct {
+    q6_k_half_t ints[4];
+    const uint8_t *blocks;
+    int64_t halves;
+} q6_k_halves_t;
+
+static inline __attribute__((always_inline)) void q6_k_halves_start(q6_k_halves_t *run, const uint8_t *blocks,
+                                                                   int64_t halves) {
+    run->blocks = blocks, run->halves = halves;
+    for (int64_t h = 0; h < 2 && h < halves; h++) q6_k_half_ints(blocks + h / 2 * 210, (int)(h % 2), &run->ints[h]);
+}
+
+/* half h's integers (h counts up from 0), half h + 2's stored on the way */
+static inline __attribute__((always_inline)) const q6_k_half_t *q6_k_halves_next(q6_k_halves_t *run, int64_t h) {
+    const int64_t ahead = h + 2;
+    if (ahead < run->halves) q6_k_half_ints(run->blocks + ahead / 2 * 210, (int)(ahead % 2), &run->ints[ahead % 4]);
+    return &run->ints[h % 4];
+}
+
 #if !KQ_AVX512
 /* out[j] = x (one row) times Q4_K, Q5_K or Q6_K weight row j, bias added (csrc/kquant_row.c) */
 void kquant_row_tasks(int64_t type, const float *x, const uint8_t *weight, const float *bias, float *out,

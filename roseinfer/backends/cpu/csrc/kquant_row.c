@@ -51,24 +51,20 @@ static __attribute__((noinline)) float q5_k_row(const uint8_t *w, const float *x
     return nibbles_row(w, x, sx, k, 1);
 }
 
-/* The same for Q6_K: each 16 weights' scale times the sum of their integers (minus 32) times x. A half
- * block's integers are stored two halves before they are widened: widened right after their store,
- * the loads waited on it (docs/profiling.md section 15). */
+/* The same for Q6_K: each 16 weights' scale times the sum of their integers (minus 32) times x */
 static float q6_k_row(const uint8_t *w, const float *x, int64_t k) {
     float ds[16] __attribute__((aligned(32)));
-    q6_k_half_t ahead[4];
     vec8 acc[2] = {{0}, {0}};
-    const int64_t halves = k / 128;
-    for (int64_t h = 0; h < halves + 2; h++) {
-        if (h < halves) q6_k_half_ints(w + h / 2 * 210, h % 2, &ahead[h % 4]);
-        const int64_t read = h - 2;
-        if (read < 0) continue;
-        if (read % 2 == 0) q6_k_scales(w + read / 2 * 210, ds);
-        const float *xh = x + 128 * read;
+    q6_k_halves_t run;
+    q6_k_halves_start(&run, w, k / 128);
+    for (int64_t h = 0; h < k / 128; h++) {
+        const q6_k_half_t *ints = q6_k_halves_next(&run, h);
+        if (h % 2 == 0) q6_k_scales(w + h / 2 * 210, ds);
+        const float *xh = x + 128 * h;
         for (int g = 0; g < 8; g++) {
-            const vec8 sum = q6_k_ints(&ahead[read % 4], 2 * g) * load8(xh + 16 * g)
-                             + q6_k_ints(&ahead[read % 4], 2 * g + 1) * load8(xh + 16 * g + 8);
-            acc[g % 2] += sum * ds[8 * (read % 2) + g];
+            const vec8 sum = q6_k_ints(ints, 2 * g) * load8(xh + 16 * g)
+                             + q6_k_ints(ints, 2 * g + 1) * load8(xh + 16 * g + 8);
+            acc[g % 2] += sum * ds[8 * (h % 2) + g];
         }
     }
     return hsum8(acc[0] + acc[1]);
