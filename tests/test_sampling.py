@@ -8,7 +8,7 @@ import torch
 
 from roseinfer import LLM, SamplingParams
 from roseinfer.engine.request import Request
-from roseinfer.engine.sampler import Sampler
+from roseinfer.engine.sampler import PENALIZED_LIMIT, Sampler
 from roseinfer.engine.sampling_filters import FilterSettings, candidate_filter
 from tiny_models import sample_prompts
 
@@ -82,6 +82,27 @@ def test_penalties_follow_their_definitions():
     assert bias.tolist() == [2.0, -1.0, 0.5, 3.0, 8.0]
     eos_masked = _processed(SamplingParams(min_tokens=5, max_tokens=8), logits, prompt, output)
     assert eos_masked[0] == float("-inf") and eos_masked[1:].tolist() == logits[1:].tolist()
+
+
+def test_extreme_repetition_penalties_keep_logits_finite():
+    # fp32 rounds 5e-324 to 0 and 1e300 to inf: unclamped, 3 / 0 was inf and a masked -inf times 0 NaN
+    logits = torch.tensor([2.0, -1.0, float("-inf"), 3.0, 0.0])
+    prompt, output = [1, 2], [3, 4]
+    tiny = _processed(SamplingParams(repetition_penalty=5e-324), logits, prompt, output)
+    assert not tiny.isnan().any()
+    assert tiny[0] == 2.0 and tiny[2] == float("-inf") and tiny[4] == 0.0
+    assert tiny[3] == torch.tensor(PENALIZED_LIMIT) and -1e-37 < tiny[1] < 0  # 3 / 0 saturates; -1 * TINY
+    huge = _processed(SamplingParams(repetition_penalty=1e300), logits, prompt, output)
+    assert not huge.isnan().any()
+    assert huge[1] == -torch.finfo(torch.float32).max and 0 < huge[3] < 1e-37 and huge[4] == 0.0
+
+
+def test_a_vanishing_repetition_penalty_samples_in_the_vocabulary(llm, prompts):
+    vocab = llm.engine.model_config.vocab_size
+    params = _sample(repetition_penalty=5e-324, top_k=50, min_p=0.5, logprobs=1, seed=3)
+    for out in llm.generate(prompts[:3], params):
+        assert len(out.token_ids) == 12 and all(0 <= t < vocab for t in out.token_ids)
+        assert all(math.isfinite(lp.logprob) for lp in out.logprobs)
 
 
 def test_top_p_and_min_p_keep_only_the_nucleus():

@@ -30,6 +30,7 @@ from roseinfer.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")
 TINY = torch.finfo(torch.float32).tiny
+PENALIZED_LIMIT = 1e30  # over SAMPLING_EPS (1e-5) still 1e35, finite in fp32
 Argmax = Callable[[torch.Tensor], torch.Tensor]
 PROCESSED_BY = ("seen", "output", "bias_ids", "banned")  # the id sections _process applies
 
@@ -205,10 +206,15 @@ class Sampler:
         work[:, :vocab] = logits
         work[:, vocab] = 0.0
         if "seen" in ints:
-            # HF / vLLM definition over prompt and output: positive logits divided, negative multiplied
-            seen, penalty = ints["seen"], floats["repetition"].unsqueeze(1)
+            # HF / vLLM definition over prompt and output: positive logits divided, negative multiplied.
+            # Any positive double is a valid penalty, but fp32 rounds 5e-324 to 0 (a masked -inf times 0
+            # is NaN) and 1e300 to inf: the penalty is kept finite and nonzero, and what it divides up
+            # saturates at PENALIZED_LIMIT, so the logits stay finite over the smallest temperature.
+            seen = ints["seen"]
+            penalty = floats["repetition"].unsqueeze(1).clamp(min=TINY, max=torch.finfo(torch.float32).max)
             values = work.gather(1, seen)
-            work.scatter_(1, seen, torch.where(values > 0, values / penalty, values * penalty))
+            work.scatter_(1, seen, torch.where(values > 0, (values / penalty).clamp(max=PENALIZED_LIMIT),
+                                               values * penalty))
         if "output" in ints:
             # OpenAI definition over generated tokens: logit -= f * count + p * (count > 0)
             out, counts = ints["output"], floats["counts"]
