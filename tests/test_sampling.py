@@ -105,6 +105,14 @@ def test_a_vanishing_repetition_penalty_samples_in_the_vocabulary(llm, prompts):
         assert all(math.isfinite(lp.logprob) for lp in out.logprobs)
 
 
+def test_a_temperature_past_fp32_samples_the_allowed_tokens(llm, prompts):
+    # fp32 rounds 1e300 to inf: a masked -inf over it was NaN, and every row then drew token 0
+    for extra in ({}, {"top_k": 5}):
+        params = _sample(temperature=1e300, stop_token_ids=[0], min_tokens=12, seed=4, **extra)
+        for out in llm.generate(prompts[:3], params):
+            assert 0 not in out.token_ids and len(set(out.token_ids)) > 1
+
+
 def test_top_p_and_min_p_keep_only_the_nucleus():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     col = lambda x: torch.tensor([[x]])  # noqa: E731

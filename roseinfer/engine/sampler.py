@@ -30,6 +30,7 @@ from roseinfer.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")
 TINY = torch.finfo(torch.float32).tiny
+FLOAT32_MAX = torch.finfo(torch.float32).max
 PENALIZED_LIMIT = 1e30  # over SAMPLING_EPS (1e-5) still 1e35, finite in fp32
 Argmax = Callable[[torch.Tensor], torch.Tensor]
 PROCESSED_BY = ("seen", "output", "bias_ids", "banned")  # the id sections _process applies
@@ -211,7 +212,7 @@ class Sampler:
             # is NaN) and 1e300 to inf: the penalty is kept finite and nonzero, and what it divides up
             # saturates at PENALIZED_LIMIT, so the logits stay finite over the smallest temperature.
             seen = ints["seen"]
-            penalty = floats["repetition"].unsqueeze(1).clamp(min=TINY, max=torch.finfo(torch.float32).max)
+            penalty = floats["repetition"].unsqueeze(1).clamp(min=TINY, max=FLOAT32_MAX)
             values = work.gather(1, seen)
             work.scatter_(1, seen, torch.where(values > 0, (values / penalty).clamp(max=PENALIZED_LIMIT),
                                                values * penalty))
@@ -320,7 +321,8 @@ def _filters(params: SamplingParams, vocab: int) -> bool:
 def _add_filter_settings(ints: HostBuffer, floats: HostBuffer, params: list[SamplingParams], vocab: int) -> None:
     """The sampled rows' temperatures, the filtered rows' settings and, when only some filter,
     which of the sampled rows do and which do not."""
-    floats.add("temperature", [p.temperature for p in params])
+    # fp32 rounds a temperature past its range (1e300) to inf, and a masked -inf over inf is NaN
+    floats.add("temperature", [min(p.temperature, FLOAT32_MAX) for p in params])
     filtered = [j for j, p in enumerate(params) if _filters(p, vocab)]
     if not filtered:
         return
