@@ -165,7 +165,8 @@ class Sampler:
         if any(p.repetition_penalty != 1.0 for p in params):
             ints.add_rows("seen", [c.seen if c is not None and p.repetition_penalty != 1.0 else []
                                    for c, p in zip(counts, params)], vocab)
-            floats.add("repetition", [p.repetition_penalty for p in params])
+            # fp32 rounds 5e-324 to 0 (a masked -inf times 0 is NaN) and 1e300 to inf: kept in its range
+            floats.add("repetition", [min(max(p.repetition_penalty, TINY), FLOAT32_MAX) for p in params])
         if any(p.frequency_penalty or p.presence_penalty for p in params):
             counted = [c if c is not None and (p.frequency_penalty or p.presence_penalty) else None
                        for c, p in zip(counts, params)]
@@ -207,12 +208,9 @@ class Sampler:
         work[:, :vocab] = logits
         work[:, vocab] = 0.0
         if "seen" in ints:
-            # HF / vLLM definition over prompt and output: positive logits divided, negative multiplied.
-            # Any positive double is a valid penalty, but fp32 rounds 5e-324 to 0 (a masked -inf times 0
-            # is NaN) and 1e300 to inf: the penalty is kept finite and nonzero, and what it divides up
-            # saturates at PENALIZED_LIMIT, so the logits stay finite over the smallest temperature.
-            seen = ints["seen"]
-            penalty = floats["repetition"].unsqueeze(1).clamp(min=TINY, max=FLOAT32_MAX)
+            # HF / vLLM definition over prompt and output: positive logits divided, negative multiplied;
+            # what a tiny penalty divides up saturates, so the logits stay finite over any temperature
+            seen, penalty = ints["seen"], floats["repetition"].unsqueeze(1)
             values = work.gather(1, seen)
             work.scatter_(1, seen, torch.where(values > 0, (values / penalty).clamp(max=PENALIZED_LIMIT),
                                                values * penalty))
