@@ -25,8 +25,12 @@
 #define TILE_ROWS 48      /* a multiple of every R below */
 #if defined(__AVX512F__)
 #define ACCUMULATORS 24 /* of 32 registers, the rest for x^T's vectors and a broadcast weight */
+#define MAX_VECTORS 4
 #else
-#define ACCUMULATORS 12 /* AVX2's 16 registers, and the portable build */
+/* AVX2's 16 registers, and the portable build: with 4 vectors of x^T no register was left for the
+ * broadcast weight, and every multiply-add read its vector of x^T from memory again */
+#define ACCUMULATORS 12
+#define MAX_VECTORS 2
 #endif
 
 /* acc[j][v] += tile rows j < R (rows TILE_STRIDE apart) times x^T's vectors v < V (their blocks
@@ -62,7 +66,7 @@ static void tile_times_panel(const float *tile, const float *xt, int64_t m_pad, 
                              float *sums, int first_panel) {
     for (int64_t v0 = 0; v0 < m_pad; ) {
         const int64_t left = (m_pad - v0) / VEC_FLOATS;
-        const int V = left >= 4 ? 4 : left >= 2 ? 2 : 1;
+        const int V = left >= 4 && MAX_VECTORS >= 4 ? 4 : left >= 2 ? 2 : 1;
         for (int j = 0; j < TILE_ROWS; j += ACCUMULATORS / V) {
             const float *t = tile + j * TILE_STRIDE, *x = xt + v0 / VEC_FLOATS * block_floats;
             float *s = sums + j * m_pad + v0;
