@@ -14,7 +14,7 @@
  * out of the sum instead, d * sum(q x) + m * sum(x) with x's chunk sums taken once: the same real
  * weights and fp32 sums, in another order, and 6 multiplies a chunk in place of 8 (the one-row kernel is bound
  * by its instructions, not by memory). Q4_K and Q6_K on AVX-512 and AVX2 (and one row of Q5_K on AVX2)
- * take csrc/kquant.c instead, and from TILED_MIN_ROWS rows every type takes csrc/quant_tiled_matmul.c
+ * take csrc/kquant.c instead, and from TILED_MIN_ROWS(type) rows every type takes csrc/quant_tiled_matmul.c
  * on every target. */
 #include <stdint.h>
 #include <string.h>
@@ -30,11 +30,12 @@
  * decoding it again for every group of rows. On AVX-512 that is from two vectors of rows (17: at 16
  * the tiles' one-vector kernel only tied the block kernel; at 24, 1.1-1.3x); elsewhere (measured on
  * AVX2) from 14: the tiles cost the same from 13 to 16 rows, and at 13 Q8_0's block kernel was still
- * 10 % faster (Q4_K's 5 % slower); at 16 the tiles were 1.1-1.4x. */
+ * 10 % faster. The K-quants' block kernels decode more a weight: on AVX2 their tiles, which cost the
+ * same from 1 to 8 rows, are faster from 8 (7 tied). */
 #if defined(__AVX512F__)
-#define TILED_MIN_ROWS 17
+#define TILED_MIN_ROWS(type) 17
 #else
-#define TILED_MIN_ROWS 14
+#define TILED_MIN_ROWS(type) (quant_block_weights(type) == 256 ? 8 : 14)
 #endif
 
 /* sums[r] = row r of x (r < rows) times weight row w, over k columns */
@@ -130,7 +131,7 @@ void quant_matmul_tasks(const float *x, int64_t x_stride, const uint8_t *weight,
             return;
         type &= ~(int64_t)INT8_ACTIVATIONS;
     }
-    if (m >= TILED_MIN_ROWS && quant_tiled_tasks(x, x_stride, weight, type, bias, out, out_stride, m, n, k)) return;
+    if (m >= TILED_MIN_ROWS(type) && quant_tiled_tasks(x, x_stride, weight, type, bias, out, out_stride, m, n, k)) return;
     if (kquant_matmul_tasks(x, x_stride, weight, type, bias, out, out_stride, m, n, k)) return;
     switch (type) {
     case Q4_0: matmul_tasks(Q4_0, x, x_stride, weight, bias, out, out_stride, m, n, k); break;
