@@ -1,11 +1,11 @@
 """The GGUF-block matmul's kernels against gguf-py's dequantize and a torch matmul, in every build this
 CPU can run: native, AVX2 only and portable. K-quants below 17 rows take csrc/kquant.c on AVX-512
 (on AVX2 one row, and two of Q4_K; quant_matmul.c's generic kernel otherwise, up to 7 rows): one and
-two rows (four FMA chains, or AVX2's one-row sums), partial and full groups of 4, several groups; from 8
-rows (17 on AVX-512) csrc/quant_tiled_matmul.c: 8, 13, 14, 17, 37 and 70 rows leave partial passes of
-rows of x, and 37 outputs a partial tile and pass. The other types at 1, 37 and 70 rows (the generic kernel, then the tiles); 1
-or 3 blocks a row. From 32 rows the tiles sum as the packed fp32 kernel does on the dequantized
-weights, bit for bit."""
+two rows (four FMA chains, or AVX2's one-row sums), partial and full groups of 4, several groups; from
+8 rows (17 on AVX-512) csrc/quant_tiled_matmul.c: 8, 13, 14, 17, 37 and 70 rows leave partial passes
+of rows of x, and 37 outputs a partial tile and pass. The other types at 1, 37 and 70 rows (the
+generic kernel, then the tiles); 1 or 3 blocks a row. From 32 rows the tiles sum as the packed fp32
+kernel does on the dequantized weights, bit for bit."""
 from __future__ import annotations
 
 import platform
