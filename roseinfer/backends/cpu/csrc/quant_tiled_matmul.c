@@ -105,8 +105,9 @@ int quant_tiled_tasks(const float *x, int64_t x_stride, const uint8_t *weight, i
         const int64_t first_row = t * TILE_ROWS, rows = n - first_row < TILE_ROWS ? n - first_row : TILE_ROWS;
         for (int64_t first = 0; first < k; first += PANEL_COLUMNS) {
             const int64_t width = k - first < PANEL_COLUMNS ? k - first : PANEL_COLUMNS;
-            /* the bytes dequantized next, this tile's next panel or the next tile's first, are
-             * prefetched: read as TILE_ROWS short runs, they were not ahead of the dequantization */
+            /* the bytes dequantized next (this tile's next panel, or the next tile's first) are
+             * prefetched: they are TILE_ROWS short runs, which the hardware prefetcher did not
+             * keep ahead of */
             const int64_t next = first + PANEL_COLUMNS < k ? first + PANEL_COLUMNS : 0;
             const int64_t next_row = next ? first_row : first_row + TILE_ROWS, next_offset = quant_row_bytes(type, next);
             const int64_t next_bytes = quant_row_bytes(type, k - next < PANEL_COLUMNS ? k - next : PANEL_COLUMNS);
