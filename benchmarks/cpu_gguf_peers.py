@@ -18,7 +18,8 @@ the LM head's; fp32 activations cannot beat it at any batch size; at a decode ba
 torch's rate is lower, and roseinfer's tiles beat it there).
 
     python benchmarks/cpu_gguf_peers.py --llama-cpp LLAMA_CPP/build/bin [--shape smollm2-1.7b]
-        [--types Q4_K_M,Q8_0] [--batch-sizes 1,16,64] [--threads 2] [--work-dir /tmp/gguf-peers] [--gguf FILE]
+        [--types Q4_K_M,Q8_0] [--batch-sizes 1,16,64] [--threads 2] [--rounds 1] [--work-dir /tmp/gguf-peers]
+        [--gguf FILE]
     python benchmarks/cpu_gguf_peers.py --llama-cpp LLAMA_CPP/build/bin --shape qwen3-30b-a3b --num-layers 8 \
         --types Q4_K_M --prefill-batch 4     (issue 39's mixture-of-experts table)
     python benchmarks/cpu_gguf_peers.py --llama-cpp LLAMA_CPP/build/bin --shape qwen3.5-small --types Q4_K_M \
@@ -34,13 +35,15 @@ import argparse
 import contextlib
 import os
 import pathlib
+import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
-from cpu_peers import llama_cpp_rows, roseinfer_summaries  # beside this script
+from cpu_peers import LlamaRow, llama_cpp_rows, roseinfer_summaries  # beside this script
 from random_model import SHAPES, write_model
 
 # the converter's Qwen3.5 expects a multi-token-prediction head, which transformers' random model lacks
@@ -155,10 +158,18 @@ def batch_runs(gguf: pathlib.Path, args: argparse.Namespace, sizes: list[int]) -
     return ours, ours_int8, llama_cpp_rows(args.llama_cpp, gguf, sizes, *shape)
 
 
-def compare(gguf: pathlib.Path, args: argparse.Namespace) -> None:
-    """One file's table: roseinfer (exact, and with int8 activations), llama.cpp and the ratios per
-    row, then the floor."""
-    sizes = [int(b) for b in args.batch_sizes.split(",")]
+class Round(NamedTuple):
+    """One round's measurements: per batch size roseinfer's summaries (exact, int8: {} with --no-int8)
+    and llama.cpp's rows, the prefills, and the read bandwidth just before and after the batch-1 runs."""
+    ours: dict[int, dict]
+    ours_int8: dict[int, dict]
+    peer: dict[int, LlamaRow]
+    prefill: tuple[dict, dict | None, LlamaRow]
+    bandwidths: list[float]
+
+
+def run_round(gguf: pathlib.Path, args: argparse.Namespace, sizes: list[int]) -> Round:
+    """Every column once: the batch sizes (roseinfer exact, int8, llama.cpp), then the prefills."""
     # batch 1 runs between two readings of the read bandwidth, which drifts by the minute on a shared host
     batch_one = [1] if 1 in sizes else []
     bandwidths = [read_bandwidth(args.threads) for _ in batch_one]
@@ -172,33 +183,55 @@ def compare(gguf: pathlib.Path, args: argparse.Namespace) -> None:
                                             "int8")[args.prefill_batch] if args.int8 else None
     peer_prefill = llama_cpp_rows(args.llama_cpp, gguf, [args.prefill_batch], args.prefill_len, 1,
                                   args.threads)[args.prefill_batch]
-    rows = [(f"batch {b}, output tok/s", ours[b]["throughput_completion_total"],
-             ours_int8[b]["throughput_completion_total"] if ours_int8 else None, peer[b].e2e) for b in sizes]
-    rows.append((f"prefill, {args.prefill_batch} x {args.prefill_len} tokens, tok/s", ours_prefill["throughput_prefill"],
-                 ours_int8_prefill["throughput_prefill"] if ours_int8_prefill else None, peer_prefill.prefill_rate))
+    return Round(ours, ours_int8, peer, (ours_prefill, ours_int8_prefill, peer_prefill), bandwidths)
+
+
+def compare(gguf: pathlib.Path, args: argparse.Namespace) -> None:
+    """One file's table: roseinfer (exact, and with int8 activations), llama.cpp and the ratios per
+    row, then the floor. With several rounds (each runs every column in turn) every cell is the
+    median of its rounds and the ratios are the medians' ratios."""
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    rounds = [run_round(gguf, args, sizes) for _ in range(args.rounds)]
+    median = statistics.median
+    rows = [(f"batch {b}, output tok/s", median(r.ours[b]["throughput_completion_total"] for r in rounds),
+             median(r.ours_int8[b]["throughput_completion_total"] for r in rounds) if args.int8 else None,
+             median(r.peer[b].e2e for r in rounds)) for b in sizes]
+    rows.append((f"prefill, {args.prefill_batch} x {args.prefill_len} tokens, tok/s",
+                 median(r.prefill[0]["throughput_prefill"] for r in rounds),
+                 median(r.prefill[1]["throughput_prefill"] for r in rounds) if args.int8 else None,
+                 median(r.prefill[2].prefill_rate for r in rounds)))
     print(f"\n{gguf.name}, {args.threads} threads, {args.prompt_len} prompt + {args.max_new_tokens} output tokens "
-          f"a sequence, load average {os.getloadavg()[0]:.2f}")
+          f"a sequence, {'medians of ' + str(args.rounds) + ' rounds, ' if args.rounds > 1 else ''}"
+          f"load average {os.getloadavg()[0]:.2f}")
     print("| | roseinfer | roseinfer int8 | llama.cpp | ratio | int8 ratio |\n|---|---:|---:|---:|---:|---:|")
     for label, exact, int8, theirs in rows:
         int8_cells = (f"{int8:.1f}", f"{int8 / theirs:.2f}") if int8 is not None else ("-", "-")
         print(f"| {label} | {exact:.1f} | {int8_cells[0]} | {theirs:.1f} | {exact / theirs:.2f} | {int8_cells[1]} |")
+    if args.rounds > 1 and 1 in sizes:
+        columns = [lambda r: r.ours[1]["throughput_completion_total"], lambda r: r.peer[1].e2e]
+        if args.int8:
+            columns.insert(1, lambda r: r.ours_int8[1]["throughput_completion_total"])
+        print(f"batch 1 by round, output tok/s ({'roseinfer / int8 / llama.cpp' if args.int8 else 'roseinfer / llama.cpp'}): "
+              + "; ".join(" / ".join(f"{column(r):.1f}" for column in columns) for r in rounds))
     weights, read_experts, all_experts = decode_weight_bytes(gguf)
     if all_experts:
         print(f"expert weights: {all_experts / 1e9:.3f} GB in all; a batch-1 decode step reads "
               f"{read_experts / 1e9:.3f} GB of them ({read_experts / all_experts:.1%}); batch 16 "
               f"{decode_weight_bytes(gguf, 16)[1] / 1e9:.3f} GB, batch 64 {decode_weight_bytes(gguf, 64)[1] / 1e9:.3f} GB "
               f"(expected, routing independent)")
+    bandwidths = [b for r in rounds for b in r.bandwidths]
     if bandwidths:
-        # the larger reading: the smaller floor, so the stricter fraction
+        # the largest reading: the smallest floor, so the strictest fraction
         bandwidth = max(bandwidths)
         floor = weights / bandwidth
-        step, peer_step = 1 / ours[1]["throughput_decode_tokens"], 1 / peer[1].decode_rate
+        step = median(1 / r.ours[1]["throughput_decode_tokens"] for r in rounds)
+        peer_step = median(1 / r.peer[1].decode_rate for r in rounds)
         int8 = ""
-        if ours_int8:
-            int8_step = 1 / ours_int8[1]["throughput_decode_tokens"]
+        if args.int8:
+            int8_step = median(1 / r.ours_int8[1]["throughput_decode_tokens"] for r in rounds)
             int8 = f", int8 {int8_step * 1e3:.1f} ms ({floor / int8_step:.2f})"
         print(f"read bandwidth, {args.threads} threads, before and after the batch-1 runs: "
-              f"{bandwidths[0] / 1e9:.1f} and {bandwidths[1] / 1e9:.1f} GB/s")
+              + "; ".join(f"{r.bandwidths[0] / 1e9:.1f} and {r.bandwidths[1] / 1e9:.1f} GB/s" for r in rounds))
         print(f"batch-1 decode: floor {weights / 1e9:.3f} GB / {bandwidth / 1e9:.1f} GB/s = {floor * 1e3:.1f} ms; "
               f"roseinfer step {step * 1e3:.1f} ms (floor/step {floor / step:.2f}){int8}, llama.cpp "
               f"{peer_step * 1e3:.1f} ms ({floor / peer_step:.2f})")
@@ -230,6 +263,8 @@ def main() -> None:
     parser.add_argument("--prefill-len", type=int, default=512)
     parser.add_argument("--prefill-batch", type=int, default=1, help="prompts prefilled together (issue 39's table: 4)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every column this many times in turn; the table shows each cell's median")
     parser.add_argument("--int8", action=argparse.BooleanOptionalAction, default=True,
                         help="the roseinfer int8-activations column too (--no-int8: the exact one only)")
     parser.add_argument("--work-dir", type=pathlib.Path, default=pathlib.Path("/tmp/gguf-peers"),
