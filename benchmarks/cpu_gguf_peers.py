@@ -211,7 +211,8 @@ def compare(gguf: pathlib.Path, args: argparse.Namespace) -> None:
         columns = [lambda r: r.ours[1]["throughput_completion_total"], lambda r: r.peer[1].e2e]
         if args.int8:
             columns.insert(1, lambda r: r.ours_int8[1]["throughput_completion_total"])
-        print(f"batch 1 by round, output tok/s ({'roseinfer / int8 / llama.cpp' if args.int8 else 'roseinfer / llama.cpp'}): "
+        names = "roseinfer / int8 / llama.cpp" if args.int8 else "roseinfer / llama.cpp"
+        print(f"batch 1 by round, output tok/s ({names}): "
               + "; ".join(" / ".join(f"{column(r):.1f}" for column in columns) for r in rounds))
     weights, read_experts, all_experts = decode_weight_bytes(gguf)
     if all_experts:
@@ -272,6 +273,8 @@ def main() -> None:
     parser.add_argument("--gguf", type=pathlib.Path, action="append", default=None,
                         help="compare this existing file instead of building the shape's (repeatable)")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     src = args.llama_cpp_src or args.llama_cpp.resolve().parents[1]
     args.work_dir.mkdir(parents=True, exist_ok=True)
     files = ({f.name: f for f in args.gguf} if args.gguf
