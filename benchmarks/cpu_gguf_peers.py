@@ -186,6 +186,23 @@ def run_round(gguf: pathlib.Path, args: argparse.Namespace, sizes: list[int]) ->
     return Round(ours, ours_int8, peer, (ours_prefill, ours_int8_prefill, peer_prefill), bandwidths)
 
 
+def batch_cells(r: Round, batch: int) -> tuple[float, float | None, float]:
+    """A round's output tok/s at one batch size: roseinfer exact, int8 (None without it), llama.cpp."""
+    int8 = r.ours_int8[batch]["throughput_completion_total"] if r.ours_int8 else None
+    return r.ours[batch]["throughput_completion_total"], int8, r.peer[batch].e2e
+
+
+def prefill_cells(r: Round) -> tuple[float, float | None, float]:
+    """A round's prefill tok/s: roseinfer exact, int8 (None without it), llama.cpp."""
+    ours, int8, peer = r.prefill
+    return ours["throughput_prefill"], int8["throughput_prefill"] if int8 else None, peer.prefill_rate
+
+
+def medians(rounds_cells: list[tuple]) -> tuple:
+    """Each cell's median over the rounds (None where the rounds have none)."""
+    return tuple(None if cells[0] is None else statistics.median(cells) for cells in zip(*rounds_cells))
+
+
 def compare(gguf: pathlib.Path, args: argparse.Namespace) -> None:
     """One file's table: roseinfer (exact, and with int8 activations), llama.cpp and the ratios per
     row, then the floor. With several rounds (each runs every column in turn) every cell is the
@@ -193,13 +210,9 @@ def compare(gguf: pathlib.Path, args: argparse.Namespace) -> None:
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     rounds = [run_round(gguf, args, sizes) for _ in range(args.rounds)]
     median = statistics.median
-    rows = [(f"batch {b}, output tok/s", median(r.ours[b]["throughput_completion_total"] for r in rounds),
-             median(r.ours_int8[b]["throughput_completion_total"] for r in rounds) if args.int8 else None,
-             median(r.peer[b].e2e for r in rounds)) for b in sizes]
+    rows = [(f"batch {b}, output tok/s", *medians([batch_cells(r, b) for r in rounds])) for b in sizes]
     rows.append((f"prefill, {args.prefill_batch} x {args.prefill_len} tokens, tok/s",
-                 median(r.prefill[0]["throughput_prefill"] for r in rounds),
-                 median(r.prefill[1]["throughput_prefill"] for r in rounds) if args.int8 else None,
-                 median(r.prefill[2].prefill_rate for r in rounds)))
+                 *medians([prefill_cells(r) for r in rounds])))
     print(f"\n{gguf.name}, {args.threads} threads, {args.prompt_len} prompt + {args.max_new_tokens} output tokens "
           f"a sequence, {'medians of ' + str(args.rounds) + ' rounds, ' if args.rounds > 1 else ''}"
           f"load average {os.getloadavg()[0]:.2f}")
@@ -208,12 +221,9 @@ def compare(gguf: pathlib.Path, args: argparse.Namespace) -> None:
         int8_cells = (f"{int8:.1f}", f"{int8 / theirs:.2f}") if int8 is not None else ("-", "-")
         print(f"| {label} | {exact:.1f} | {int8_cells[0]} | {theirs:.1f} | {exact / theirs:.2f} | {int8_cells[1]} |")
     if args.rounds > 1 and 1 in sizes:
-        columns = [lambda r: r.ours[1]["throughput_completion_total"], lambda r: r.peer[1].e2e]
-        if args.int8:
-            columns.insert(1, lambda r: r.ours_int8[1]["throughput_completion_total"])
         names = "roseinfer / int8 / llama.cpp" if args.int8 else "roseinfer / llama.cpp"
-        print(f"batch 1 by round, output tok/s ({names}): "
-              + "; ".join(" / ".join(f"{column(r):.1f}" for column in columns) for r in rounds))
+        print(f"batch 1 by round, output tok/s ({names}): " + "; ".join(
+            " / ".join(f"{v:.1f}" for v in batch_cells(r, 1) if v is not None) for r in rounds))
     weights, read_experts, all_experts = decode_weight_bytes(gguf)
     if all_experts:
         print(f"expert weights: {all_experts / 1e9:.3f} GB in all; a batch-1 decode step reads "
