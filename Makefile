@@ -35,8 +35,10 @@ serve: $(STAMP)
 generate: $(STAMP)
 	$(VENV)/bin/roseinfer generate "What is the capital of France?" $(ARGS)
 
+# One pytest-xdist worker a core, each given whole test modules (their fixtures built once). Idle OpenMP
+# threads sleep instead of spinning: one worker's spinning threads would hold the cores the other needs.
 test: $(TEST_STAMP)
-	$(PY) -m pytest -q $(ARGS)
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -n auto --dist loadscope $(ARGS)
 
 # What `pip install roseinfer` does on a new machine: the built wheel into an empty venv with no
 # pip cache, torch first as above; fails if any package would have to be built from source.

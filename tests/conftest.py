@@ -53,10 +53,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session")
-def kernel_builds(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    """Where the per-ISA builds of the kernels go (test_quant_kernel_builds.kernels_built_for): each
-    build compiles once a session, however many tests run on it."""
-    return tmp_path_factory.mktemp("kernel-builds")
+def kernel_builds() -> pathlib.Path:
+    """Where the per-ISA builds of the kernels go (test_quant_kernel_builds.kernels_built_for): in the
+    run's cache folder, which pytest-xdist's workers share, so each build compiles once a run however
+    many tests, and workers, use it."""
+    return pathlib.Path(os.environ["ROSEINFER_CACHE_DIR"]) / "kernel-builds"
 
 
 @pytest.fixture(scope="session")

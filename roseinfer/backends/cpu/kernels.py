@@ -30,6 +30,8 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from filelock import FileLock
+
 logger = logging.getLogger(__name__)
 
 CSRC = pathlib.Path(__file__).with_name("csrc")
@@ -148,7 +150,6 @@ def _cache_dir() -> pathlib.Path:
 
 
 def _build(compiler: str, sources: list[pathlib.Path], target: pathlib.Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
     # build beside the target and rename: concurrent processes never load a half-written file
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         # each source compiled by a compiler of its own, at once, then linked: one command for them all
@@ -183,8 +184,12 @@ def native_library() -> Kernels:
             key.update(part)
         target = _cache_dir() / f"roseinfer_kernels_{key.hexdigest()[:16]}.so"
         if not target.exists():
-            logger.info("compiling the native CPU kernels into %s (once per machine and compiler)", target)
-            _build(compiler, sources, target)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            # processes starting at once (tensor-parallel ranks, test workers) compile it once: the rest wait
+            with FileLock(target.with_suffix(".lock")):
+                if not target.exists():
+                    logger.info("compiling the native CPU kernels into %s (once per machine and compiler)", target)
+                    _build(compiler, sources, target)
         library = ctypes.CDLL(str(target))
     except OSError as exc:  # an unwritable cache folder, a compiler that cannot run, a bad library
         raise NativeKernelsUnavailable(f"building or loading the kernels failed: {exc}") from exc
