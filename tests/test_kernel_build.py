@@ -5,6 +5,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import re
+import shutil
+import threading
 from collections.abc import Iterator
 from types import SimpleNamespace
 
@@ -97,3 +99,34 @@ def test_every_entry_point_of_the_real_header_is_bound() -> None:
     assert fields == ["input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up", "down", "k_cache",
                       "v_cache", "qkv_type", "o_type", "gate_up_type", "down_type", "sliding_window",
                       "logit_softcap", "no_rope"]
+
+
+@needs_kernels
+def test_processes_starting_at_once_compile_the_kernels_once(monkeypatch, tmp_path, rebuilt_library) -> None:
+    """Two callers find no library: the second waits on the first's file lock while the first builds,
+    then loads what it built instead of compiling again."""
+    built = kernels.native_library().library._name  # the session's library, standing in for a build
+    monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(tmp_path))
+    waiting, builds = threading.Event(), []
+
+    class SignallingLock(kernels.FileLock):
+        def acquire(self, *args, **kwargs):
+            if builds:  # the second caller, about to wait on the first
+                waiting.set()
+            return super().acquire(*args, **kwargs)
+
+    def build(compiler, sources, target) -> None:
+        builds.append(target)
+        second.start()
+        assert waiting.wait(timeout=300), "the second caller never reached the lock"
+        shutil.copy(built, target)
+
+    monkeypatch.setattr(kernels, "FileLock", SignallingLock)
+    monkeypatch.setattr(kernels, "_build", build)
+    load = kernels.native_library.__wrapped__  # past functools.cache: each call looks for the file
+    loaded = []
+    second = threading.Thread(target=lambda: loaded.append(load()))
+    loaded.append(load())
+    second.join()
+    assert len(builds) == 1 and builds[0].exists()
+    assert len(loaded) == 2 and all(library.library._name == str(builds[0]) for library in loaded)
