@@ -42,10 +42,11 @@ test: $(TEST_STAMP)
 
 # What `pip install roseinfer` does on a new machine: the built wheel into an empty venv with no
 # pip cache, torch first as above; fails if any package would have to be built from source.
+# --no-compile: pip's byte-compiling of the installed .py files is not what this checks, and is half its time.
 check-install:
 	# setuptools builds in ./build: files an older tree left there would go into the wheel
 	rm -rf $(CHECK_DIR) build/lib build/bdist.*
 	python3 -m pip wheel -q --no-cache-dir --no-deps -w $(CHECK_DIR)/dist .
 	python3 -m venv $(CHECK_DIR)/venv
-	$(CHECK_DIR)/venv/bin/python $(TORCH_INSTALL) --no-cache-dir
-	$(CHECK_DIR)/venv/bin/python -m pip install -q --no-cache-dir --only-binary=:all: $(CHECK_DIR)/dist/*.whl
+	$(CHECK_DIR)/venv/bin/python $(TORCH_INSTALL) --no-cache-dir --no-compile
+	$(CHECK_DIR)/venv/bin/python -m pip install -q --no-cache-dir --no-compile --only-binary=:all: $(CHECK_DIR)/dist/*.whl
