@@ -27,13 +27,13 @@
 #define GROUP 8
 #define TILE 16
 /* from this many rows of x, W dequantized once into fp32 tiles (csrc/quant_tiled_matmul.c) beats
- * decoding it again for every group of rows. On AVX-512 that is from two vectors of rows (17: at 16
- * the tiles' one-vector kernel only tied the block kernel; at 24, 1.1-1.3x); elsewhere (measured on
+ * decoding it again for every group of rows. On AVX-512 that is from two vectors of rows for the
+ * 32-weight types (17: below it the default model's Q4_1 ran 0.8x on tiles); elsewhere (measured on
  * AVX2) from 14: the tiles cost the same from 13 to 16 rows, and at 13 Q8_0's block kernel was still
- * 10 % faster. The K-quants' block kernels decode more a weight: on AVX2 their tiles, which cost the
- * same from 1 to 8 rows, are faster from 8 (7 tied). */
+ * 10 % faster. The K-quants' block kernels decode more a weight: their tiles cost the same from 8 to
+ * 16 rows, and are faster from 8 on AVX2 (7 tied), from 9 on AVX-512 (8 tied, 16 rows 1.3x). */
 #if defined(__AVX512F__)
-#define TILED_MIN_ROWS(type) 17
+#define TILED_MIN_ROWS(type) (quant_block_weights(type) == 256 ? 9 : 17)
 #else
 #define TILED_MIN_ROWS(type) (quant_block_weights(type) == 256 ? 8 : 14)
 #endif
