@@ -185,12 +185,12 @@ void q8_rows_quantize(const q8_rows_t *rows, const float *x, int64_t i) {
     if (rows->forms & Q8_ROWS_32) quantize_row_q8_0(x, k, rows->rows32 + i * (k / 32));
 }
 
-/* Sub-block s of `parts` prefetches its share of the record after next: one or two rows of x read
- * the tiles faster than the hardware prefetcher brings them (one thread, 110 MB of Q6_K, one row:
- * 8.6 GB/s without, 22 with); more rows are bound by their arithmetic */
+/* Sub-block s of `parts` prefetches its share of the record 16 ahead, into L2: one or two rows of x
+ * read the tiles faster than the hardware prefetcher brings them, and prefetches into L2 keep more
+ * lines in flight than into L1 (docs/profiling.md section 18); more rows are bound by their arithmetic */
 static inline void prefetch_ahead(const uint8_t *rec, int64_t record, int s, int parts) {
-    const uint8_t *ahead = rec + 2 * record + s * record / parts;
-    for (int64_t line = 0; line < record / parts + 64; line += 64) __builtin_prefetch(ahead + line);
+    const uint8_t *ahead = rec + 16 * record + s * record / parts;
+    for (int64_t line = 0; line < record / parts + 64; line += 64) __builtin_prefetch(ahead + line, 0, 2);
 }
 
 /* row r's 4 bytes of `nibbles` (a weight vector's nibbles) with their fifth bits from `high`, which
