@@ -27,16 +27,10 @@
 #define GROUP 8
 #define TILE 16
 /* from this many rows of x, W dequantized once into fp32 tiles (csrc/quant_tiled_matmul.c) beats
- * decoding it again for every group of rows. On AVX-512 that is from two vectors of rows for the
- * 32-weight types (17: below it the default model's Q4_1 ran 0.8x on tiles); elsewhere (measured on
- * AVX2) from 14: the tiles cost the same from 13 to 16 rows, and at 13 Q8_0's block kernel was still
- * 10 % faster. The K-quants' block kernels decode more a weight: their tiles cost the same from 8 to
- * 16 rows, and are faster from 8 on AVX2 (7 tied), from 9 on AVX-512 (8 tied, 16 rows 1.3x). */
-#if defined(__AVX512F__)
-#define TILED_MIN_ROWS(type) (quant_block_weights(type) == 256 ? 9 : 17)
-#else
+ * decoding it again for every group of rows: the tiles cost the same up to one vector of rows. For
+ * the 32-weight types from 14 (at 13 Q8_0's block kernel was 10 % faster on AVX2, the default
+ * model's Q4_1 3 % on AVX-512); the K-quants' block kernels decode more a weight, and lose from 8. */
 #define TILED_MIN_ROWS(type) (quant_block_weights(type) == 256 ? 8 : 14)
-#endif
 
 /* sums[r] = row r of x (r < rows) times weight row w, over k columns */
 static inline __attribute__((always_inline)) void group_times_row(int type, const float *x, int64_t x_stride,

@@ -34,15 +34,19 @@
 #endif
 
 /* acc[j][v] += tile rows j < R (rows TILE_STRIDE apart) times x^T's vectors v < V (their blocks
- * block_floats apart), over `width` columns */
+ * block_floats apart), over `width` columns. The pragmas unroll it: GCC kept AVX-512's 24 x 1 accumulators
+ * in memory otherwise, a load and a store around every multiply-add. */
 static inline __attribute__((always_inline)) void tile_times_columns(const float *tile, const float *xt,
                                                                      int64_t block_floats, int64_t width,
                                                                      vec_t acc[][4], const int R, const int V) {
     for (int64_t c = 0; c < width; c++) {
         vec_t xv[4];
+#pragma GCC unroll 4
         for (int v = 0; v < V; v++) xv[v] = load_vec(xt + v * block_floats + c * VEC_FLOATS);
+#pragma GCC unroll 24
         for (int j = 0; j < R; j++) {
             const float w = tile[j * TILE_STRIDE + c];
+#pragma GCC unroll 4
             for (int v = 0; v < V; v++) acc[j][v] += w * xv[v];
         }
     }
