@@ -48,7 +48,7 @@ def holds_blocks(module: nn.Module) -> bool:
 class QuantizedLinear(NativeRowsLinear):
     """y = x W^T (+ bias) with W in GGUF blocks (or, with int8 activations, maybe repacked: see above);
     in_features stays the dense width. Every row count runs the C kernel (with the norm or SiLU before
-    it where the model asks: NativeRowsLinear), which from 32 rows (17 on AVX-512) multiplies tiles of W
+    it where the model asks: NativeRowsLinear), which from 14 rows (8 for the K-quants) multiplies tiles of W
     dequantized once (csrc/quant_tiled_matmul.c), or, with int8 activations, integer dots at every row
     count."""
 
