@@ -1,8 +1,8 @@
 """Tensor parallelism over two ranks (gloo on CPU): greedy output equals HF's token for token for
 every architecture (MQA's one KV head replicated on both ranks) under chunked prefill, prefix
-caching and preemption, prompt logprobs and speculative decoding on rank 0 included; a killed rank
-fails the engine at its next step and leaves no process; a size that does not divide the model is
-refused.
+caching and preemption, prompt logprobs and speculative decoding on rank 0 included; shutdown
+leaves no process and no group thread; a killed rank fails the engine at its next step and leaves no
+process; a size that does not divide the model is refused.
 
 Each engine start spawns a worker (~1-3 s): one engine per architecture serves all of its cases."""
 from __future__ import annotations
@@ -33,13 +33,23 @@ def _gone(pid: int) -> bool:
         return True
 
 
+def _gloo_threads() -> int:
+    """This process's threads that run a gloo group's collectives."""
+    names = [open(f"/proc/self/task/{tid}/comm").read().strip() for tid in os.listdir("/proc/self/task")]
+    return names.count("pt_gloo_runloop")
+
+
 @pytest.fixture(scope="module")
 def tp_llm(tiny_model_dir):
+    before = _gloo_threads()
     llm = LLM(model=str(tiny_model_dir), **OPTIONS)
     pids = llm.engine.executor.ranks.pids
+    assert _gloo_threads() > before
     yield llm
     llm.shutdown()
     assert all(_gone(pid) for pid in pids)
+    # rank 0 left its group at shutdown, not at interpreter exit, where its threads can abort the process
+    assert _gloo_threads() == before
 
 
 def test_greedy_matches_hf_on_two_ranks(tp_llm, tiny_model_dir):

@@ -41,6 +41,14 @@ class TensorParallel:
         self.rank, self.size, self.group = rank, size, group
         self.device = device or torch.device("cpu")  # where the group's tensors live
 
+    def leave(self) -> None:
+        """Shut the group down and drop it (the one reference the models' layers share), so that its
+        threads end now. A group left alive until interpreter exit can abort the process there
+        (pytorch/pytorch#190489); no collective runs afterwards."""
+        group, self.group = self.group, None
+        if group is not None:
+            group.shutdown()
+
     # ---- shares of a weight --------------------------------------------------------------
     def even(self, total: int) -> Part:
         """This rank's slice of `total` rows (heads, the MLP's width); check_tensor_parallel

@@ -7,9 +7,10 @@ as shared memory and cheaper than a gloo broadcast (docs/distributed.md), needs 
 tells a waiting rank at once (EOF) that rank 0 is gone.
 
 Lifetime: the processes are spawned (torch.multiprocessing, daemon) when the engine starts and stopped
-with it (`close`, also on garbage collection and at interpreter exit). A rank exits when rank 0's
-process does, however it ends (SIGKILL included): its pipe reads EOF, a collective loses its peer, and
-a thread watching its parent pid catches the rest. It ignores SIGINT, so Ctrl-C at a terminal stops
+with it (`close`, also on garbage collection and at interpreter exit); every rank then leaves its
+group (TensorParallel.leave). A rank exits when rank 0's process does, however it ends (SIGKILL
+included): its pipe reads EOF, a collective loses its peer, and a thread watching its parent pid
+catches the rest. It ignores SIGINT, so Ctrl-C at a terminal stops
 the engine's process, which stops its ranks (a server drains first). A rank that dies (or fails
 and reports its traceback) makes rank 0's next collective fail at once (gloo sees the closed
 socket); rank 0 then stops the other ranks and raises WorkerError naming the rank and why, and
@@ -61,7 +62,8 @@ class RankProcesses:
         self.conns: list[multiprocessing.connection.Connection] = []
         self.error: WorkerError | None = None
         self._stopping = threading.Event()  # set once the workers are being stopped: their exits are expected
-        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, self._stopping)
+        self.tp = TensorParallel(0, size, None, device)  # its group once every rank has joined
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, self._stopping, self.tp)
         try:
             for rank in range(1, size):
                 parent, child = ctx.Pipe()
@@ -72,13 +74,12 @@ class RankProcesses:
                 child.close()
                 self.procs.append(proc)
                 self.conns.append(parent)
-            group = self._while_watching(lambda: _process_group(store, 0, size, device), "joining the group")
+            self.tp.group = self._while_watching(lambda: _process_group(store, 0, size, device), "joining the group")
         except BaseException:
             self.close()
             raise
-        self.tp = TensorParallel(0, size, group, device)
         self.store = store  # the workers' rendezvous: kept while the group lives
-        threading.Thread(target=_watch, args=(group, [proc.sentinel for proc in self.procs], self._stopping),
+        threading.Thread(target=_watch, args=(self.tp, [proc.sentinel for proc in self.procs], self._stopping),
                          name="roseinfer-tp-watch", daemon=True).start()
 
     # ---- rank 0's side of the protocol ---------------------------------------------------
@@ -166,12 +167,13 @@ class RankProcesses:
         return self._fail(f"rank {rank} (pid {proc.pid}) {_how(proc, self.conns[rank - 1])} while {doing}")
 
 
-def _watch(group: Any, sentinels: list[int], stopping: threading.Event) -> None:
+def _watch(tp: TensorParallel, sentinels: list[int], stopping: threading.Event) -> None:
     """A worker that dies while rank 0 waits in a collective: gloo notices the closed socket by
     itself; NCCL would wait out its timeout unless the group is aborted, which this does. (It holds
-    the group, not the RankProcesses, which the garbage collector may then stop.)"""
+    rank 0's TensorParallel, not the RankProcesses, which the garbage collector may then stop.)"""
     multiprocessing.connection.wait(sentinels)
-    if not stopping.is_set():
+    group = tp.group
+    if not stopping.is_set() and group is not None:
         try:
             group.abort()
         except Exception:  # noqa: BLE001 -- not every backend can abort; gloo needs not
@@ -195,8 +197,9 @@ def _how(proc: mp.Process, conn: multiprocessing.connection.Connection) -> str:
 
 
 def _stop(procs: list[mp.Process], conns: list[multiprocessing.connection.Connection],
-          stopping: threading.Event) -> None:
-    """Ask every worker to stop, then end those still there after STOP_TIMEOUT_S."""
+          stopping: threading.Event, tp: TensorParallel) -> None:
+    """Ask every worker to stop, then end those still there after STOP_TIMEOUT_S; rank 0 then
+    leaves the group."""
     stopping.set()
     message = pickle.dumps(("stop", ()))
     for conn in conns:
@@ -213,6 +216,7 @@ def _stop(procs: list[mp.Process], conns: list[multiprocessing.connection.Connec
             proc.join(max(0.0, deadline - time.monotonic()))
     for conn in conns:
         conn.close()
+    tp.leave()
 
 
 def _process_group(store: dist.Store, rank: int, size: int, device: torch.device) -> Any:
@@ -233,16 +237,18 @@ def _rank_main(spec: WorkerSpec, device: torch.device, num_threads: int, rank: i
         worker = Worker(spec, device)
         store = dist.TCPStore("127.0.0.1", port, spec.world_size, is_master=False,
                               timeout=timedelta(seconds=START_TIMEOUT_S))
-        worker.load_model(TensorParallel(rank, spec.world_size, _process_group(store, rank, spec.world_size, device),
-                                         device))
+        tp = TensorParallel(rank, spec.world_size, _process_group(store, rank, spec.world_size, device), device)
+        worker.load_model(tp)
         conn.send(("ready", None))
         while True:
-            method, args = pickle.loads(conn.recv_bytes())
+            try:
+                method, args = pickle.loads(conn.recv_bytes())
+            except EOFError:  # rank 0 is gone
+                break
             if method == "stop":
                 break
             getattr(worker, method)(*args)
-    except EOFError:  # rank 0 is gone
-        pass
+        tp.leave()
     except BaseException:  # noqa: BLE001 -- reported to rank 0, whose next collective then fails
         try:
             conn.send(("error", traceback.format_exc()))
