@@ -1,11 +1,11 @@
 """The GGUF-block matmul's kernels against gguf-py's dequantize and a torch matmul, in every build this
-CPU can run: native, AVX2 only and portable. K-quants below 17 rows take csrc/kquant.c on AVX-512
-(on AVX2 one row, and two of Q4_K; quant_matmul.c's generic kernel otherwise, up to 7 rows): one and
-two rows (four FMA chains, or AVX2's one-row sums), partial and full groups of 4, several groups; from
-8 rows (17 on AVX-512) csrc/quant_tiled_matmul.c: 8, 13, 14, 17, 37 and 70 rows leave partial passes
-of rows of x, and 37 outputs a partial tile and pass. The other types at 1, 37 and 70 rows (the
-generic kernel, then the tiles); 1 or 3 blocks a row. From 32 rows the tiles sum as the packed fp32
-kernel does on the dequantized weights, bit for bit."""
+CPU can run: native, AVX2 only and portable. K-quants below 8 rows take csrc/kquant.c on AVX-512
+(on AVX2 one row, and two of Q4_K; quant_matmul.c's generic kernel otherwise): one and two rows (four
+FMA chains, or AVX2's one-row sums), partial and full groups of 4, several groups; from 8 rows
+csrc/quant_tiled_matmul.c: 8, 13, 14, 17, 37 and 70 rows leave partial passes of rows of x, and 37
+outputs a partial tile and pass. The other types at 1 row (the generic kernel), then at 14, 16, 37 and
+70 (the tiles); 1 or 3 blocks a row. Wherever the tiles run they sum as the packed fp32 kernel does on
+the dequantized weights, bit for bit."""
 from __future__ import annotations
 
 import platform
@@ -80,7 +80,7 @@ def test_quant_matmul_equals_dequantize_then_matmul_in_every_build(build: str, k
                 blocks, dense = random_blocks(qtype, 37, gguf.GGML_QUANT_SIZES[qtype][0] * blocks_per_row,
                                               seed=blocks_per_row)
                 bias = torch.randn(37)
-                for rows in (1, 2, 3, 7, 8, 13, 14, 17, 37, 70) if qtype in (QT.Q4_K, QT.Q5_K, QT.Q6_K) else (1, 37, 70):
+                for rows in (1, 2, 3, 7, 8, 13, 14, 17, 37, 70) if qtype in (QT.Q4_K, QT.Q5_K, QT.Q6_K) else (1, 14, 16, 37, 70):
                     x = torch.randn(rows, dense.shape[1])
                     got = ops.quant_matmul(x, blocks, int(qtype), bias)
                     torch.testing.assert_close(got, x @ dense.T + bias, rtol=1e-5,
@@ -88,8 +88,8 @@ def test_quant_matmul_equals_dequantize_then_matmul_in_every_build(build: str, k
                     wide = torch.randn(rows, dense.shape[1] + 16)  # rows of x a stride apart
                     wide[:, :dense.shape[1]] = x
                     assert torch.equal(ops.quant_matmul(wide[:, :dense.shape[1]], blocks, int(qtype), bias), got)
-                    if rows >= 32:
-                        assert torch.equal(got, ops.packed_matmul(x, _packed(dense).data_ptr(), 37, bias))
+                    if rows >= (8 if qtype in (QT.Q4_K, QT.Q5_K, QT.Q6_K) else 14):  # the tiles
+                        assert torch.equal(got, ops.packed_matmul(x, _packed(dense).data_ptr(), 37, bias)), rows
 
 
 @needs_kernels
