@@ -1,15 +1,14 @@
 /* y = x W^T (+ bias) for many rows of x, W in GGUF blocks, as a GEMM. x is transposed once per call,
  * a vector of rows at a time (x^T [m / VEC_FLOATS][k][VEC_FLOATS], m rounded up, the padding 0): a
  * column's vector then lies next to the one before it, where rows of x^T m floats apart put a
- * panel's columns in a few L1 sets (2 KB apart at 512 rows of x). A thread takes TILE_ROWS rows of
- * W at a time, dequantizes PANEL_COLUMNS of their columns into a row-major tile (the values
+ * panel's columns in a few L1 sets (2 KB apart at 512 rows of x). A thread takes a tile's rows of W
+ * at a time, dequantizes a panel of their columns into a row-major tile (the values
  * dequantize_rows_f32 writes) and multiplies it into every row of x: per column, V vectors of x^T
  * times R weights broadcast from the tile into R x V accumulators (outputs of R rows of W for V
- * vectors of rows of x),
- * carrying each output's running sum from one panel to the next. A weight is decoded once per call,
- * never transposed, and each output's products are summed in column order from 0: the sums of
- * packed_matmul_f32 on the dequantized W, bit for bit. The tile (96 KB) and the panel of x^T stay in
- * L2 while they pass over each other. */
+ * vectors of rows of x), carrying each output's running sum from one panel to the next. A weight is
+ * decoded once per call, never transposed, and each output's products are summed in column order
+ * from 0: the sums of packed_matmul_f32 on the dequantized W, bit for bit. The large tile (96 KB)
+ * and the panel of x^T stay in L2 while they pass over each other; the small one (26 KB) in L1. */
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -18,11 +17,18 @@
 #include "quants.h"
 #include "simd.h"
 
-#define PANEL_COLUMNS 512 /* whole 256-weight blocks */
+/* Two tile sizes (rows of W, and columns: whole 256-weight blocks). From SMALL_TILE_MAX_ROWS rows of x
+ * down, where decoding a weight costs as much as a third of its multiply-adds, the tile fits in L1:
+ * decoded into a 96-KB tile, every store missed L1 and decoding took twice as long. Above, the large
+ * tile's longer panels pass over x^T fewer times. */
+#define TILE_ROWS 48 /* a multiple of every R below */
+#define PANEL_COLUMNS 512
+#define SMALL_TILE_ROWS 24
+#define SMALL_PANEL_COLUMNS 256
+#define SMALL_TILE_MAX_ROWS 16
 /* floats from one tile row to the next: a cache line more than a panel, because rows 2 KB apart all
  * fell in the same L1 sets (a kernel reading 24 of them thrashed) */
-#define TILE_STRIDE (PANEL_COLUMNS + 16)
-#define TILE_ROWS 48      /* a multiple of every R below */
+#define STRIDE(panel_columns) ((panel_columns) + 16)
 #if defined(__AVX512F__)
 #define ACCUMULATORS 24 /* of 32 registers, the rest for x^T's vectors and a broadcast weight */
 #define MAX_VECTORS 4
@@ -33,19 +39,20 @@
 #define MAX_VECTORS 2
 #endif
 
-/* acc[j][v] += tile rows j < R (rows TILE_STRIDE apart) times x^T's vectors v < V (their blocks
+/* acc[j][v] += tile rows j < R (rows `stride` floats apart) times x^T's vectors v < V (their blocks
  * block_floats apart), over `width` columns. The pragmas unroll it: GCC kept AVX-512's 24 x 1 accumulators
  * in memory otherwise, a load and a store around every multiply-add. */
 static inline __attribute__((always_inline)) void tile_times_columns(const float *tile, const float *xt,
                                                                      int64_t block_floats, int64_t width,
-                                                                     vec_t acc[][4], const int R, const int V) {
+                                                                     vec_t acc[][4], const int R, const int V,
+                                                                     const int stride) {
     for (int64_t c = 0; c < width; c++) {
         vec_t xv[4];
 #pragma GCC unroll 4
         for (int v = 0; v < V; v++) xv[v] = load_vec(xt + v * block_floats + c * VEC_FLOATS);
 #pragma GCC unroll 24
         for (int j = 0; j < R; j++) {
-            const float w = tile[j * TILE_STRIDE + c];
+            const float w = tile[j * stride + c];
 #pragma GCC unroll 4
             for (int v = 0; v < V; v++) acc[j][v] += w * xv[v];
         }
@@ -56,75 +63,97 @@ static inline __attribute__((always_inline)) void tile_times_columns(const float
  * first panel) through registers */
 static inline __attribute__((always_inline)) void register_tile(const float *tile, const float *xt, int64_t m_pad,
                                                                 int64_t block_floats, int64_t width, float *sums,
-                                                                int first_panel, const int R, const int V) {
+                                                                int first_panel, const int R, const int V,
+                                                                const int stride) {
     vec_t acc[ACCUMULATORS][4];
     for (int j = 0; j < R; j++)
         for (int v = 0; v < V; v++) acc[j][v] = first_panel ? (vec_t){0} : load_vec(sums + j * m_pad + v * VEC_FLOATS);
-    tile_times_columns(tile, xt, block_floats, width, acc, R, V);
+    tile_times_columns(tile, xt, block_floats, width, acc, R, V, stride);
     for (int j = 0; j < R; j++)
         for (int v = 0; v < V; v++) store_vec(sums + j * m_pad + v * VEC_FLOATS, acc[j][v]);
 }
 
-/* sums [TILE_ROWS][m_pad] += the tile times every vector of x^T's panel (its blocks block_floats apart) */
-static void tile_times_panel(const float *tile, const float *xt, int64_t m_pad, int64_t block_floats, int64_t width,
-                             float *sums, int first_panel) {
+/* sums [tile_rows][m_pad] += the tile times every vector of x^T's panel (its blocks block_floats
+ * apart); tile_rows and stride are literals, so the tile's offsets are too */
+static inline __attribute__((always_inline)) void tile_times_panel(const float *tile, const float *xt, int64_t m_pad,
+                                                                   int64_t block_floats, int64_t width, float *sums,
+                                                                   int first_panel, const int tile_rows,
+                                                                   const int stride) {
     for (int64_t v0 = 0; v0 < m_pad; ) {
         const int64_t left = (m_pad - v0) / VEC_FLOATS;
         const int V = left >= 4 && MAX_VECTORS >= 4 ? 4 : left >= 2 ? 2 : 1;
-        for (int j = 0; j < TILE_ROWS; j += ACCUMULATORS / V) {
-            const float *t = tile + j * TILE_STRIDE, *x = xt + v0 / VEC_FLOATS * block_floats;
+        for (int j = 0; j < tile_rows; j += ACCUMULATORS / V) {
+            const float *t = tile + j * stride, *x = xt + v0 / VEC_FLOATS * block_floats;
             float *s = sums + j * m_pad + v0;
             /* constant shapes, so the accumulators stay in registers */
             if (V == 4)
-                register_tile(t, x, m_pad, block_floats, width, s, first_panel, ACCUMULATORS / 4, 4);
+                register_tile(t, x, m_pad, block_floats, width, s, first_panel, ACCUMULATORS / 4, 4, stride);
             else if (V == 2)
-                register_tile(t, x, m_pad, block_floats, width, s, first_panel, ACCUMULATORS / 2, 2);
+                register_tile(t, x, m_pad, block_floats, width, s, first_panel, ACCUMULATORS / 2, 2, stride);
             else
-                register_tile(t, x, m_pad, block_floats, width, s, first_panel, ACCUMULATORS, 1);
+                register_tile(t, x, m_pad, block_floats, width, s, first_panel, ACCUMULATORS, 1, stride);
         }
         v0 += V * VEC_FLOATS;
     }
+}
+
+static void large_tile_times_panel(const float *tile, const float *xt, int64_t m_pad, int64_t block_floats,
+                                   int64_t width, float *sums, int first_panel) {
+    tile_times_panel(tile, xt, m_pad, block_floats, width, sums, first_panel, TILE_ROWS, STRIDE(PANEL_COLUMNS));
+}
+
+static void small_tile_times_panel(const float *tile, const float *xt, int64_t m_pad, int64_t block_floats,
+                                   int64_t width, float *sums, int first_panel) {
+    tile_times_panel(tile, xt, m_pad, block_floats, width, sums, first_panel, SMALL_TILE_ROWS,
+                     STRIDE(SMALL_PANEL_COLUMNS));
 }
 
 /* Whether it ran: 0 (nothing written) where the buffers could not be allocated; every thread of the
  * enclosing region sees the same answer. */
 int quant_tiled_tasks(const float *x, int64_t x_stride, const uint8_t *weight, int64_t type, const float *bias,
                       float *out, int64_t out_stride, int64_t m, int64_t n, int64_t k) {
-    const int64_t row_bytes = quant_row_bytes(type, k), tiles = (n + TILE_ROWS - 1) / TILE_ROWS;
+    const int small = m <= SMALL_TILE_MAX_ROWS;
+    const int64_t tile_rows = small ? SMALL_TILE_ROWS : TILE_ROWS;
+    const int64_t panel_columns = small ? SMALL_PANEL_COLUMNS : PANEL_COLUMNS, stride = STRIDE(panel_columns);
+    const int64_t row_bytes = quant_row_bytes(type, k), tiles = (n + tile_rows - 1) / tile_rows;
     const int64_t m_pad = (m + VEC_FLOATS - 1) / VEC_FLOATS * VEC_FLOATS, block_floats = k * VEC_FLOATS;
-    /* x^T, then each thread's tile [TILE_ROWS][PANEL_COLUMNS] and running sums [TILE_ROWS][m_pad] */
-    const size_t thread_floats = (size_t)(TILE_ROWS * TILE_STRIDE + TILE_ROWS * m_pad);
+    /* x^T, then each thread's tile [tile_rows][panel_columns] and running sums [tile_rows][m_pad] */
+    const size_t thread_floats = (size_t)(tile_rows * stride + tile_rows * m_pad);
     float *buffers = NULL;
 #pragma omp single copyprivate(buffers)
     buffers = aligned_alloc(64, ((size_t)(k * m_pad) + (size_t)omp_get_num_threads() * thread_floats) * sizeof(float));
     if (buffers == NULL) return 0;
     float *xt = buffers, *tile = buffers + k * m_pad + (size_t)omp_get_thread_num() * thread_floats;
-    float *sums = tile + TILE_ROWS * TILE_STRIDE;
+    float *sums = tile + tile_rows * stride;
 #pragma omp for schedule(static)
     for (int64_t c = 0; c < k; c++)
         for (int64_t i = 0; i < m_pad; i++)
             xt[i / VEC_FLOATS * block_floats + c * VEC_FLOATS + i % VEC_FLOATS] = i < m ? x[i * x_stride + c] : 0.0f;
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
-        const int64_t first_row = t * TILE_ROWS, rows = n - first_row < TILE_ROWS ? n - first_row : TILE_ROWS;
-        for (int64_t first = 0; first < k; first += PANEL_COLUMNS) {
-            const int64_t width = k - first < PANEL_COLUMNS ? k - first : PANEL_COLUMNS;
+        const int64_t first_row = t * tile_rows, rows = n - first_row < tile_rows ? n - first_row : tile_rows;
+        for (int64_t first = 0; first < k; first += panel_columns) {
+            const int64_t width = k - first < panel_columns ? k - first : panel_columns;
             /* the bytes dequantized next (this tile's next panel, or the next tile's first) are
-             * prefetched: they are TILE_ROWS short runs, which the hardware prefetcher did not
+             * prefetched: they are tile_rows short runs, which the hardware prefetcher did not
              * keep ahead of */
-            const int64_t next = first + PANEL_COLUMNS < k ? first + PANEL_COLUMNS : 0;
-            const int64_t next_row = next ? first_row : first_row + TILE_ROWS, next_offset = quant_row_bytes(type, next);
-            const int64_t next_bytes = quant_row_bytes(type, k - next < PANEL_COLUMNS ? k - next : PANEL_COLUMNS);
-            for (int64_t r = 0; r < TILE_ROWS; r++) {
+            const int64_t next = first + panel_columns < k ? first + panel_columns : 0;
+            const int64_t next_row = next ? first_row : first_row + tile_rows;
+            const int64_t next_offset = quant_row_bytes(type, next);
+            const int64_t next_bytes = quant_row_bytes(type, k - next < panel_columns ? k - next : panel_columns);
+            for (int64_t r = 0; r < tile_rows; r++) {
                 const uint8_t *row = weight + (first_row + r) * row_bytes;
                 for (int64_t b = 0; next_row + r < n && b < next_bytes; b += 64)
                     __builtin_prefetch(weight + (next_row + r) * row_bytes + next_offset + b);
-                if (r < rows && !kquant_dequantize_chunks(type, row, first / 32, width / 32, tile + r * TILE_STRIDE))
-                    dequantize_chunks(type, row, first / 32, width / 32, tile + r * TILE_STRIDE);
+                if (r < rows && !kquant_dequantize_chunks(type, row, first / 32, width / 32, tile + r * stride))
+                    dequantize_chunks(type, row, first / 32, width / 32, tile + r * stride);
                 else if (r >= rows)
-                    memset(tile + r * TILE_STRIDE, 0, (size_t)width * sizeof(float));
+                    memset(tile + r * stride, 0, (size_t)width * sizeof(float));
             }
-            tile_times_panel(tile, xt + first * VEC_FLOATS, m_pad, block_floats, width, sums, first == 0);
+            if (small)
+                small_tile_times_panel(tile, xt + first * VEC_FLOATS, m_pad, block_floats, width, sums, first == 0);
+            else
+                large_tile_times_panel(tile, xt + first * VEC_FLOATS, m_pad, block_floats, width, sums, first == 0);
         }
         for (int64_t i = 0; i < m; i++)
             for (int64_t j = 0; j < rows; j++)
