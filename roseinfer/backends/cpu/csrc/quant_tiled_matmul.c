@@ -17,11 +17,11 @@
 #include "quants.h"
 #include "simd.h"
 
-/* Two tile sizes (rows of W, and columns: whole 256-weight blocks). From SMALL_TILE_MAX_ROWS rows of x
- * down, where decoding a weight costs as much as a third of its multiply-adds, the tile fits in L1:
- * decoded into a 96-KB tile, every store missed L1 and decoding took twice as long. Above, the large
- * tile's longer panels pass over x^T fewer times. */
-#define TILE_ROWS 48 /* a multiple of every R below */
+/* Two tile sizes (rows of W, each a multiple of every R below; columns, whole 256-weight blocks). From
+ * SMALL_TILE_MAX_ROWS rows of x down, where decoding the weights took a third of the time, the tile
+ * fits in L1: decoded into a 96-KB tile, every store missed L1 and decoding took twice as long.
+ * Above, the large tile's longer panels pass over x^T fewer times. */
+#define TILE_ROWS 48
 #define PANEL_COLUMNS 512
 #define SMALL_TILE_ROWS 24
 #define SMALL_PANEL_COLUMNS 256
