@@ -20,9 +20,8 @@ from roseinfer.backends.cpu import ops
 from roseinfer.backends.cpu.quantized import INT8_ACTIVATIONS, INT8_TYPES, QuantizedLinear
 from test_native_kernels import needs_kernels
 from test_quant_kernel_builds import BUILDS, kernels_built_for
-from test_quantized import QTYPES as ALL_QTYPES, _tiny_hf, random_blocks
+from test_quantized import K_QUANTS, QTYPES as ALL_QTYPES, _tiny_hf, random_blocks
 
-K_QUANTS = (QT.Q4_K, QT.Q5_K, QT.Q6_K)
 agreement_module = benchmark_script("int8_agreement")
 
 # Q5_K's integer kernel reads repacked tiles only (test_int8_gemm.py); MXFP4 keeps fp32 rows under int8

@@ -21,7 +21,7 @@ from gguf import GGMLQuantizationType as QT
 
 from roseinfer.backends.cpu import kernels, ops
 from test_native_kernels import needs_kernels
-from test_quantized import QTYPES, random_blocks
+from test_quantized import K_QUANTS, QTYPES, random_blocks
 
 X86 = platform.machine() in ("x86_64", "AMD64")
 BUILDS = ("native", "avx2", "portable")
@@ -80,7 +80,8 @@ def test_quant_matmul_equals_dequantize_then_matmul_in_every_build(build: str, k
                 blocks, dense = random_blocks(qtype, 37, gguf.GGML_QUANT_SIZES[qtype][0] * blocks_per_row,
                                               seed=blocks_per_row)
                 bias = torch.randn(37)
-                for rows in (1, 2, 3, 7, 8, 13, 14, 17, 37, 70) if qtype in (QT.Q4_K, QT.Q5_K, QT.Q6_K) else (1, 14, 16, 37, 70):
+                tiled_from = 8 if qtype in K_QUANTS else 14
+                for rows in (1, 2, 3, 7, 8, 13, 14, 17, 37, 70) if qtype in K_QUANTS else (1, 14, 16, 37, 70):
                     x = torch.randn(rows, dense.shape[1])
                     got = ops.quant_matmul(x, blocks, int(qtype), bias)
                     torch.testing.assert_close(got, x @ dense.T + bias, rtol=1e-5,
@@ -88,7 +89,7 @@ def test_quant_matmul_equals_dequantize_then_matmul_in_every_build(build: str, k
                     wide = torch.randn(rows, dense.shape[1] + 16)  # rows of x a stride apart
                     wide[:, :dense.shape[1]] = x
                     assert torch.equal(ops.quant_matmul(wide[:, :dense.shape[1]], blocks, int(qtype), bias), got)
-                    if rows >= (8 if qtype in (QT.Q4_K, QT.Q5_K, QT.Q6_K) else 14):  # the tiles
+                    if rows >= tiled_from:  # the tiles
                         assert torch.equal(got, ops.packed_matmul(x, _packed(dense).data_ptr(), 37, bias)), rows
 
 

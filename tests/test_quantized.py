@@ -23,6 +23,7 @@ from test_native_kernels import needs_kernels
 from tiny_models import assert_greedy_matches_hf_on_the_fp32_folder, hf_greedy
 
 QTYPES = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.MXFP4]
+K_QUANTS = (QT.Q4_K, QT.Q5_K, QT.Q6_K)  # 256-weight blocks
 
 
 def random_blocks(qtype: QT, rows: int, cols: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,11 +10,11 @@ Lifetime: the processes are spawned (torch.multiprocessing, daemon) when the eng
 with it (`close`, also on garbage collection and at interpreter exit); every rank then leaves its
 group (TensorParallel.leave). A rank exits when rank 0's process does, however it ends (SIGKILL
 included): its pipe reads EOF, a collective loses its peer, and a thread watching its parent pid
-catches the rest. It ignores SIGINT, so Ctrl-C at a terminal stops
-the engine's process, which stops its ranks (a server drains first). A rank that dies (or fails
-and reports its traceback) makes rank 0's next collective fail at once (gloo sees the closed
-socket); rank 0 then stops the other ranks and raises WorkerError naming the rank and why, and
-every later step raises it too. A hung rank is bounded by the collectives' timeout.
+catches the rest. It ignores SIGINT, so Ctrl-C at a terminal stops the engine's process, which stops
+its ranks (a server drains first). A rank that dies (or fails and reports its traceback) makes rank
+0's next collective fail at once (gloo sees the closed socket); rank 0 then stops the other ranks and
+raises WorkerError naming the rank and why, and every later step raises it too. A hung rank is bounded
+by the collectives' timeout.
 """
 from __future__ import annotations
 
