@@ -7,6 +7,7 @@ process; a size that does not divide the model is refused.
 Each engine start spawns a worker (~1-3 s): one engine per architecture serves all of its cases."""
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import threading
@@ -41,6 +42,7 @@ def _gloo_threads() -> int:
 
 @pytest.fixture(scope="module")
 def tp_llm(tiny_model_dir):
+    gc.collect()  # an earlier test's unreferenced engine leaves its group now, not halfway through this count
     before = _gloo_threads()
     llm = LLM(model=str(tiny_model_dir), **OPTIONS)
     pids = llm.engine.executor.ranks.pids
