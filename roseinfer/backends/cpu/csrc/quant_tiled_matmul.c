@@ -26,6 +26,7 @@
 #define SMALL_TILE_ROWS 24
 #define SMALL_PANEL_COLUMNS 256
 #define SMALL_TILE_MAX_ROWS 16
+#define TRANSPOSE_COLUMNS 512
 /* floats from one tile row to the next: a cache line more than a panel, because rows 2 KB apart all
  * fell in the same L1 sets (a kernel reading 24 of them thrashed) */
 #define STRIDE(panel_columns) ((panel_columns) + 16)
@@ -125,10 +126,16 @@ int quant_tiled_tasks(const float *x, int64_t x_stride, const uint8_t *weight, i
     if (buffers == NULL) return 0;
     float *xt = buffers, *tile = buffers + k * m_pad + (size_t)omp_get_thread_num() * thread_floats;
     float *sums = tile + tile_rows * stride;
-#pragma omp for schedule(static)
-    for (int64_t c = 0; c < k; c++)
-        for (int64_t i = 0; i < m_pad; i++)
-            xt[i / VEC_FLOATS * block_floats + c * VEC_FLOATS + i % VEC_FLOATS] = i < m ? x[i * x_stride + c] : 0.0f;
+    /* a row of x at a time, read in order (read down its columns, every float of x was a cache miss
+     * at k = 8192), over runs of TRANSPOSE_COLUMNS columns so that both threads have work at 16 rows */
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t block = 0; block < m_pad / VEC_FLOATS; block++)
+        for (int64_t first = 0; first < k; first += TRANSPOSE_COLUMNS)
+            for (int64_t i = block * VEC_FLOATS; i < (block + 1) * VEC_FLOATS; i++) {
+                float *column = xt + block * block_floats + i % VEC_FLOATS;
+                const int64_t end = k - first < TRANSPOSE_COLUMNS ? k : first + TRANSPOSE_COLUMNS;
+                for (int64_t c = first; c < end; c++) column[c * VEC_FLOATS] = i < m ? x[i * x_stride + c] : 0.0f;
+            }
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t first_row = t * tile_rows, rows = n - first_row < tile_rows ? n - first_row : tile_rows;
