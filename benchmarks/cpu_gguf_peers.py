@@ -11,11 +11,12 @@ bytes (every tensor but a looked-up embedding that is not also the LM head, and 
 experts only the routed experts' share) over the read bandwidth (a torch sum over a buffer larger than
 the caches, --threads threads), read just before and just after the batch-1 runs, the larger of the
 two; roseinfer's and llama.cpp's batch-1 decode steps are reported as fractions of it (floor time /
-step time; 1.0 is at the floor). For a dense model, with batch sizes above 1, the exact path's compute
-ceiling too: torch's fp32 GEMM rate at a compute-bound shape (512 rows of x, a weight in cache) over
+step time; 1.0 is at the floor). For a dense model, with batch sizes above 1, the exact path at
+torch's fp32 GEMM rate too: that rate at a compute-bound shape (512 rows of x, a weight in cache) over
 the multiply-adds of a token, decoding and end to end (prompt tokens cost the same multiply-adds but
-the LM head's; fp32 activations cannot beat it at any batch size; at a decode batch's own few rows
-torch's rate is lower, and roseinfer's tiles beat it there).
+the LM head's). It is a tuned GEMM's rate, not the FMA pipes' peak (on an AVX-512 Xeon a plain FMA
+loop ran ~1.4x it: docs/profiling.md section 19); at a decode batch's own few rows torch's rate is
+lower, and roseinfer's tiles beat it there.
 
     python benchmarks/cpu_gguf_peers.py --llama-cpp LLAMA_CPP/build/bin [--shape smollm2-1.7b]
         [--types Q4_K_M,Q8_0] [--batch-sizes 1,16,64] [--threads 2] [--rounds 1] [--work-dir /tmp/gguf-peers]
@@ -247,12 +248,13 @@ def compare(gguf: pathlib.Path, args: argparse.Namespace) -> None:
               f"roseinfer step {step * 1e3:.1f} ms (floor/step {floor / step:.2f}){int8}, llama.cpp "
               f"{peer_step * 1e3:.1f} ms ({floor / peer_step:.2f})")
     if not all_experts and any(b > 1 for b in sizes):
-        # the exact path multiplies fp32 activations by fp32 weights: no batch size decodes faster than
-        # this, and end to end a prompt token costs what an output token does (bar the LM head)
+        # the exact path multiplies fp32 activations by fp32 weights, at best as fast as a tuned fp32
+        # GEMM (torch's runs below the FMA pipes' peak: docs/profiling.md section 19); end to end a
+        # prompt token costs what an output token does (bar the LM head)
         layers, head = multiply_adds_per_token(gguf)
         rate, new = fp32_gemm_rate(args.threads), args.max_new_tokens
         per_sequence = (args.prompt_len + new - 1) * layers + new * head
-        print(f"compute ceiling of the exact path: fp32 GEMM on 512 rows in cache {rate / 1e9:.1f} GFLOP/s / "
+        print(f"the exact path at torch's fp32 GEMM rate (512 rows in cache) {rate / 1e9:.1f} GFLOP/s / "
               f"{2 * (layers + head) / 1e9:.2f} GFLOP a token = {rate / (2 * (layers + head)):.1f} tok/s decoding, "
               f"{new * rate / (2 * per_sequence):.1f} output tok/s end to end at {args.prompt_len} prompt + "
               f"{new} output tokens a sequence (the rows above)")
