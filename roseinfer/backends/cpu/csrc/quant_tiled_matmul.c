@@ -126,8 +126,9 @@ int quant_tiled_tasks(const float *x, int64_t x_stride, const uint8_t *weight, i
     if (buffers == NULL) return 0;
     float *xt = buffers, *tile = buffers + k * m_pad + (size_t)omp_get_thread_num() * thread_floats;
     float *sums = tile + tile_rows * stride;
-    /* a row of x at a time, read in order (read down its columns, every float of x was a cache miss
-     * at k = 8192), over runs of TRANSPOSE_COLUMNS columns so that both threads have work at 16 rows */
+    /* a row of x at a time, read in order (read down its columns, x_stride floats apart, every float
+     * is a cache miss at large k), in runs of TRANSPOSE_COLUMNS columns so that both threads have work
+     * at 16 rows */
 #pragma omp for collapse(2) schedule(static)
     for (int64_t block = 0; block < m_pad / VEC_FLOATS; block++)
         for (int64_t first = 0; first < k; first += TRANSPOSE_COLUMNS)
