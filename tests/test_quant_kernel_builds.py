@@ -3,9 +3,10 @@ CPU can run: native, AVX2 only and portable. K-quants below 8 rows take csrc/kqu
 (on AVX2 one row, and two of Q4_K; quant_matmul.c's generic kernel otherwise): one and two rows (four
 FMA chains, or AVX2's one-row sums), partial and full groups of 4, several groups; from 8 rows
 csrc/quant_tiled_matmul.c: 8, 13, 14, 17, 37 and 70 rows leave partial passes of rows of x, and 37
-outputs a partial tile and pass. The other types at 1 row (the generic kernel), then at 14, 16, 37 and
-70 (the tiles); 1 or 3 blocks a row. Wherever the tiles run they sum as the packed fp32 kernel does on
-the dequantized weights, bit for bit."""
+outputs a partial tile and pass; 300 rows go panel by panel. The other types at 1 row (the generic
+kernel), then at 14, 16, 37, 70 and 300 (the tiles); 1 or 3 blocks a row. Wherever the tiles run they
+sum as the packed fp32 kernel does on the dequantized weights, bit for bit, also panel by panel over
+bands of tiles."""
 from __future__ import annotations
 
 import platform
@@ -81,7 +82,7 @@ def test_quant_matmul_equals_dequantize_then_matmul_in_every_build(build: str, k
                                               seed=blocks_per_row)
                 bias = torch.randn(37)
                 tiled_from = 8 if qtype in K_QUANTS else 14
-                for rows in (1, 2, 3, 7, 8, 13, 14, 17, 37, 70) if qtype in K_QUANTS else (1, 14, 16, 37, 70):
+                for rows in (1, 2, 3, 7, 8, 13, 14, 17, 37, 70, 300) if qtype in K_QUANTS else (1, 14, 16, 37, 70, 300):
                     x = torch.randn(rows, dense.shape[1])
                     got = ops.quant_matmul(x, blocks, int(qtype), bias)
                     torch.testing.assert_close(got, x @ dense.T + bias, rtol=1e-5,
@@ -91,6 +92,20 @@ def test_quant_matmul_equals_dequantize_then_matmul_in_every_build(build: str, k
                     assert torch.equal(ops.quant_matmul(wide[:, :dense.shape[1]], blocks, int(qtype), bias), got)
                     if rows >= tiled_from:  # the tiles
                         assert torch.equal(got, ops.packed_matmul(x, _packed(dense).data_ptr(), 37, bias)), rows
+
+
+@needs_kernels
+@pytest.mark.parametrize("build", BUILDS)
+def test_tiles_panel_by_panel_over_several_bands_sum_as_the_packed_kernel(build: str, kernel_builds: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """600 rows of x and 2001 outputs: the tiles' running sums (42 tiles of 48 rows, 608 rows of x)
+    outgrow one band's 4 MB, so two bands of tiles take the panels in turn, the last tile partial."""
+    with kernels_built_for(build, kernel_builds, monkeypatch):
+        for qtype in (QT.Q4_K, QT.Q8_0):
+            blocks, dense = random_blocks(qtype, 2001, 512, seed=3)
+            x, bias = torch.randn(600, 512), torch.randn(2001)
+            got = ops.quant_matmul(x, blocks, int(qtype), bias)
+            assert torch.equal(got, ops.packed_matmul(x, _packed(dense).data_ptr(), 2001, bias)), qtype
 
 
 @needs_kernels

@@ -8,7 +8,10 @@
  * vectors of rows of x), carrying each output's running sum from one panel to the next. A weight is
  * decoded once per call, never transposed, and each output's products are summed in column order
  * from 0: the sums of packed_matmul_f32 on the dequantized W, bit for bit. The large tile (96 KB)
- * and the panel of x^T stay in L2 while they pass over each other; the small one (26 KB) in L1. */
+ * and the panel of x^T stay in L2 while they pass over each other; the small one (26 KB) in L1.
+ * From BY_PANEL_ROWS rows of x, where x^T (2 MB at 256 rows of 2048) no longer stays in the L2 from
+ * one tile to the next, the loops turn: each panel of x^T meets every tile of a band of W's rows in
+ * turn, their running sums in a shared buffer, so that x^T passes through the L2 once a band. */
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -27,6 +30,8 @@
 #define SMALL_PANEL_COLUMNS 256
 #define SMALL_TILE_MAX_ROWS 16
 #define TRANSPOSE_COLUMNS 512
+#define BY_PANEL_ROWS 256
+#define BAND_SUMS_BYTES (4 << 20) /* the running sums of a band's tiles, in L3 */
 /* floats from one tile row to the next: a cache line more than a panel, because rows 2 KB apart all
  * fell in the same L1 sets (a kernel reading 24 of them thrashed) */
 #define STRIDE(panel_columns) ((panel_columns) + 16)
@@ -109,6 +114,33 @@ static void small_tile_times_panel(const float *tile, const float *xt, int64_t m
                      STRIDE(SMALL_PANEL_COLUMNS));
 }
 
+/* W's rows first_row .. + tile_rows (those from n on as zeros), columns first .. + width, dequantized
+ * into the tile; the same columns of the rows from next_row (the bytes decoded next, where they are
+ * tile_rows short runs, which the hardware prefetcher did not keep ahead of) are prefetched */
+static void decode_panel(const uint8_t *weight, int64_t type, int64_t row_bytes, int64_t n, int64_t first_row,
+                         int64_t tile_rows, int64_t first, int64_t width, int64_t next_row, int64_t next,
+                         int64_t next_width, float *tile, int64_t stride) {
+    const int64_t next_offset = quant_row_bytes(type, next), next_bytes = quant_row_bytes(type, next_width);
+    for (int64_t r = 0; r < tile_rows; r++) {
+        const uint8_t *row = weight + (first_row + r) * row_bytes;
+        for (int64_t b = 0; next_row + r < n && b < next_bytes; b += 64)
+            __builtin_prefetch(weight + (next_row + r) * row_bytes + next_offset + b);
+        if (first_row + r < n && !kquant_dequantize_chunks(type, row, first / 32, width / 32, tile + r * stride))
+            dequantize_chunks(type, row, first / 32, width / 32, tile + r * stride);
+        else if (first_row + r >= n)
+            memset(tile + r * stride, 0, (size_t)width * sizeof(float));
+    }
+}
+
+/* out's columns first_row .. (at most tile_rows of them) = a tile's running sums [tile_rows][m_pad], bias added */
+static void write_tile(const float *sums, const float *bias, float *out, int64_t out_stride, int64_t m,
+                       int64_t m_pad, int64_t n, int64_t first_row, int64_t tile_rows) {
+    const int64_t rows = n - first_row < tile_rows ? n - first_row : tile_rows;
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t j = 0; j < rows; j++)
+            out[i * out_stride + first_row + j] = sums[j * m_pad + i] + (bias != NULL ? bias[first_row + j] : 0.0f);
+}
+
 /* Whether it ran: 0 (nothing written) where the buffers could not be allocated; every thread of the
  * enclosing region sees the same answer. */
 int quant_tiled_tasks(const float *x, int64_t x_stride, const uint8_t *weight, int64_t type, const float *bias,
@@ -118,13 +150,21 @@ int quant_tiled_tasks(const float *x, int64_t x_stride, const uint8_t *weight, i
     const int64_t panel_columns = small ? SMALL_PANEL_COLUMNS : PANEL_COLUMNS, stride = STRIDE(panel_columns);
     const int64_t row_bytes = quant_row_bytes(type, k), tiles = (n + tile_rows - 1) / tile_rows;
     const int64_t m_pad = (m + VEC_FLOATS - 1) / VEC_FLOATS * VEC_FLOATS, block_floats = k * VEC_FLOATS;
-    /* x^T, then each thread's tile [tile_rows][panel_columns] and running sums [tile_rows][m_pad] */
-    const size_t thread_floats = (size_t)(tile_rows * stride + tile_rows * m_pad);
+    /* panel by panel: bands of band_tiles tiles whose running sums fit BAND_SUMS_BYTES */
+    const int by_panel = m_pad >= BY_PANEL_ROWS;
+    const int64_t tile_sums = tile_rows * m_pad;
+    const int64_t bands = by_panel ? (tiles * tile_sums * (int64_t)sizeof(float) + BAND_SUMS_BYTES - 1) / BAND_SUMS_BYTES : 1;
+    const int64_t band_tiles = (tiles + bands - 1) / bands;
+    /* x^T, each thread's tile [tile_rows][panel_columns] and running sums [tile_rows][m_pad] (tile by
+     * tile), then a band's running sums (panel by panel) */
+    const size_t thread_floats = (size_t)(tile_rows * stride + tile_sums);
+    const size_t shared_floats = (size_t)(k * m_pad) + (by_panel ? (size_t)(band_tiles * tile_sums) : 0);
     float *buffers = NULL;
 #pragma omp single copyprivate(buffers)
-    buffers = aligned_alloc(64, ((size_t)(k * m_pad) + (size_t)omp_get_num_threads() * thread_floats) * sizeof(float));
+    buffers = aligned_alloc(64, (shared_floats + (size_t)omp_get_num_threads() * thread_floats) * sizeof(float));
     if (buffers == NULL) return 0;
-    float *xt = buffers, *tile = buffers + k * m_pad + (size_t)omp_get_thread_num() * thread_floats;
+    float *xt = buffers, *band_sums = buffers + k * m_pad;
+    float *tile = buffers + shared_floats + (size_t)omp_get_thread_num() * thread_floats;
     float *sums = tile + tile_rows * stride;
     /* a row of x at a time, read in order (read down its columns, x_stride floats apart, every float
      * is a cache miss at large k), in runs of TRANSPOSE_COLUMNS columns so that both threads have work
@@ -137,35 +177,45 @@ int quant_tiled_tasks(const float *x, int64_t x_stride, const uint8_t *weight, i
                 const int64_t end = k - first < TRANSPOSE_COLUMNS ? k : first + TRANSPOSE_COLUMNS;
                 for (int64_t c = first; c < end; c++) column[c * VEC_FLOATS] = i < m ? x[i * x_stride + c] : 0.0f;
             }
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < tiles; t++) {
-        const int64_t first_row = t * tile_rows, rows = n - first_row < tile_rows ? n - first_row : tile_rows;
-        for (int64_t first = 0; first < k; first += panel_columns) {
-            const int64_t width = k - first < panel_columns ? k - first : panel_columns;
-            /* the bytes dequantized next (this tile's next panel, or the next tile's first) are
-             * prefetched: they are tile_rows short runs, which the hardware prefetcher did not
-             * keep ahead of */
-            const int64_t next = first + panel_columns < k ? first + panel_columns : 0;
-            const int64_t next_row = next ? first_row : first_row + tile_rows;
-            const int64_t next_offset = quant_row_bytes(type, next);
-            const int64_t next_bytes = quant_row_bytes(type, k - next < panel_columns ? k - next : panel_columns);
-            for (int64_t r = 0; r < tile_rows; r++) {
-                const uint8_t *row = weight + (first_row + r) * row_bytes;
-                for (int64_t b = 0; next_row + r < n && b < next_bytes; b += 64)
-                    __builtin_prefetch(weight + (next_row + r) * row_bytes + next_offset + b);
-                if (r < rows && !kquant_dequantize_chunks(type, row, first / 32, width / 32, tile + r * stride))
-                    dequantize_chunks(type, row, first / 32, width / 32, tile + r * stride);
-                else if (r >= rows)
-                    memset(tile + r * stride, 0, (size_t)width * sizeof(float));
+    if (by_panel) {
+        for (int64_t band = 0; band < tiles; band += band_tiles) {
+            const int64_t end = band + band_tiles < tiles ? band + band_tiles : tiles;
+            for (int64_t first = 0; first < k; first += panel_columns) {
+                const int64_t width = k - first < panel_columns ? k - first : panel_columns;
+                /* a static schedule over the same tiles: each thread keeps its tiles from panel to
+                 * panel, so it need not wait for the others */
+#pragma omp for schedule(static) nowait
+                for (int64_t t = band; t < end; t++) {
+                    decode_panel(weight, type, row_bytes, n, t * tile_rows, tile_rows, first, width,
+                                 (t + 1) * tile_rows, first, width, tile, stride);
+                    large_tile_times_panel(tile, xt + first * VEC_FLOATS, m_pad, block_floats, width,
+                                           band_sums + (t - band) * tile_sums, first == 0);
+                }
             }
-            if (small)
-                small_tile_times_panel(tile, xt + first * VEC_FLOATS, m_pad, block_floats, width, sums, first == 0);
-            else
-                large_tile_times_panel(tile, xt + first * VEC_FLOATS, m_pad, block_floats, width, sums, first == 0);
+#pragma omp for schedule(static) nowait
+            for (int64_t t = band; t < end; t++)
+                write_tile(band_sums + (t - band) * tile_sums, bias, out, out_stride, m, m_pad, n, t * tile_rows,
+                           tile_rows);
+            /* the next band's tiles reuse the buffer, and may fall to the other thread */
+#pragma omp barrier
         }
-        for (int64_t i = 0; i < m; i++)
-            for (int64_t j = 0; j < rows; j++)
-                out[i * out_stride + first_row + j] = sums[j * m_pad + i] + (bias != NULL ? bias[first_row + j] : 0.0f);
+    } else {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            for (int64_t first = 0; first < k; first += panel_columns) {
+                const int64_t width = k - first < panel_columns ? k - first : panel_columns;
+                /* this tile's next panel, or the next tile's first */
+                const int64_t next = first + panel_columns < k ? first + panel_columns : 0;
+                decode_panel(weight, type, row_bytes, n, t * tile_rows, tile_rows, first, width,
+                             next ? t * tile_rows : (t + 1) * tile_rows, next,
+                             k - next < panel_columns ? k - next : panel_columns, tile, stride);
+                if (small)
+                    small_tile_times_panel(tile, xt + first * VEC_FLOATS, m_pad, block_floats, width, sums, first == 0);
+                else
+                    large_tile_times_panel(tile, xt + first * VEC_FLOATS, m_pad, block_floats, width, sums, first == 0);
+            }
+            write_tile(sums, bias, out, out_stride, m, m_pad, n, t * tile_rows, tile_rows);
+        }
     }
 #pragma omp single
     free(buffers);
