@@ -18,7 +18,9 @@ int main(void) {
         for (int64_t blocks_per_row = 1; blocks_per_row <= 3; blocks_per_row += 2) {
             const int64_t k = blocks_per_row * per_block, n = 37;
             uint8_t *w = blocks(n * blocks_per_row, bytes);
-            for (int64_t m = 1; m <= 73; m += 18) { /* 37 and 73: partial vectors of x^T in the tiles */
+            /* 37 and 73: partial vectors of x^T in the tiles; 300: the tiles panel by panel */
+            for (int r = 0; r < 6; r++) {
+                const int64_t m = (const int64_t[]){1, 19, 37, 55, 73, 300}[r];
                 float *x = malloc(sizeof(float) * (size_t)(m * k)), *out = malloc(sizeof(float) * (size_t)(m * n));
                 float *bias = malloc(sizeof(float) * (size_t)n);
                 for (int64_t i = 0; i < m * k; i++) x[i] = (float)rand() / RAND_MAX - 0.5f;
@@ -38,6 +40,17 @@ int main(void) {
             free(rows);
             free(w);
         }
+    }
+    { /* Q4_K panel by panel over two bands of tiles (42 tiles of 48 rows by 608 rows of x: past 4 MB) */
+        const int64_t m = 600, n = 2001, k = 256;
+        uint8_t *w = blocks(n, 144);
+        float *x = malloc(sizeof(float) * (size_t)(m * k)), *out = malloc(sizeof(float) * (size_t)(m * n));
+        for (int64_t i = 0; i < m * k; i++) x[i] = (float)rand() / RAND_MAX - 0.5f;
+        if (quant_matmul_f32(x, k, w, 12, NULL, out, m, n, k, 2) != 0) {
+            printf("bands: quant_matmul_f32 returned nonzero\n");
+            return 1;
+        }
+        free(x); free(out); free(w);
     }
     /* a type not handled and a row that is not whole blocks are refused */
     if (quant_matmul_f32(NULL, 0, NULL, 10, NULL, NULL, 1, 1, 32, 1) == 0 ||
