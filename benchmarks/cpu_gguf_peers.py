@@ -15,7 +15,7 @@ step time; 1.0 is at the floor). For a dense model, with batch sizes above 1, th
 torch's fp32 GEMM rate too: that rate at a compute-bound shape (512 rows of x, a weight in cache) over
 the multiply-adds of a token, decoding and end to end (prompt tokens cost the same multiply-adds but
 the LM head's). It is a tuned GEMM's rate, not the FMA pipes' peak (on an AVX-512 Xeon a plain FMA
-loop ran ~1.4x it: docs/profiling.md section 19); at a decode batch's own few rows torch's rate is
+loop ran 1.2-1.4x it: docs/profiling.md section 19); at a decode batch's own few rows torch's rate is
 lower, and roseinfer's tiles beat it there.
 
     python benchmarks/cpu_gguf_peers.py --llama-cpp LLAMA_CPP/build/bin [--shape smollm2-1.7b]
