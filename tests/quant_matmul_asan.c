@@ -18,9 +18,10 @@ int main(void) {
         for (int64_t blocks_per_row = 1; blocks_per_row <= 3; blocks_per_row += 2) {
             const int64_t k = blocks_per_row * per_block, n = 37;
             uint8_t *w = blocks(n * blocks_per_row, bytes);
-            /* 37 and 73: partial vectors of x^T in the tiles; 300: the tiles panel by panel */
-            for (int r = 0; r < 6; r++) {
-                const int64_t m = (const int64_t[]){1, 19, 37, 55, 73, 300}[r];
+            /* 13: the K-quants' pipelined tiles; 37 and 73: partial vectors of x^T in the tiles; 300:
+             * the tiles panel by panel */
+            for (int r = 0; r < 7; r++) {
+                const int64_t m = (const int64_t[]){1, 13, 19, 37, 55, 73, 300}[r];
                 float *x = malloc(sizeof(float) * (size_t)(m * k)), *out = malloc(sizeof(float) * (size_t)(m * n));
                 float *bias = malloc(sizeof(float) * (size_t)n);
                 for (int64_t i = 0; i < m * k; i++) x[i] = (float)rand() / RAND_MAX - 0.5f;
@@ -48,6 +49,19 @@ int main(void) {
         for (int64_t i = 0; i < m * k; i++) x[i] = (float)rand() / RAND_MAX - 0.5f;
         if (quant_matmul_f32(x, k, w, 12, NULL, out, m, n, k, 2) != 0) {
             printf("bands: quant_matmul_f32 returned nonzero\n");
+            return 1;
+        }
+        free(x); free(out); free(w);
+    }
+    /* Q4_K and Q6_K pipelined over several tiles a thread, the last partial (150 rows of W: 7 tiles of
+     * 24), three blocks a row (six panels a tile) */
+    for (int t = 0; t < 2; t++) {
+        const int64_t type = t == 0 ? 12 : 14, bytes = t == 0 ? 144 : 210, m = 16, n = 150, k = 768;
+        uint8_t *w = blocks(n * 3, bytes);
+        float *x = malloc(sizeof(float) * (size_t)(m * k)), *out = malloc(sizeof(float) * (size_t)(m * n));
+        for (int64_t i = 0; i < m * k; i++) x[i] = (float)rand() / RAND_MAX - 0.5f;
+        if (quant_matmul_f32(x, k, w, type, NULL, out, m, n, k, 2) != 0) {
+            printf("pipelined: quant_matmul_f32 returned nonzero\n");
             return 1;
         }
         free(x); free(out); free(w);

@@ -17,7 +17,8 @@ from roseinfer.backends.cpu import kernels
 
 TESTS = pathlib.Path(__file__).parent
 # csrc/quant_matmul.c hands a weight with int8 activations to these: every harness that links it links them
-QUANT_SOURCES = ("quant_matmul.c", "kquant.c", "kquant_row.c", "quant_tiled_matmul.c", "q8_activations.c",
+QUANT_SOURCES = ("quant_matmul.c", "kquant.c", "kquant_row.c", "quant_tiled_matmul.c", "kquant_pipelined_tiles.c",
+                 "q8_activations.c",
                  "q8_dot_kquants.c", "q8_dot_blocks32.c", "q8_gemm.c", "q8_gemm_blocks32.c")
 HARNESSES: dict[str, tuple[str, ...]] = {
     # both attention kernels, decode with rotary and the K/V write fused in

@@ -11,7 +11,8 @@
  * and the panel of x^T stay in L2 while they pass over each other; the small one (26 KB) in L1.
  * From BY_PANEL_ROWS rows of x, where x^T (2 MB at 256 rows of 2048) no longer stays in the L2 from
  * one tile to the next, the loops turn: each panel of x^T meets every tile of a band of W's rows in
- * turn, their running sums in a shared buffer, so that x^T passes through the L2 once a band. */
+ * turn, their running sums in a shared buffer, so that x^T passes through the L2 once a band. Up to
+ * one vector of rows of x, Q4_K and Q6_K on AVX-512 take csrc/kquant_pipelined_tiles.c instead. */
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -19,6 +20,7 @@
 
 #include "quants.h"
 #include "simd.h"
+#include "tile_sums.h"
 
 /* Two tile sizes (rows of W, each a multiple of every R below; columns, whole 256-weight blocks). From
  * SMALL_TILE_MAX_ROWS rows of x down, where decoding the weights took a third of the time, the tile
@@ -132,15 +134,6 @@ static void decode_panel(const uint8_t *weight, int64_t type, int64_t row_bytes,
     }
 }
 
-/* out's columns first_row .. (at most tile_rows of them) = a tile's running sums [tile_rows][m_pad], bias added */
-static void write_tile(const float *sums, const float *bias, float *out, int64_t out_stride, int64_t m,
-                       int64_t m_pad, int64_t n, int64_t first_row, int64_t tile_rows) {
-    const int64_t rows = n - first_row < tile_rows ? n - first_row : tile_rows;
-    for (int64_t i = 0; i < m; i++)
-        for (int64_t j = 0; j < rows; j++)
-            out[i * out_stride + first_row + j] = sums[j * m_pad + i] + (bias != NULL ? bias[first_row + j] : 0.0f);
-}
-
 /* Whether it ran: 0 (nothing written) where the buffers could not be allocated; every thread of the
  * enclosing region sees the same answer. */
 int quant_tiled_tasks(const float *x, int64_t x_stride, const uint8_t *weight, int64_t type, const float *bias,
@@ -156,8 +149,9 @@ int quant_tiled_tasks(const float *x, int64_t x_stride, const uint8_t *weight, i
     const int64_t bands = by_panel ? (tiles * tile_sums * (int64_t)sizeof(float) + BAND_SUMS_BYTES - 1) / BAND_SUMS_BYTES : 1;
     const int64_t band_tiles = (tiles + bands - 1) / bands;
     /* x^T, each thread's tile [tile_rows][panel_columns] and running sums [tile_rows][m_pad] (tile by
-     * tile), then a band's running sums (panel by panel) */
-    const size_t thread_floats = (size_t)(tile_rows * stride + tile_sums);
+     * tile; or the pipelined tiles' buffers), then a band's running sums (panel by panel) */
+    size_t thread_floats = (size_t)(tile_rows * stride + tile_sums);
+    if (small && thread_floats < KQUANT_PIPELINED_FLOATS) thread_floats = KQUANT_PIPELINED_FLOATS;
     const size_t shared_floats = (size_t)(k * m_pad) + (by_panel ? (size_t)(band_tiles * tile_sums) : 0);
     float *buffers = NULL;
 #pragma omp single copyprivate(buffers)
@@ -199,7 +193,8 @@ int quant_tiled_tasks(const float *x, int64_t x_stride, const uint8_t *weight, i
             /* the next band's tiles reuse the buffer, and may fall to the other thread */
 #pragma omp barrier
         }
-    } else {
+    } else if (!small || !kquant_pipelined_tiles(xt, weight, type, bias, out, out_stride, m, n, k, tile)) {
+        /* tile by tile, where the K-quants' pipelined tiles do not run */
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles; t++) {
             for (int64_t first = 0; first < k; first += panel_columns) {

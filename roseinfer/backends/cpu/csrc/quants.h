@@ -98,6 +98,15 @@ int kquant_matmul_tasks(const float *x, int64_t x_stride, const uint8_t *weight,
  * done) otherwise */
 int kquant_dequantize_chunks(int64_t type, const uint8_t *row, int64_t first, int64_t count, float *out);
 
+/* Q4_K and Q6_K times at most one vector of rows of x on AVX-512 (csrc/kquant_pipelined_tiles.c),
+ * called by every thread of a parallel region with x^T (one vector, [k][VEC_FLOATS]) and a buffer of
+ * KQUANT_PIPELINED_FLOATS floats of its own; returns 0 (nothing done) for other types, other row
+ * counts and other targets, else 1 once every thread's outputs are written */
+#define KQUANT_PIPELINED_ROWS 24
+#define KQUANT_PIPELINED_FLOATS (KQUANT_PIPELINED_ROWS * (2 * (128 + 16) + 16))
+int kquant_pipelined_tiles(const float *xt, const uint8_t *weight, int64_t type, const float *bias, float *out,
+                           int64_t out_stride, int64_t m, int64_t n, int64_t k, float *buffers);
+
 static inline float fp16_to_f32(const uint8_t *p) {
 #if defined(__F16C__)
     return _cvtsh_ss((unsigned short)(p[0] | p[1] << 8));
