@@ -53,10 +53,11 @@ int main(void) {
         }
         free(x); free(out); free(w);
     }
-    /* Q4_K and Q6_K pipelined over several tiles a thread, the last partial (150 rows of W: 7 tiles of
-     * 24), three blocks a row (six panels a tile) */
-    for (int t = 0; t < 2; t++) {
-        const int64_t type = t == 0 ? 12 : 14, bytes = t == 0 ? 144 : 210, m = 16, n = 150, k = 768;
+    /* Q4_K and Q6_K pipelined over several tiles a thread, the last partial (150 rows of W), at 1 to 4
+     * vectors of x^T, three blocks a row (six panels a tile) */
+    for (int t = 0; t < 8; t++) {
+        const int64_t type = t % 2 == 0 ? 12 : 14, bytes = t % 2 == 0 ? 144 : 210, n = 150, k = 768;
+        const int64_t m = (const int64_t[]){16, 24, 40, 64}[t / 2];
         uint8_t *w = blocks(n * 3, bytes);
         float *x = malloc(sizeof(float) * (size_t)(m * k)), *out = malloc(sizeof(float) * (size_t)(m * n));
         for (int64_t i = 0; i < m * k; i++) x[i] = (float)rand() / RAND_MAX - 0.5f;

@@ -3,8 +3,8 @@ CPU can run: native, AVX2 only and portable. K-quants below 8 rows take csrc/kqu
 (on AVX2 one row, and two of Q4_K; quant_matmul.c's generic kernel otherwise): one and two rows (four
 FMA chains, or AVX2's one-row sums), partial and full groups of 4, several groups; from 8 rows
 csrc/quant_tiled_matmul.c: 8, 13, 14, 17, 37 and 70 rows leave partial passes of rows of x, and 37
-outputs a partial tile and pass; 300 rows go panel by panel; on AVX-512, Q4_K and Q6_K up to 16 rows
-take the pipelined tiles (csrc/kquant_pipelined_tiles.c). The other types at 1 row (the generic
+outputs a partial tile and pass; 300 rows go panel by panel; on AVX-512, Q4_K up to 64 rows and Q6_K
+up to 32 take the pipelined tiles (csrc/kquant_pipelined_tiles.c). The other types at 1 row (the generic
 kernel), then at 14, 16, 37, 70 and 300 (the tiles); 1 or 3 blocks a row. Wherever the tiles run they
 sum as the packed fp32 kernel does on the dequantized weights, bit for bit, also panel by panel over
 bands of tiles."""
@@ -124,15 +124,17 @@ def test_tiles_panel_by_panel_over_several_bands_sum_as_the_packed_kernel(build:
 @pytest.mark.parametrize("build", BUILDS)
 def test_pipelined_tiles_sum_as_the_packed_kernel(build: str, kernel_builds: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """Q4_K and Q6_K at 8 to 16 rows of x (on AVX-512, csrc/kquant_pipelined_tiles.c): 150 outputs are
-    7 tiles of 24 rows, the last partial; on 1 and 3 threads a thread decodes its next tile's first
-    panel while it multiplies the last of the one before; 3 blocks a row are 6 panels of 128 columns."""
+    """Q4_K and Q6_K at 8 to 64 rows of x (on AVX-512, csrc/kquant_pipelined_tiles.c: 1 to 4 vectors of
+    x^T times tiles of 24 / 12 / 8 / 6 rows of W; Q6_K from 3 vectors takes the tiles as they were):
+    150 outputs leave the last tile partial at every shape; on 1 and 3 threads a thread decodes its
+    next tile's first panel while it multiplies the last of the one before; 3 blocks a row are 6
+    panels of 128 columns."""
     with kernels_built_for(build, kernel_builds, monkeypatch):
         for qtype in (QT.Q4_K, QT.Q6_K):
             blocks, dense = random_blocks(qtype, 150, 768, seed=5)
             bias = torch.randn(150)
             for threads in (1, 3):
-                for rows in (8, 13, 16):
+                for rows in (8, 13, 16, 24, 40, 64):
                     x = torch.randn(rows, 768)
                     with torch_threads(threads):
                         got = ops.quant_matmul(x, blocks, int(qtype), bias)

@@ -1,11 +1,12 @@
-/* y = x W^T (+ bias) for one vector of rows of x (up to 16 on AVX-512), W in Q4_K or Q6_K blocks: the
- * tiles of csrc/quant_tiled_matmul.c with the dequantization moved into the multiply loop. A thread
- * takes its tiles' panels (ROWS rows of W by COLUMNS columns) in turn: while one panel, decoded, is
+/* y = x W^T (+ bias) for up to 4 vectors of rows of x (64 on AVX-512), W in Q4_K or Q6_K blocks: the
+ * tiles of csrc/quant_tiled_matmul.c with the dequantization moved into the multiply loop. At V
+ * vectors of x^T a tile is R = 24 / V rows of W, so that R x V accumulators fill the registers. A
+ * thread takes its tiles' panels (R rows by COLUMNS columns) in turn: while one panel, decoded, is
  * multiplied into x^T from one buffer, the next is decoded into the other, a few 64-weight units
- * after every GROUP_COLUMNS columns, so that the decoder's shuffles fill the issue slots the
- * multiply-adds leave between their loads (decoded panel by panel, they ran one after the other).
- * The values are kquant_dequantize_chunks's, each output's products summed in column order from 0,
- * in registers across the panels of a tile: the sums of packed_matmul_f32, bit for bit. */
+ * after every few columns, so that the decoder's shuffles fill the issue slots the multiply-adds
+ * leave between their loads (decoded panel by panel, they ran one after the other). The values are
+ * kquant_dequantize_chunks's, each output's products summed in column order from 0, in registers
+ * across the panels of a tile: the sums of packed_matmul_f32, bit for bit. */
 #include <omp.h>
 #include <stdint.h>
 
@@ -14,16 +15,15 @@
 
 #if defined(KQ_AVX512) && KQ_AVX512
 
-#define ROWS KQUANT_PIPELINED_ROWS
+#define ROWS KQUANT_PIPELINED_ROWS /* rows of W a tile at one vector of x^T */
 #define COLUMNS 128                      /* two buffers and x^T's panel, 36 KB, stay in L1 */
 #define STRIDE (COLUMNS + 16)            /* a cache line more than a panel, as the tiles' */
-#define GROUP_COLUMNS 8
 #define UNIT_VECS (64 / VEC_FLOATS)      /* a unit: 64 weights of a row */
 #define ROW_UNITS (COLUMNS / 64)
 #define PANEL_UNITS (ROWS * ROW_UNITS)
-#define GROUP_UNITS (PANEL_UNITS / (COLUMNS / GROUP_COLUMNS))
 #define BLOCK_PANELS (256 / COLUMNS)
 #define MAX_BLOCK_BYTES 210
+#define MAX_VECTORS 4
 
 /* what decoding a panel needs: each row's block scales (Q4_K: scales and mins, sm[0..16); Q6_K:
  * ds[0..16)) and Q6_K's integers of the block's half the panel covers; then, unit by unit, where its
@@ -42,14 +42,14 @@ static inline __attribute__((always_inline)) int64_t block_bytes(const int type)
 
 /* panel i of the thread's tiles (from tile t0, `panels` a tile): its rows' scales where it starts a
  * block, Q6_K's integers, its units; the bytes of the block BLOCK_PANELS panels on prefetched */
-static inline __attribute__((always_inline)) void start_panel(const int type, const uint8_t *weight, int64_t row_bytes,
-                                                             int64_t n, int64_t t0, int64_t panels, int64_t steps,
-                                                             int64_t i, panel_t *panel) {
-    const int64_t first_row = (t0 + i / panels) * ROWS, block = i % panels / BLOCK_PANELS;
+static inline __attribute__((always_inline)) void start_panel(const int type, const int R, const uint8_t *weight,
+                                                             int64_t row_bytes, int64_t n, int64_t t0, int64_t panels,
+                                                             int64_t steps, int64_t i, panel_t *panel) {
+    const int64_t first_row = (t0 + i / panels) * R, block = i % panels / BLOCK_PANELS;
     const int half = (int)(i % BLOCK_PANELS), starts_block = half == 0;
-    const int64_t ahead = i + BLOCK_PANELS, ahead_row = (t0 + ahead / panels) * ROWS;
+    const int64_t ahead = i + BLOCK_PANELS, ahead_row = (t0 + ahead / panels) * R;
     const int64_t ahead_offset = ahead % panels / BLOCK_PANELS * block_bytes(type);
-    for (int r = 0; r < ROWS; r++) {
+    for (int r = 0; r < R; r++) {
         const uint8_t *b = first_row + r < n ? weight + (first_row + r) * row_bytes + block * block_bytes(type) : ZERO_BLOCK;
         if (starts_block) {
             if (type == Q4_K)
@@ -97,54 +97,84 @@ static inline __attribute__((always_inline)) void decode_unit(const int type, co
     }
 }
 
-/* the thread's tiles t0 .. t1 (their panels in turn, `steps` of them), outputs written */
-static inline __attribute__((always_inline)) void pipelined_tiles(const int type, const float *xt,
+/* the thread's tiles t0 .. t1 of R = ROWS / V rows of W (their panels in turn, `steps` of them) times V
+ * vectors of x^T, outputs written */
+static inline __attribute__((always_inline)) void pipelined_tiles(const int type, const int V, const float *xt,
                                                                  const uint8_t *weight, const float *bias, float *out,
                                                                  int64_t out_stride, int64_t m, int64_t n, int64_t k,
                                                                  int64_t t0, int64_t t1, float *buffers) {
+    /* a panel's R ROW_UNITS units spread over its columns: 3 after every 8 V columns, or 2 after every 16 */
+    const int R = ROWS / V, group_columns = V == 3 ? 16 : 8 * V, group_units = R * ROW_UNITS / (COLUMNS / group_columns);
     const int64_t row_bytes = quant_row_bytes(type, k), panels = k / COLUMNS, steps = (t1 - t0) * panels;
-    float *sums = buffers + 2 * ROWS * STRIDE;
+    const int64_t block_floats = k * VEC_FLOATS;
+    float *sums = buffers + 2 * R * STRIDE;
     panel_t panel;
-    vec_t acc[ROWS];
+    vec_t acc[ROWS][MAX_VECTORS];
     if (steps <= 0) return;
-    start_panel(type, weight, row_bytes, n, t0, panels, steps, 0, &panel);
-    for (int u = 0; u < PANEL_UNITS; u++) decode_unit(type, &panel, u, buffers);
+    start_panel(type, R, weight, row_bytes, n, t0, panels, steps, 0, &panel);
+    for (int u = 0; u < R * ROW_UNITS; u++) decode_unit(type, &panel, u, buffers);
     for (int64_t i = 0; i < steps; i++) {
         const int64_t column0 = i % panels * COLUMNS;
-        const float *tile = buffers + i % 2 * ROWS * STRIDE;
-        float *next = buffers + (i + 1) % 2 * ROWS * STRIDE;
+        const float *tile = buffers + i % 2 * R * STRIDE;
+        float *next = buffers + (i + 1) % 2 * R * STRIDE;
         if (column0 == 0)
-            for (int j = 0; j < ROWS; j++) acc[j] = (vec_t){0};
-        if (i + 1 < steps) start_panel(type, weight, row_bytes, n, t0, panels, steps, i + 1, &panel);
-        for (int g = 0; g < COLUMNS / GROUP_COLUMNS; g++) {
+            for (int j = 0; j < R; j++)
+                for (int v = 0; v < V; v++) acc[j][v] = (vec_t){0};
+        if (i + 1 < steps) start_panel(type, R, weight, row_bytes, n, t0, panels, steps, i + 1, &panel);
+        for (int g = 0; g < COLUMNS / group_columns; g++) {
             /* unrolled, so that the accumulators stay in registers */
-#pragma GCC unroll 8
-            for (int gc = 0; gc < GROUP_COLUMNS; gc++) {
-                const int c = g * GROUP_COLUMNS + gc;
-                const vec_t xv = load_vec(xt + (column0 + c) * VEC_FLOATS);
+#pragma GCC unroll 32
+            for (int gc = 0; gc < group_columns; gc++) {
+                const int c = g * group_columns + gc;
+                vec_t xv[MAX_VECTORS];
+#pragma GCC unroll 4
+                for (int v = 0; v < V; v++) xv[v] = load_vec(xt + v * block_floats + (column0 + c) * VEC_FLOATS);
 #pragma GCC unroll 24
-                for (int j = 0; j < ROWS; j++) acc[j] += tile[j * STRIDE + c] * xv;
+                for (int j = 0; j < R; j++) {
+                    const float w = tile[j * STRIDE + c];
+#pragma GCC unroll 4
+                    for (int v = 0; v < V; v++) acc[j][v] += w * xv[v];
+                }
             }
             if (i + 1 < steps)
 #pragma GCC unroll 4
-                for (int gu = 0; gu < GROUP_UNITS; gu++) decode_unit(type, &panel, g * GROUP_UNITS + gu, next);
+                for (int gu = 0; gu < group_units; gu++) decode_unit(type, &panel, g * group_units + gu, next);
         }
         if (column0 + COLUMNS == k) {
-            for (int j = 0; j < ROWS; j++) store_vec(sums + j * VEC_FLOATS, acc[j]);
-            write_tile(sums, bias, out, out_stride, m, VEC_FLOATS, n, (t0 + i / panels) * ROWS, ROWS);
+            for (int j = 0; j < R; j++)
+                for (int v = 0; v < V; v++) store_vec(sums + j * V * VEC_FLOATS + v * VEC_FLOATS, acc[j][v]);
+            write_tile(sums, bias, out, out_stride, m, V * VEC_FLOATS, n, (t0 + i / panels) * R, R);
         }
     }
 }
 
+/* one type's tiles at V vectors of x^T, the thread's share of them: a function each, so that each
+ * is compiled (and its registers allocated) on its own: in one function the 16-row Q6_K ran slower */
+#define THREAD_TILES(name, type, V)                                                                             \
+    static __attribute__((noinline)) void name(const float *xt, const uint8_t *weight, const float *bias,        \
+                                               float *out, int64_t out_stride, int64_t m, int64_t n, int64_t k, \
+                                               float *buffers) {                                                \
+        const int64_t tiles = (n + ROWS / (V) - 1) / (ROWS / (V));                                              \
+        const int64_t id = omp_get_thread_num(), threads = omp_get_num_threads();                               \
+        pipelined_tiles(type, V, xt, weight, bias, out, out_stride, m, n, k, id * tiles / threads,               \
+                        (id + 1) * tiles / threads, buffers);                                                   \
+    }
+THREAD_TILES(q4_k_tiles_1, Q4_K, 1)
+THREAD_TILES(q4_k_tiles_2, Q4_K, 2)
+THREAD_TILES(q4_k_tiles_3, Q4_K, 3)
+THREAD_TILES(q4_k_tiles_4, Q4_K, 4)
+THREAD_TILES(q6_k_tiles_1, Q6_K, 1)
+THREAD_TILES(q6_k_tiles_2, Q6_K, 2)
+
 int kquant_pipelined_tiles(const float *xt, const uint8_t *weight, int64_t type, const float *bias, float *out,
                            int64_t out_stride, int64_t m, int64_t n, int64_t k, float *buffers) {
-    if ((type != Q4_K && type != Q6_K) || m > VEC_FLOATS) return 0;
-    const int64_t tiles = (n + ROWS - 1) / ROWS, id = omp_get_thread_num(), threads = omp_get_num_threads();
-    const int64_t t0 = id * tiles / threads, t1 = (id + 1) * tiles / threads;
-    if (type == Q4_K)
-        pipelined_tiles(Q4_K, xt, weight, bias, out, out_stride, m, n, k, t0, t1, buffers);
-    else
-        pipelined_tiles(Q6_K, xt, weight, bias, out, out_stride, m, n, k, t0, t1, buffers);
+    const int vectors = (int)((m + VEC_FLOATS - 1) / VEC_FLOATS);
+    /* Q6_K from 3 vectors of x^T ran slower pipelined (docs/profiling.md section 20) */
+    if ((type != Q4_K && type != Q6_K) || vectors > MAX_VECTORS || (type == Q6_K && vectors > 2)) return 0;
+    void (*const tiles[2][4])(const float *, const uint8_t *, const float *, float *, int64_t, int64_t, int64_t,
+                              int64_t, float *) = {{q4_k_tiles_1, q4_k_tiles_2, q4_k_tiles_3, q4_k_tiles_4},
+                                                   {q6_k_tiles_1, q6_k_tiles_2, NULL, NULL}};
+    tiles[type == Q6_K][vectors - 1](xt, weight, bias, out, out_stride, m, n, k, buffers);
 #pragma omp barrier
     return 1;
 }

@@ -12,7 +12,7 @@
  * From BY_PANEL_ROWS rows of x, where x^T (2 MB at 256 rows of 2048) no longer stays in the L2 from
  * one tile to the next, the loops turn: each panel of x^T meets every tile of a band of W's rows in
  * turn, their running sums in a shared buffer, so that x^T passes through the L2 once a band. Up to
- * one vector of rows of x, Q4_K and Q6_K on AVX-512 take csrc/kquant_pipelined_tiles.c instead. */
+ * 64 rows of x Q4_K (Q6_K up to 32) on AVX-512 takes csrc/kquant_pipelined_tiles.c instead. */
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -193,7 +193,7 @@ int quant_tiled_tasks(const float *x, int64_t x_stride, const uint8_t *weight, i
             /* the next band's tiles reuse the buffer, and may fall to the other thread */
 #pragma omp barrier
         }
-    } else if (!small || !kquant_pipelined_tiles(xt, weight, type, bias, out, out_stride, m, n, k, tile)) {
+    } else if (!kquant_pipelined_tiles(xt, weight, type, bias, out, out_stride, m, n, k, tile)) {
         /* tile by tile, where the K-quants' pipelined tiles do not run */
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles; t++) {

@@ -98,8 +98,8 @@ int kquant_matmul_tasks(const float *x, int64_t x_stride, const uint8_t *weight,
  * done) otherwise */
 int kquant_dequantize_chunks(int64_t type, const uint8_t *row, int64_t first, int64_t count, float *out);
 
-/* Q4_K and Q6_K times at most one vector of rows of x on AVX-512 (csrc/kquant_pipelined_tiles.c),
- * called by every thread of a parallel region with x^T (one vector, [k][VEC_FLOATS]) and a buffer of
+/* Q4_K (up to 4 vectors of rows of x) and Q6_K (up to 2) on AVX-512 (csrc/kquant_pipelined_tiles.c),
+ * called by every thread of a parallel region with x^T ([vectors][k][VEC_FLOATS]) and a buffer of
  * KQUANT_PIPELINED_FLOATS floats of its own; returns 0 (nothing done) for other types, other row
  * counts and other targets, else 1 once every thread's outputs are written */
 #define KQUANT_PIPELINED_ROWS 24
