@@ -36,7 +36,13 @@ def _gone(pid: int) -> bool:
 
 def _gloo_threads() -> int:
     """This process's threads that run a gloo group's collectives."""
-    names = [open(f"/proc/self/task/{tid}/comm").read().strip() for tid in os.listdir("/proc/self/task")]
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except FileNotFoundError:  # a thread that ended after the listing
+            continue
     return names.count("pt_gloo_runloop")
 
 
