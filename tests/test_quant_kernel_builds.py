@@ -65,17 +65,6 @@ def kernels_built_for(build: str, kernel_builds: Path, monkeypatch: pytest.Monke
     kernels.native_library()
 
 
-@contextmanager
-def torch_threads(threads: int) -> Iterator[None]:
-    """torch's thread count (which the kernels' calls pass on) set for the with-block."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def _packed(dense: torch.Tensor) -> torch.Tensor:
     """W [n, k] in csrc/packed_matmul.c's layout: 64-row blocks, each column's 64 values side by side."""
     n, k = dense.shape
@@ -121,6 +110,7 @@ def test_tiles_panel_by_panel_over_several_bands_sum_as_the_packed_kernel(build:
 
 
 @needs_kernels
+@pytest.mark.usefixtures("restore_torch_threads")
 @pytest.mark.parametrize("build", BUILDS)
 def test_pipelined_tiles_sum_as_the_packed_kernel(build: str, kernel_builds: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
@@ -136,8 +126,8 @@ def test_pipelined_tiles_sum_as_the_packed_kernel(build: str, kernel_builds: Pat
             for threads in (1, 3):
                 for rows in (8, 13, 16, 24, 40, 64):
                     x = torch.randn(rows, 768)
-                    with torch_threads(threads):
-                        got = ops.quant_matmul(x, blocks, int(qtype), bias)
+                    torch.set_num_threads(threads)  # the kernels' calls pass torch's count on
+                    got = ops.quant_matmul(x, blocks, int(qtype), bias)
                     assert torch.equal(got, ops.packed_matmul(x, _packed(dense).data_ptr(), 150, bias)), (qtype, rows)
 
 
