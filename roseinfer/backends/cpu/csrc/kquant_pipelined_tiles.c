@@ -16,7 +16,7 @@
 #if defined(KQ_AVX512) && KQ_AVX512
 
 #define ROWS KQUANT_PIPELINED_ROWS /* rows of W a tile at one vector of x^T */
-#define COLUMNS 128                      /* two buffers and x^T's panel, 36 KB, stay in L1 */
+#define COLUMNS KQUANT_PIPELINED_COLUMNS /* 128: two buffers and x^T's panel, 36 KB, stay in L1 */
 #define STRIDE (COLUMNS + 16)            /* a cache line more than a panel, as the tiles' */
 #define UNIT_VECS (64 / VEC_FLOATS)      /* a unit: 64 weights of a row */
 #define ROW_UNITS (COLUMNS / 64)

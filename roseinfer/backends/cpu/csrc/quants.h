@@ -103,7 +103,9 @@ int kquant_dequantize_chunks(int64_t type, const uint8_t *row, int64_t first, in
  * KQUANT_PIPELINED_FLOATS floats of its own; returns 0 (nothing done) for other types, other row
  * counts and other targets, else 1 once every thread's outputs are written */
 #define KQUANT_PIPELINED_ROWS 24
-#define KQUANT_PIPELINED_FLOATS (KQUANT_PIPELINED_ROWS * (2 * (128 + 16) + 16))
+#define KQUANT_PIPELINED_COLUMNS 128
+/* two panels, rows a cache line longer than their columns, and the running sums of one vector */
+#define KQUANT_PIPELINED_FLOATS (KQUANT_PIPELINED_ROWS * (2 * (KQUANT_PIPELINED_COLUMNS + 16) + 16))
 int kquant_pipelined_tiles(const float *xt, const uint8_t *weight, int64_t type, const float *bias, float *out,
                            int64_t out_stride, int64_t m, int64_t n, int64_t k, float *buffers);
 
