@@ -81,20 +81,31 @@ static inline __attribute__((always_inline)) void q5_k_pair(const uint8_t *b, co
 }
 #endif
 
+#if KQ_AVX512
+/* a Q4_K sub-block's 16 values, scale * q - min for q = 0 .. 15, as a table for q4_k_lookup */
+static inline __attribute__((always_inline)) __m512 q4_k_table(float scale, float min) {
+    const __m512 nibble_values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return _mm512_fmsub_ps(_mm512_set1_ps(scale), nibble_values, _mm512_set1_ps(min));
+}
+
+/* the 16 weights of 16 nibble bytes (their high nibbles where `high`), looked up in the table */
+static inline __attribute__((always_inline)) vec_t q4_k_lookup(const uint8_t *bytes, const int high, __m512 table) {
+    __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bytes));
+    if (high) q = _mm512_srli_epi32(q, 4);
+    return (vec_t)_mm512_permutexvar_ps(q, table);
+}
+#endif
+
 /* w = weights 64 p .. 64 p + 63 of the Q4_K block at b (sub-block 2 p from the low nibbles of its
  * 32 bytes, 2 p + 1 from the high ones), in order */
 static inline __attribute__((always_inline)) void q4_k_pair(const uint8_t *b, const float sm[16], int p,
                                                            vec_t w[PAIR_VECS]) {
 #if KQ_AVX512
     const uint8_t *q = b + 16 + 32 * p;
-    const __m512 nibble_values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512 low_table = _mm512_fmsub_ps(_mm512_set1_ps(sm[2 * p]), nibble_values, _mm512_set1_ps(sm[8 + 2 * p]));
-    const __m512 high_table = _mm512_fmsub_ps(_mm512_set1_ps(sm[2 * p + 1]), nibble_values,
-                                              _mm512_set1_ps(sm[9 + 2 * p]));
+    const __m512 low_table = q4_k_table(sm[2 * p], sm[8 + 2 * p]), high_table = q4_k_table(sm[2 * p + 1], sm[9 + 2 * p]);
     for (int h = 0; h < 2; h++) {
-        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16 * h)));
-        w[h] = (vec_t)_mm512_permutexvar_ps(bytes, low_table);
-        w[2 + h] = (vec_t)_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), high_table);
+        w[h] = q4_k_lookup(q + 16 * h, 0, low_table);
+        w[2 + h] = q4_k_lookup(q + 16 * h, 1, high_table);
     }
 #else
     nibbles_pair(b, sm, p, w, 0);

@@ -38,8 +38,6 @@ typedef struct {
 /* rows past W's last decode from a block of zeros: their sums are never written */
 static const uint8_t ZERO_BLOCK[MAX_BLOCK_BYTES];
 
-static inline __attribute__((always_inline)) int64_t block_bytes(const int type) { return type == Q4_K ? 144 : 210; }
-
 /* panel i of the thread's tiles (from tile t0, `panels` a tile): its rows' scales where it starts a
  * block, Q6_K's integers, its units; the bytes of the block BLOCK_PANELS panels on prefetched */
 static inline __attribute__((always_inline)) void start_panel(const int type, const int R, const uint8_t *weight,
@@ -48,9 +46,9 @@ static inline __attribute__((always_inline)) void start_panel(const int type, co
     const int64_t first_row = (t0 + i / panels) * R, block = i % panels / BLOCK_PANELS;
     const int half = (int)(i % BLOCK_PANELS), starts_block = half == 0;
     const int64_t ahead = i + BLOCK_PANELS, ahead_row = (t0 + ahead / panels) * R;
-    const int64_t ahead_offset = ahead % panels / BLOCK_PANELS * block_bytes(type);
+    const int64_t ahead_offset = ahead % panels / BLOCK_PANELS * quant_block_bytes(type);
     for (int r = 0; r < R; r++) {
-        const uint8_t *b = first_row + r < n ? weight + (first_row + r) * row_bytes + block * block_bytes(type) : ZERO_BLOCK;
+        const uint8_t *b = first_row + r < n ? weight + (first_row + r) * row_bytes + block * quant_block_bytes(type) : ZERO_BLOCK;
         if (starts_block) {
             if (type == Q4_K)
                 q4_k_scales_mins(b, panel->scales[r]);
@@ -65,7 +63,7 @@ static inline __attribute__((always_inline)) void start_panel(const int type, co
             panel->unit_scales[ROW_UNITS * r + part] = type == Q4_K ? &panel->scales[r][2 * p] : &panel->scales[r][8 * half];
         }
         if (starts_block && ahead < steps && ahead_row + r < n)
-            for (int64_t line = 0; line < block_bytes(type); line += 64)
+            for (int64_t line = 0; line < quant_block_bytes(type); line += 64)
                 __builtin_prefetch(weight + (ahead_row + r) * row_bytes + ahead_offset + line);
     }
 }
@@ -79,21 +77,15 @@ static inline __attribute__((always_inline)) void decode_unit(const int type, co
     const float *scales = panel->unit_scales[u];
     float *dst = buffer + u / ROW_UNITS * STRIDE + 64 * part;
     if (type == Q4_K) {
-        /* q4_k_pair's tables and lookups, a sub-block at a time */
-        const __m512 nibble_values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        /* q4_k_pair's work, a sub-block's table at a time */
         for (int high = 0; high < 2; high++) {
-            const __m512 table = _mm512_fmsub_ps(_mm512_set1_ps(scales[high]), nibble_values,
-                                                 _mm512_set1_ps(scales[8 + high]));
-            for (int h = 0; h < 2; h++) {
-                __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(bytes + 16 * h)));
-                if (high) q = _mm512_srli_epi32(q, 4);
-                _mm512_storeu_ps(dst + 32 * high + 16 * h, _mm512_permutexvar_ps(q, table));
-            }
+            const __m512 table = q4_k_table(scales[high], scales[8 + high]);
+            for (int h = 0; h < 2; h++) store_vec(dst + 32 * high + 16 * h, q4_k_lookup(bytes + 16 * h, high, table));
         }
     } else {
-        /* q6_k_vector's products: vector v of the half times its scale ds[8 half + v] */
+        /* the unit's scales start at the half's: q6_k_vector's half 0 of them */
         for (int v = UNIT_VECS * part; v < UNIT_VECS * (part + 1); v++)
-            store_vec(dst + (v - UNIT_VECS * part) * VEC_FLOATS, scales[v] * q6_k_ints((const q6_k_half_t *)bytes, v));
+            store_vec(dst + (v - UNIT_VECS * part) * VEC_FLOATS, q6_k_vector((const q6_k_half_t *)bytes, scales, 0, v));
     }
 }
 
