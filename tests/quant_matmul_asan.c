@@ -42,13 +42,15 @@ int main(void) {
             free(w);
         }
     }
-    { /* Q4_K panel by panel over two bands of tiles (42 tiles of 48 rows by 608 rows of x: past 4 MB) */
-        const int64_t m = 600, n = 2001, k = 256;
+    /* Q4_K panel by panel: over two bands of tiles (46 tiles of 48 rows by 512 rows of x: past 4 MB),
+     * then in three chunks of rows (368, 368 and 364 of 1100), the buffers sized for the first */
+    for (int c = 0; c < 2; c++) {
+        const int64_t m = c == 0 ? 512 : 1100, n = c == 0 ? 2200 : 150, k = 256;
         uint8_t *w = blocks(n, 144);
         float *x = malloc(sizeof(float) * (size_t)(m * k)), *out = malloc(sizeof(float) * (size_t)(m * n));
         for (int64_t i = 0; i < m * k; i++) x[i] = (float)rand() / RAND_MAX - 0.5f;
         if (quant_matmul_f32(x, k, w, 12, NULL, out, m, n, k, 2) != 0) {
-            printf("bands: quant_matmul_f32 returned nonzero\n");
+            printf("bands and chunks: quant_matmul_f32 returned nonzero\n");
             return 1;
         }
         free(x); free(out); free(w);

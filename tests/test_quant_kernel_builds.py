@@ -3,7 +3,7 @@ CPU can run: native, AVX2 only and portable. K-quants below 8 rows take csrc/kqu
 (on AVX2 one row, and two of Q4_K; quant_matmul.c's generic kernel otherwise): one and two rows (four
 FMA chains, or AVX2's one-row sums), partial and full groups of 4, several groups; from 8 rows
 csrc/quant_tiled_matmul.c: 8, 13, 14, 17, 37 and 70 rows leave partial passes of rows of x, and 37
-outputs a partial tile and pass; 300 rows go panel by panel; on AVX-512, Q4_K up to 64 rows and Q6_K
+outputs a partial tile and pass; 300 rows go panel by panel, 1100 in chunks of rows; on AVX-512, Q4_K up to 64 rows and Q6_K
 up to 32 take the pipelined tiles (csrc/kquant_pipelined_tiles.c). The other types at 1 row (the generic
 kernel), then at 14, 16, 37, 70 and 300 (the tiles); 1 or 3 blocks a row. Wherever the tiles run they
 sum as the packed fp32 kernel does on the dequantized weights, bit for bit, also panel by panel over
@@ -65,11 +65,13 @@ def kernels_built_for(build: str, kernel_builds: Path, monkeypatch: pytest.Monke
     kernels.native_library()
 
 
-def _packed(dense: torch.Tensor) -> torch.Tensor:
-    """W [n, k] in csrc/packed_matmul.c's layout: 64-row blocks, each column's 64 values side by side."""
+def _packed_matmul(x: torch.Tensor, dense: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """x @ dense.T + bias by csrc/packed_matmul.c, dense packed in its layout: 64-row blocks, each
+    column's 64 values side by side (held here while the kernel reads it)."""
     n, k = dense.shape
     padded = torch.nn.functional.pad(dense, (0, 0, 0, -n % 64))
-    return padded.view(-1, 64, k).transpose(1, 2).contiguous()
+    packed = padded.view(-1, 64, k).transpose(1, 2).contiguous()
+    return ops.packed_matmul(x, packed.data_ptr(), n, bias)
 
 
 @needs_kernels
@@ -92,21 +94,27 @@ def test_quant_matmul_equals_dequantize_then_matmul_in_every_build(build: str, k
                     wide[:, :dense.shape[1]] = x
                     assert torch.equal(ops.quant_matmul(wide[:, :dense.shape[1]], blocks, int(qtype), bias), got)
                     if rows >= tiled_from:  # the tiles
-                        assert torch.equal(got, ops.packed_matmul(x, _packed(dense).data_ptr(), 37, bias)), rows
+                        assert torch.equal(got, _packed_matmul(x, dense, bias)), rows
 
 
 @needs_kernels
+@pytest.mark.usefixtures("restore_torch_threads")
 @pytest.mark.parametrize("build", BUILDS)
-def test_tiles_panel_by_panel_over_several_bands_sum_as_the_packed_kernel(build: str, kernel_builds: Path,
-                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """600 rows of x and 2001 outputs: the tiles' running sums (42 tiles of 48 rows, 608 rows of x)
-    outgrow one band's 4 MB, so two bands of tiles take the panels in turn, the last tile partial."""
+def test_tiles_panel_by_panel_over_bands_and_chunks_sum_as_the_packed_kernel(build: str, kernel_builds: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """512 rows of x and 2200 outputs: the tiles' running sums (46 tiles of 48 rows) outgrow one
+    band's 4 MB, so two bands of tiles take the panels in turn, the last tile partial. 1100 rows go in
+    three chunks of 368, 368 and 364 rows, W decoded again for each. On 1 and 3 threads."""
     with kernels_built_for(build, kernel_builds, monkeypatch):
         for qtype in (QT.Q4_K, QT.Q8_0):
-            blocks, dense = random_blocks(qtype, 2001, 512, seed=3)
-            x, bias = torch.randn(600, 512), torch.randn(2001)
-            got = ops.quant_matmul(x, blocks, int(qtype), bias)
-            assert torch.equal(got, ops.packed_matmul(x, _packed(dense).data_ptr(), 2001, bias)), qtype
+            for rows, outputs in ((512, 2200), (1100, 150)):
+                blocks, dense = random_blocks(qtype, outputs, 512, seed=3)
+                x, bias = torch.randn(rows, 512), torch.randn(outputs)
+                for threads in (1, 3):
+                    torch.set_num_threads(threads)  # the kernels' calls pass torch's count on
+                    got = ops.quant_matmul(x, blocks, int(qtype), bias)
+                    expected = _packed_matmul(x, dense, bias)
+                    assert torch.equal(got, expected), (qtype, rows, threads)
 
 
 @needs_kernels
@@ -128,7 +136,7 @@ def test_pipelined_tiles_sum_as_the_packed_kernel(build: str, kernel_builds: Pat
                     x = torch.randn(rows, 768)
                     torch.set_num_threads(threads)  # the kernels' calls pass torch's count on
                     got = ops.quant_matmul(x, blocks, int(qtype), bias)
-                    assert torch.equal(got, ops.packed_matmul(x, _packed(dense).data_ptr(), 150, bias)), (qtype, rows)
+                    assert torch.equal(got, _packed_matmul(x, dense, bias)), (qtype, rows)
 
 
 @needs_kernels

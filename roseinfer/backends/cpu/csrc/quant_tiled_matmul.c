@@ -1,17 +1,18 @@
-/* y = x W^T (+ bias) for many rows of x, W in GGUF blocks, as a GEMM. x is transposed once per call,
- * a vector of rows at a time (x^T [m / VEC_FLOATS][k][VEC_FLOATS], m rounded up, the padding 0): a
+/* y = x W^T (+ bias) for many rows of x, W in GGUF blocks, as a GEMM, in chunks of at most CHUNK_ROWS
+ * rows of x. x is transposed once per chunk, a vector of rows at a time (x^T [m / VEC_FLOATS][k][VEC_FLOATS], m rounded up, the padding 0): a
  * column's vector then lies next to the one before it, where rows of x^T m floats apart put a
  * panel's columns in a few L1 sets (2 KB apart at 512 rows of x). A thread takes a tile's rows of W
  * at a time, dequantizes a panel of their columns into a row-major tile (the values
  * dequantize_rows_f32 writes) and multiplies it into every row of x: per column, V vectors of x^T
  * times R weights broadcast from the tile into R x V accumulators (outputs of R rows of W for V
  * vectors of rows of x), carrying each output's running sum from one panel to the next. A weight is
- * decoded once per call, never transposed, and each output's products are summed in column order
+ * decoded once per chunk, never transposed, and each output's products are summed in column order
  * from 0: the sums of packed_matmul_f32 on the dequantized W, bit for bit. The large tile (96 KB)
  * and the panel of x^T stay in L2 while they pass over each other; the small one (26 KB) in L1.
  * From BY_PANEL_ROWS rows of x, where x^T (2 MB at 256 rows of 2048) no longer stays in the L2 from
  * one tile to the next, the loops turn: each panel of x^T meets every tile of a band of W's rows in
- * turn, their running sums in a shared buffer, so that x^T passes through the L2 once a band. Up to
+ * turn, their running sums in a shared buffer, so that x^T passes through the L2 once a band; a
+ * chunk's panel of x^T (1 MB at 512 rows) stays in the L2 while it meets the band's tiles. Up to
  * 64 rows of x Q4_K (Q6_K up to 32) on AVX-512 takes csrc/kquant_pipelined_tiles.c instead. */
 #include <omp.h>
 #include <stdint.h>
@@ -34,6 +35,7 @@
 #define TRANSPOSE_COLUMNS 512
 #define BY_PANEL_ROWS 256
 #define BAND_SUMS_BYTES (4 << 20) /* the running sums of a band's tiles, in L3 */
+#define CHUNK_ROWS 512
 /* floats from one tile row to the next: a cache line more than a panel, because rows 2 KB apart all
  * fell in the same L1 sets (a kernel reading 24 of them thrashed) */
 #define STRIDE(panel_columns) ((panel_columns) + 16)
@@ -134,31 +136,45 @@ static void decode_panel(const uint8_t *weight, int64_t type, int64_t row_bytes,
     }
 }
 
-/* Whether it ran: 0 (nothing written) where the buffers could not be allocated; every thread of the
- * enclosing region sees the same answer. */
-int quant_tiled_tasks(const float *x, int64_t x_stride, const uint8_t *weight, int64_t type, const float *bias,
-                      float *out, int64_t out_stride, int64_t m, int64_t n, int64_t k) {
-    const int small = m <= SMALL_TILE_MAX_ROWS;
-    const int64_t tile_rows = small ? SMALL_TILE_ROWS : TILE_ROWS;
-    const int64_t panel_columns = small ? SMALL_PANEL_COLUMNS : PANEL_COLUMNS, stride = STRIDE(panel_columns);
-    const int64_t row_bytes = quant_row_bytes(type, k), tiles = (n + tile_rows - 1) / tile_rows;
-    const int64_t m_pad = (m + VEC_FLOATS - 1) / VEC_FLOATS * VEC_FLOATS, block_floats = k * VEC_FLOATS;
+/* The sizes a call's loops and buffers take for m rows of x */
+typedef struct {
+    int small, by_panel;
+    int64_t tile_rows, panel_columns, stride, tiles, m_pad, tile_sums, band_tiles;
+    size_t thread_floats, shared_floats;
+} TiledShape;
+
+static TiledShape tiled_shape(int64_t m, int64_t n, int64_t k) {
+    TiledShape s;
+    s.small = m <= SMALL_TILE_MAX_ROWS;
+    s.tile_rows = s.small ? SMALL_TILE_ROWS : TILE_ROWS;
+    s.panel_columns = s.small ? SMALL_PANEL_COLUMNS : PANEL_COLUMNS;
+    s.stride = STRIDE(s.panel_columns);
+    s.tiles = (n + s.tile_rows - 1) / s.tile_rows;
+    s.m_pad = (m + VEC_FLOATS - 1) / VEC_FLOATS * VEC_FLOATS;
     /* panel by panel: bands of band_tiles tiles whose running sums fit BAND_SUMS_BYTES */
-    const int by_panel = m_pad >= BY_PANEL_ROWS;
-    const int64_t tile_sums = tile_rows * m_pad;
-    const int64_t bands = by_panel ? (tiles * tile_sums * (int64_t)sizeof(float) + BAND_SUMS_BYTES - 1) / BAND_SUMS_BYTES : 1;
-    const int64_t band_tiles = (tiles + bands - 1) / bands;
+    s.by_panel = s.m_pad >= BY_PANEL_ROWS;
+    s.tile_sums = s.tile_rows * s.m_pad;
+    const int64_t bands = s.by_panel ? (s.tiles * s.tile_sums * (int64_t)sizeof(float) + BAND_SUMS_BYTES - 1) /
+                                           BAND_SUMS_BYTES : 1;
+    s.band_tiles = (s.tiles + bands - 1) / bands;
     /* x^T, each thread's tile [tile_rows][panel_columns] and running sums [tile_rows][m_pad] (tile by
      * tile; or the pipelined tiles' buffers), then a band's running sums (panel by panel) */
-    size_t thread_floats = (size_t)(tile_rows * stride + tile_sums);
-    if (small && thread_floats < KQUANT_PIPELINED_FLOATS) thread_floats = KQUANT_PIPELINED_FLOATS;
-    const size_t shared_floats = (size_t)(k * m_pad) + (by_panel ? (size_t)(band_tiles * tile_sums) : 0);
-    float *buffers = NULL;
-#pragma omp single copyprivate(buffers)
-    buffers = aligned_alloc(64, (shared_floats + (size_t)omp_get_num_threads() * thread_floats) * sizeof(float));
-    if (buffers == NULL) return 0;
+    s.thread_floats = (size_t)(s.tile_rows * s.stride + s.tile_sums);
+    if (s.small && s.thread_floats < KQUANT_PIPELINED_FLOATS) s.thread_floats = KQUANT_PIPELINED_FLOATS;
+    s.shared_floats = (size_t)(k * s.m_pad) + (s.by_panel ? (size_t)(s.band_tiles * s.tile_sums) : 0);
+    return s;
+}
+
+/* One chunk of at most CHUNK_ROWS rows of x through the tiles, in buffers sized for it (tiled_shape).
+ * Its loops end at a barrier, so the next chunk may overwrite the buffers. */
+static void tiled_chunk(const float *x, int64_t x_stride, const uint8_t *weight, int64_t type, const float *bias,
+                        float *out, int64_t out_stride, int64_t m, int64_t n, int64_t k, float *buffers) {
+    const TiledShape s = tiled_shape(m, n, k);
+    const int64_t tile_rows = s.tile_rows, panel_columns = s.panel_columns, stride = s.stride, tiles = s.tiles;
+    const int64_t m_pad = s.m_pad, tile_sums = s.tile_sums, band_tiles = s.band_tiles;
+    const int64_t row_bytes = quant_row_bytes(type, k), block_floats = k * VEC_FLOATS;
     float *xt = buffers, *band_sums = buffers + k * m_pad;
-    float *tile = buffers + shared_floats + (size_t)omp_get_thread_num() * thread_floats;
+    float *tile = buffers + s.shared_floats + (size_t)omp_get_thread_num() * s.thread_floats;
     float *sums = tile + tile_rows * stride;
     /* a row of x at a time, read in order (read down its columns, x_stride floats apart, every float
      * is a cache miss at large k), in runs of TRANSPOSE_COLUMNS columns so that both threads have work
@@ -171,7 +187,7 @@ int quant_tiled_tasks(const float *x, int64_t x_stride, const uint8_t *weight, i
                 const int64_t end = k - first < TRANSPOSE_COLUMNS ? k : first + TRANSPOSE_COLUMNS;
                 for (int64_t c = first; c < end; c++) column[c * VEC_FLOATS] = i < m ? x[i * x_stride + c] : 0.0f;
             }
-    if (by_panel) {
+    if (s.by_panel) {
         for (int64_t band = 0; band < tiles; band += band_tiles) {
             const int64_t end = band + band_tiles < tiles ? band + band_tiles : tiles;
             for (int64_t first = 0; first < k; first += panel_columns) {
@@ -204,7 +220,7 @@ int quant_tiled_tasks(const float *x, int64_t x_stride, const uint8_t *weight, i
                 decode_panel(weight, type, row_bytes, n, t * tile_rows, tile_rows, first, width,
                              next ? t * tile_rows : (t + 1) * tile_rows, next,
                              k - next < panel_columns ? k - next : panel_columns, tile, stride);
-                if (small)
+                if (s.small)
                     small_tile_times_panel(tile, xt + first * VEC_FLOATS, m_pad, block_floats, width, sums, first == 0);
                 else
                     large_tile_times_panel(tile, xt + first * VEC_FLOATS, m_pad, block_floats, width, sums, first == 0);
@@ -212,6 +228,24 @@ int quant_tiled_tasks(const float *x, int64_t x_stride, const uint8_t *weight, i
             write_tile(sums, bias, out, out_stride, m, m_pad, n, t * tile_rows, tile_rows);
         }
     }
+}
+
+/* Whether it ran: 0 (nothing written) where the buffers could not be allocated; every thread of the
+ * enclosing region sees the same answer. Rows of x in chunks of at most CHUNK_ROWS, as even as whole
+ * vectors allow: W is decoded once a chunk. */
+int quant_tiled_tasks(const float *x, int64_t x_stride, const uint8_t *weight, int64_t type, const float *bias,
+                      float *out, int64_t out_stride, int64_t m, int64_t n, int64_t k) {
+    const int64_t chunks = (m + CHUNK_ROWS - 1) / CHUNK_ROWS;
+    const int64_t chunk_rows = ((m + chunks - 1) / chunks + VEC_FLOATS - 1) / VEC_FLOATS * VEC_FLOATS;
+    const TiledShape largest = tiled_shape(chunk_rows < m ? chunk_rows : m, n, k);
+    float *buffers = NULL;
+#pragma omp single copyprivate(buffers)
+    buffers = aligned_alloc(64, (largest.shared_floats + (size_t)omp_get_num_threads() * largest.thread_floats) *
+                                    sizeof(float));
+    if (buffers == NULL) return 0;
+    for (int64_t first = 0; first < m; first += chunk_rows)
+        tiled_chunk(x + first * x_stride, x_stride, weight, type, bias, out + first * out_stride, out_stride,
+                    m - first < chunk_rows ? m - first : chunk_rows, n, k, buffers);
 #pragma omp single
     free(buffers);
     return 1;
