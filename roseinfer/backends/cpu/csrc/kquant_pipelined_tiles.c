@@ -1,10 +1,11 @@
 /* y = x W^T (+ bias) for up to 4 vectors of rows of x (64 on AVX-512), W in Q4_K or Q6_K blocks: the
  * tiles of csrc/quant_tiled_matmul.c with the dequantization moved into the multiply loop. At V
  * vectors of x^T a tile is R = 24 / V rows of W, so that R x V accumulators fill the registers. A
- * thread takes its tiles' panels (R rows by COLUMNS columns) in turn: while one panel, decoded, is
- * multiplied into x^T from one buffer, the next is decoded into the other, a few 64-weight units
- * after every few columns, so that the decoder's shuffles fill the issue slots the multiply-adds
- * leave between their loads (decoded panel by panel, they ran one after the other). The values are
+ * thread takes the panels (R rows by COLUMNS columns) of a run of tiles in turn: while one panel,
+ * decoded, is multiplied into x^T from one buffer, the next is decoded into the other, a few
+ * 64-weight units after every few columns, so that the decoder's shuffles fill the issue slots the
+ * multiply-adds leave between their loads (decoded panel by panel, they ran one after the other).
+ * Runs of tiles go to the threads as they free up. The values are
  * kquant_dequantize_chunks's, each output's products summed in column order from 0, in registers
  * across the panels of a tile: the sums of packed_matmul_f32, bit for bit. */
 #include <omp.h>
@@ -89,7 +90,7 @@ static inline __attribute__((always_inline)) void decode_unit(const int type, co
     }
 }
 
-/* the thread's tiles t0 .. t1 of R = ROWS / V rows of W (their panels in turn, `steps` of them) times V
+/* tiles t0 .. t1 of R = ROWS / V rows of W (their panels in turn, `steps` of them) times V
  * vectors of x^T, outputs written */
 static inline __attribute__((always_inline)) void pipelined_tiles(const int type, const int V, const float *xt,
                                                                  const uint8_t *weight, const float *bias, float *out,
@@ -140,16 +141,22 @@ static inline __attribute__((always_inline)) void pipelined_tiles(const int type
     }
 }
 
-/* one type's tiles at V vectors of x^T, the thread's share of them: a function each, so that each
- * is compiled (and its registers allocated) on its own: in one function the 16-row Q6_K ran slower */
+/* runs of tiles a thread, handed out as threads free up: a vCPU the host slows takes fewer */
+#define RUNS_PER_THREAD 4
+
+/* one type's tiles at V vectors of x^T, in runs of consecutive tiles (pipelined within a run): a
+ * function each, so that each is compiled (and its registers allocated) on its own: in one function
+ * the 16-row Q6_K ran slower */
 #define THREAD_TILES(name, type, V)                                                                             \
     static __attribute__((noinline)) void name(const float *xt, const uint8_t *weight, const float *bias,        \
                                                float *out, int64_t out_stride, int64_t m, int64_t n, int64_t k, \
                                                float *buffers) {                                                \
         const int64_t tiles = (n + ROWS / (V) - 1) / (ROWS / (V));                                              \
-        const int64_t id = omp_get_thread_num(), threads = omp_get_num_threads();                               \
-        pipelined_tiles(type, V, xt, weight, bias, out, out_stride, m, n, k, id * tiles / threads,               \
-                        (id + 1) * tiles / threads, buffers);                                                   \
+        const int64_t runs = omp_get_num_threads() * RUNS_PER_THREAD;                                           \
+        _Pragma("omp for schedule(dynamic, 1) nowait")                                                          \
+        for (int64_t r = 0; r < runs; r++)                                                                      \
+            pipelined_tiles(type, V, xt, weight, bias, out, out_stride, m, n, k, r * tiles / runs,               \
+                            (r + 1) * tiles / runs, buffers);                                                   \
     }
 THREAD_TILES(q4_k_tiles_1, Q4_K, 1)
 THREAD_TILES(q4_k_tiles_2, Q4_K, 2)
