@@ -1,19 +1,19 @@
 /* y = x W^T (+ bias) for many rows of x, W in GGUF blocks, as a GEMM, in chunks of at most CHUNK_ROWS
- * rows of x. x is transposed once per chunk, a vector of rows at a time (x^T [m / VEC_FLOATS][k][VEC_FLOATS], m rounded up, the padding 0): a
- * column's vector then lies next to the one before it, where rows of x^T m floats apart put a
- * panel's columns in a few L1 sets (2 KB apart at 512 rows of x). A thread takes a tile's rows of W
- * at a time, dequantizes a panel of their columns into a row-major tile (the values
- * dequantize_rows_f32 writes) and multiplies it into every row of x: per column, V vectors of x^T
- * times R weights broadcast from the tile into R x V accumulators (outputs of R rows of W for V
- * vectors of rows of x), carrying each output's running sum from one panel to the next. A weight is
- * decoded once per chunk, never transposed, and each output's products are summed in column order
- * from 0: the sums of packed_matmul_f32 on the dequantized W, bit for bit. The large tile (96 KB)
- * and the panel of x^T stay in L2 while they pass over each other; the small one (26 KB) in L1.
- * From BY_PANEL_ROWS rows of x, where x^T (2 MB at 256 rows of 2048) no longer stays in the L2 from
- * one tile to the next, the loops turn: each panel of x^T meets every tile of a band of W's rows in
- * turn, their running sums in a shared buffer, so that x^T passes through the L2 once a band; a
- * chunk's panel of x^T (1 MB at 512 rows) stays in the L2 while it meets the band's tiles. Up to
- * 64 rows of x Q4_K (Q6_K up to 32) on AVX-512 takes csrc/kquant_pipelined_tiles.c instead. */
+ * rows of x. x is transposed once per chunk, a vector of rows at a time (x^T [m / VEC_FLOATS][k]
+ * [VEC_FLOATS], m rounded up, the padding 0): a column's vector then lies next to the one before it,
+ * where rows of x^T m floats apart put a panel's columns in a few L1 sets (2 KB apart at 512 rows of
+ * x). A thread takes a tile's rows of W at a time, dequantizes a panel of their columns into a
+ * row-major tile (the values dequantize_rows_f32 writes) and multiplies it into every row of x: per
+ * column, V vectors of x^T times R weights broadcast from the tile into R x V accumulators (outputs of
+ * R rows of W for V vectors of rows of x), carrying each output's running sum from one panel to the
+ * next. A weight is decoded once per chunk, never transposed, and each output's products are summed in
+ * column order from 0: the sums of packed_matmul_f32 on the dequantized W, bit for bit. The large tile
+ * (96 KB) and the panel of x^T stay in L2 while they pass over each other; the small one (26 KB) in
+ * L1. From BY_PANEL_ROWS rows of x, where x^T (2 MB at 256 rows of 2048) no longer stays in the L2
+ * from one tile to the next, the loops turn: each panel of x^T meets every tile of a band of W's rows
+ * in turn, their running sums in a shared buffer, so that x^T passes through the L2 once a band; a
+ * chunk's panel of x^T (1 MB at 512 rows) stays in the L2 while it meets the band's tiles. Up to 64
+ * rows of x Q4_K (Q6_K up to 32) on AVX-512 takes csrc/kquant_pipelined_tiles.c instead. */
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
