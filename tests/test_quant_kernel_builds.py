@@ -3,11 +3,11 @@ CPU can run: native, AVX2 only and portable. K-quants below 8 rows take csrc/kqu
 (on AVX2 one row, and two of Q4_K; quant_matmul.c's generic kernel otherwise): one and two rows (four
 FMA chains, or AVX2's one-row sums), partial and full groups of 4, several groups; from 8 rows
 csrc/quant_tiled_matmul.c: 8, 13, 14, 17, 37 and 70 rows leave partial passes of rows of x, and 37
-outputs a partial tile and pass; 300 rows go panel by panel, 1100 in chunks of rows; on AVX-512, Q4_K up to 64 rows and Q6_K
-up to 32 take the pipelined tiles (csrc/kquant_pipelined_tiles.c). The other types at 1 row (the generic
-kernel), then at 14, 16, 37, 70 and 300 (the tiles); 1 or 3 blocks a row. Wherever the tiles run they
-sum as the packed fp32 kernel does on the dequantized weights, bit for bit, also panel by panel over
-bands of tiles."""
+outputs a partial tile and pass; 300 rows go panel by panel, 1100 in chunks of rows; on AVX-512,
+Q4_K up to 64 rows and Q6_K up to 32 take the pipelined tiles (csrc/kquant_pipelined_tiles.c). The
+other types at 1 row (the generic kernel), then at 14, 16, 37, 70 and 300 (the tiles); 1 or 3 blocks
+a row. Wherever the tiles run they sum as the packed fp32 kernel does on the dequantized weights,
+bit for bit, also panel by panel over bands of tiles."""
 from __future__ import annotations
 
 import platform

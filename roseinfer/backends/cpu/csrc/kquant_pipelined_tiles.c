@@ -5,9 +5,9 @@
  * decoded, is multiplied into x^T from one buffer, the next is decoded into the other, a few
  * 64-weight units after every few columns, so that the decoder's shuffles fill the issue slots the
  * multiply-adds leave between their loads (decoded panel by panel, they ran one after the other).
- * Runs of tiles go to the threads as they free up. The values are
- * kquant_dequantize_chunks's, each output's products summed in column order from 0, in registers
- * across the panels of a tile: the sums of packed_matmul_f32, bit for bit. */
+ * Runs of tiles go to the threads as they free up. The values are kquant_dequantize_chunks's, each
+ * output's products summed in column order from 0, in registers across the panels of a tile: the
+ * sums of packed_matmul_f32, bit for bit. */
 #include <omp.h>
 #include <stdint.h>
 
