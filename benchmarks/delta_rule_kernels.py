@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from roseinfer.backends.cpu import ops
+from roseinfer.backends.cpu import delta_rule_ops
 from roseinfer.layers.attention import AttentionMetadata
 
 HEADS, DIM = 32, 128
@@ -57,7 +57,7 @@ def main() -> None:
         q, k = (F.normalize(torch.randn(batch, HEADS, DIM), dim=-1) for _ in range(2))
         inputs = (q, k, torch.randn(batch, HEADS, DIM), -torch.rand(batch, HEADS), torch.rand(batch, HEADS),
                   torch.randn(batch + 1, HEADS, DIM, DIM) * 0.1, torch.arange(1, batch + 1), torch.ones(batch))
-        med = alternate({"torch": torch_decode, "C": ops.gated_delta_decode_}, inputs, args.repeats)
+        med = alternate({"torch": torch_decode, "C": delta_rule_ops.gated_delta_decode_}, inputs, args.repeats)
         print(f"decode, batch {batch:2d}: torch {med['torch'] * 1e3:8.2f} ms   C {med['C'] * 1e3:7.2f} ms   "
               f"{med['torch'] / med['C']:5.1f}x")
     batch, length = args.prefill_batch, args.prefill_len
@@ -65,7 +65,7 @@ def main() -> None:
     inputs = (q, k, torch.randn(batch, length, HEADS, DIM), -torch.rand(batch, length, HEADS),
               torch.rand(batch, length, HEADS), torch.randn(batch + 1, HEADS, DIM, DIM) * 0.1,
               torch.arange(1, batch + 1), torch.ones(batch), torch.full((batch,), length))
-    med = alternate({"torch": torch_prefill, "C": ops.gated_delta_prefill_}, inputs, args.repeats)
+    med = alternate({"torch": torch_prefill, "C": delta_rule_ops.gated_delta_prefill_}, inputs, args.repeats)
     print(f"prefill, {batch} x {length}: torch {med['torch'] * 1e3:8.2f} ms   C {med['C'] * 1e3:7.2f} ms   "
           f"{med['torch'] / med['C']:5.1f}x")
 

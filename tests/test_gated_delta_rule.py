@@ -90,7 +90,7 @@ def test_cpu_decode_kernel_matches_float64_reference() -> None:
     """The CPU backend's C decode step (csrc/gated_delta_rule.c), in place on a pool: 300 tokens from
     two slots of five equal the float64 recurrence; the other slots stay as they were; a sequence
     whose keep is 0 starts from zeros whatever its slot holds."""
-    from roseinfer.backends.cpu import ops
+    from roseinfer.backends.cpu import delta_rule_ops
     from roseinfer.backends.cpu.kernels import kernels_available
 
     if not kernels_available():
@@ -101,7 +101,8 @@ def test_cpu_decode_kernel_matches_float64_reference() -> None:
     pool = torch.randn(5, 2, 8, 6)
     untouched = pool.clone()
     pool[slots] = state
-    outs = [ops.gated_delta_decode_(q[:, t], k[:, t], v[:, t], decay[:, t], beta[:, t], pool, slots, torch.ones(2))
+    outs = [delta_rule_ops.gated_delta_decode_(q[:, t], k[:, t], v[:, t], decay[:, t], beta[:, t], pool, slots,
+                                               torch.ones(2))
             for t in range(q.shape[1])]
     torch.testing.assert_close(torch.stack(outs, 1).double(), ref_out, rtol=0, atol=1e-4)
     torch.testing.assert_close(pool[slots].double(), ref_state, rtol=0, atol=1e-4)
@@ -109,7 +110,7 @@ def test_cpu_decode_kernel_matches_float64_reference() -> None:
     fresh_out, fresh_state = _reference(*(t[:1, :1] for t in _delta_rule_inputs(1, 1, 2, 8, 6, torch.float64)[:5]),
                                         torch.zeros(1, 2, 8, 6, dtype=torch.float64))
     q1, k1, v1, decay1, beta1, _ = _delta_rule_inputs(1, 1, 2, 8, 6, torch.float32)
-    out = ops.gated_delta_decode_(q1[:, 0], k1[:, 0], v1[:, 0], decay1[:, 0], beta1[:, 0], pool, slots[:1],
+    out = delta_rule_ops.gated_delta_decode_(q1[:, 0], k1[:, 0], v1[:, 0], decay1[:, 0], beta1[:, 0], pool, slots[:1],
                                   torch.zeros(1))
     torch.testing.assert_close(out.double(), fresh_out[:, 0], rtol=0, atol=1e-5)
     torch.testing.assert_close(pool[3:4].double(), fresh_state, rtol=0, atol=1e-5)
@@ -120,7 +121,7 @@ def test_cpu_prefill_kernel_matches_float64_reference() -> None:
     sequences of 300, 170 and 1 tokens (values of 20 columns: a full slab of 16 and a part one) equal
     the float64 recurrence over their own tokens, whatever the padding holds; the second starts from
     zeros (keep 0) whatever its slot holds; the pool's other slots stay as they were."""
-    from roseinfer.backends.cpu import ops
+    from roseinfer.backends.cpu import delta_rule_ops
     from roseinfer.backends.cpu.kernels import kernels_available
 
     if not kernels_available():
@@ -130,7 +131,7 @@ def test_cpu_prefill_kernel_matches_float64_reference() -> None:
     pool = torch.randn(5, 2, 8, 20)
     untouched = pool.clone()
     pool[slots] = inputs64[5].float()
-    out = ops.gated_delta_prefill_(*(t.float() for t in inputs64[:5]), pool, slots, torch.tensor(keep),
+    out = delta_rule_ops.gated_delta_prefill_(*(t.float() for t in inputs64[:5]), pool, slots, torch.tensor(keep),
                                    torch.tensor(lens))
     for i, (n, kept) in enumerate(zip(lens, keep)):
         start = inputs64[5][i:i + 1] * kept

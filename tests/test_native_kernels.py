@@ -57,6 +57,28 @@ def test_paged_decode_attention_matches_gather_and_sdpa(heads: int, kv_heads: in
         torch.set_num_threads(threads)
 
 
+@needs_kernels
+def test_attention_kernels_refuse_index_and_cache_tensors_they_would_read_past() -> None:
+    """An int32 table or a strided one would be read as int64 rows past its end: a TypeError naming
+    it, before the kernel runs."""
+    q, k_cache, v_cache, tables, kv_lens = _paged_case(0, 4, 2, 16, [3, 9])
+    with pytest.raises(TypeError, match="block_tables must be a contiguous torch.int64 tensor, got a torch.int32"):
+        ops.paged_decode_attention(q, k_cache, v_cache, tables.int(), kv_lens, 4, 0.25)
+    with pytest.raises(TypeError, match="kv_lens must be a contiguous torch.int64 tensor, got a strided"):
+        ops.paged_decode_attention(q, k_cache, v_cache, tables, torch.stack([kv_lens, kv_lens], 1)[:, 0], 4, 0.25)
+    with pytest.raises(TypeError, match="k_cache must be a contiguous torch.float32 tensor, got a torch.float64"):
+        ops.paged_decode_attention(q, k_cache.double(), v_cache, tables, kv_lens, 4, 0.25)
+    with pytest.raises(TypeError, match="q must be a torch.float32 tensor, got a torch.bfloat16"):
+        ops.paged_decode_attention(q.bfloat16(), k_cache, v_cache, tables, kv_lens, 4, 0.25)
+    with pytest.raises(TypeError, match="q_lens must be a contiguous torch.int64"):
+        ops.paged_prefill_attention(q, k_cache, v_cache, tables, torch.tensor([0, 1]),
+                                    torch.tensor([1, 1], dtype=torch.int32), kv_lens, 4, 0.25, torch.empty(2, 4, 16))
+    with pytest.raises(TypeError, match="slots must be a contiguous torch.int64"):
+        ops.store_kv(k_cache[:2], v_cache[:2], torch.tensor([0, 1], dtype=torch.int32), k_cache, v_cache)
+    with pytest.raises(TypeError, match="ids must be a contiguous torch.int64"):
+        ops.dequantize_rows(torch.zeros(4, 34, dtype=torch.uint8), 8, torch.tensor([0], dtype=torch.int32), 32)
+
+
 def _causal_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, start: int,
                       q_len: int, kv_len: int, block_size: int, scale: float) -> torch.Tensor:
     """One chunk's rows through plain SDPA: its queries sit at the last q_len of kv_len positions."""

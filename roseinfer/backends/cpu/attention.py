@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from roseinfer.backends.cpu import ops
+from roseinfer.backends.cpu import delta_rule_ops, ops
 from roseinfer.backends.torch_sdpa import AttentionGroup, attend_groups
 from roseinfer.layers.attention import AttentionMetadata, KVCache, PagedAttention
 
@@ -76,13 +76,13 @@ class CPUMetadata(AttentionMetadata):
                           beta: torch.Tensor, states: torch.Tensor, slots: torch.Tensor,
                           keep: torch.Tensor) -> torch.Tensor:
         # one C pass over each state, in place in the pool (csrc/gated_delta_rule.c)
-        return ops.gated_delta_decode_(q, k, v, g, beta, states, slots, keep)
+        return delta_rule_ops.gated_delta_decode_(q, k, v, g, beta, states, slots, keep)
 
     def delta_rule_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                            beta: torch.Tensor, states: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor,
                            lens: torch.Tensor) -> torch.Tensor:
         # token by token in C, in place in the pool (csrc/gated_delta_rule.c)
-        return ops.gated_delta_prefill_(q, k, v, g, beta, states, slots, keep, lens)
+        return delta_rule_ops.gated_delta_prefill_(q, k, v, g, beta, states, slots, keep, lens)
 
     def rotate(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         # one C pass over the fresh projection output, in place; it rounds once less (an FMA) than

@@ -31,6 +31,18 @@ def _address(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def check_dense(dtype: torch.dtype, rows: dict[str, torch.Tensor] | None = None, **dense: torch.Tensor | None) -> None:
+    """The kernels read `dense` as dense arrays of dtype and `rows` as rows of dtype (any stride between
+    rows): another dtype or a strided view would send them past the tensor's memory."""
+    for name, t in (rows or {}).items():
+        if t.dtype != dtype:
+            raise TypeError(f"{name} must be a {dtype} tensor, got a {t.dtype} one")
+    for name, t in dense.items():
+        if t is not None and (t.dtype != dtype or not t.is_contiguous()):
+            layout = "" if t.is_contiguous() else " strided"
+            raise TypeError(f"{name} must be a contiguous {dtype} tensor, got a{layout} {t.dtype} one")
+
+
 def _sinks(sinks: torch.Tensor | None) -> torch.Tensor | None:
     """The kernels read one fp32 per query head, contiguous."""
     return None if sinks is None else sinks.detach().float().contiguous()
@@ -69,6 +81,8 @@ def _decode_attention(q_rows: torch.Tensor, angles: torch.Tensor | None, slots: 
                       logit_softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
     """The kernel over q_rows [n, ...] whose first H * D floats per row are the query; with angles
     and slots, the row is a whole qkv row, rotated and stored first. Returns [n, H * D]."""
+    check_dense(torch.int64, block_tables=block_tables, kv_lens=kv_lens, slots=slots)
+    check_dense(torch.float32, {"q": q_rows}, k_cache=k_cache, v_cache=v_cache)
     n, num_kv_heads, head_dim = q_rows.shape[0], k_cache.shape[1], k_cache.shape[2]
     out = torch.empty(n, num_heads * head_dim, dtype=q_rows.dtype)
     sink_rows = _sinks(sinks)
@@ -104,6 +118,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         raise ValueError(f"paged_prefill_attention needs a head dim that is a multiple of 16 up to 128 "
                          f"(got {head_dim}), at most {PREFILL_LANES} query heads per KV head (got {group}) "
                          f"and a contiguous out")
+    check_dense(torch.int64, block_tables=block_tables, q_starts=q_starts, q_lens=q_lens, kv_lens=kv_lens)
+    check_dense(torch.float32, {"q": q}, k_cache=k_cache, v_cache=v_cache, out=out)
     sink_rows = _sinks(sinks)
     failed = native_library().paged_prefill_attention_f32(
         q=q.data_ptr(), q_row_stride=q.stride(0), k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(),
@@ -119,6 +135,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 def store_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     """k_cache[slots] = k and v_cache[slots] = v; k, v: [n, Hkv, D]."""
     k, v = _rows(k), _rows(v)
+    check_dense(torch.int64, slots=slots)
+    check_dense(torch.float32, {"k": k, "v": v}, k_cache=k_cache, v_cache=v_cache)
     native_library().store_kv_f32(k=k.data_ptr(), k_row_stride=k.stride(0), v=v.data_ptr(), v_row_stride=v.stride(0),
                                   slots=slots.data_ptr(), n=k.shape[0], row_floats=k[0].numel() if k.shape[0] else 0,
                                   k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr())
@@ -161,6 +179,7 @@ def rotary_(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """torch.argmax(x, dim=-1) for contiguous fp32 x [n, width]: ties and NaNs resolved the same way."""
     x = x.contiguous()
+    check_dense(torch.float32, x=x)
     out = torch.empty(x.shape[0], dtype=torch.long)
     native_library().argmax_rows_f32(x=x.data_ptr(), n=x.shape[0], width=x.shape[1], out=out.data_ptr(),
                                      num_threads=torch.get_num_threads())
@@ -345,49 +364,11 @@ def dequantize_rows(weight: torch.Tensor, qtype: int, ids: torch.Tensor, k: int)
     """Rows `ids` (int64) of the quantized table weight (uint8 [rows, bytes per row], GGML type
     qtype, k weights a row), dequantized: [len(ids), k] fp32."""
     ids = ids.contiguous()
+    check_dense(torch.int64, ids=ids)
     out = torch.empty(ids.numel(), k, dtype=torch.float32)
     failed = native_library().dequantize_rows_f32(
         weight=weight.data_ptr(), type=qtype, ids=ids.data_ptr(), count=ids.numel(), k=k, out=out.data_ptr(),
         num_threads=torch.get_num_threads())
     if failed:
         raise ValueError(f"dequantize_rows: GGML type {qtype} with rows of {k} weights is not supported")
-    return out
-
-
-def gated_delta_decode_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                        states: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """The gated delta rule's decode step (layers/gated_delta_rule.py recurrent_step) on the state pool
-    in place: q, k [n, H, Dk], v [n, H, Dv], g, beta [n, H], states [slots, H, Dk, Dv] (contiguous),
-    sequence i's at slots[i], zeroed first where keep[i] is 0. Returns o [n, H, Dv]."""
-    if not states.is_contiguous():
-        raise ValueError("gated_delta_decode_ updates the state pool in place and needs it contiguous")
-    q, k, v, g, beta = (t.float().contiguous() for t in (q, k, v, g, beta))
-    slots, keep = slots.contiguous(), keep.float().contiguous()
-    n, heads, k_dim = k.shape
-    out = torch.empty(n, heads, v.shape[-1], dtype=torch.float32)
-    native_library().gated_delta_decode_f32(q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), g=g.data_ptr(),
-                                            beta=beta.data_ptr(), states=states.data_ptr(), slots=slots.data_ptr(),
-                                            keep=keep.data_ptr(), out=out.data_ptr(), n=n, heads=heads,
-                                            k_dim=k_dim, v_dim=v.shape[-1], num_threads=torch.get_num_threads())
-    return out
-
-
-def gated_delta_prefill_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                         states: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor,
-                         lens: torch.Tensor) -> torch.Tensor:
-    """The gated delta rule over sequences of several tokens (layers/gated_delta_rule.py chunked_prefill,
-    token by token) on the state pool in place: q, k [n, L, H, Dk], v [n, L, H, Dv], g, beta [n, L, H]
-    right-padded, sequence i's first lens[i] tokens continuing states[slots[i]] (zeroed first where
-    keep[i] is 0). Returns o [n, L, H, Dv], its padding rows unwritten."""
-    if not states.is_contiguous():
-        raise ValueError("gated_delta_prefill_ updates the state pool in place and needs it contiguous")
-    q, k, v, g, beta = (t.float().contiguous() for t in (q, k, v, g, beta))
-    slots, keep, lens = slots.contiguous(), keep.float().contiguous(), lens.contiguous()
-    n, length, heads, k_dim = k.shape
-    out = torch.empty(n, length, heads, v.shape[-1], dtype=torch.float32)
-    native_library().gated_delta_prefill_f32(q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), g=g.data_ptr(),
-                                             beta=beta.data_ptr(), states=states.data_ptr(), slots=slots.data_ptr(),
-                                             keep=keep.data_ptr(), lens=lens.data_ptr(), out=out.data_ptr(), n=n,
-                                             length=length, heads=heads, k_dim=k_dim, v_dim=v.shape[-1],
-                                             num_threads=torch.get_num_threads())
     return out
