@@ -1,8 +1,9 @@
 """The CPU backend's C kernels under AddressSanitizer: each harness (tests/*_asan.c) runs kernels of
-backends/cpu/csrc on buffers of exact size, so any read or write past them is reported, including
-ones whose results stay right (prefill's lane blocks once read past the scores scratch at head dim
-128, 64 lanes, and no equality test saw it), and past the kernels' own scratch buffers. Each kernel source compiles once into an object that
-every harness linking it shares: compiling, not running, is what these cost."""
+backends/cpu/csrc on buffers of exact size, so any read or write past them, or past the kernels' own
+scratch buffers, is reported, including ones whose results stay right (prefill's lane blocks once read
+past the scores scratch at head dim 128, 64 lanes, and no equality test saw it). Each kernel source
+compiles once into an object that every harness linking it shares: compiling, not running, is what
+these cost."""
 from __future__ import annotations
 
 import os

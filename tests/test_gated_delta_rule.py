@@ -110,8 +110,8 @@ def test_cpu_decode_kernel_matches_float64_reference() -> None:
     fresh_out, fresh_state = _reference(*(t[:1, :1] for t in _delta_rule_inputs(1, 1, 2, 8, 6, torch.float64)[:5]),
                                         torch.zeros(1, 2, 8, 6, dtype=torch.float64))
     q1, k1, v1, decay1, beta1, _ = _delta_rule_inputs(1, 1, 2, 8, 6, torch.float32)
-    out = delta_rule_ops.gated_delta_decode_(q1[:, 0], k1[:, 0], v1[:, 0], decay1[:, 0], beta1[:, 0], pool, slots[:1],
-                                  torch.zeros(1))
+    out = delta_rule_ops.gated_delta_decode_(q1[:, 0], k1[:, 0], v1[:, 0], decay1[:, 0], beta1[:, 0], pool,
+                                             slots[:1], torch.zeros(1))
     torch.testing.assert_close(out.double(), fresh_out[:, 0], rtol=0, atol=1e-5)
     torch.testing.assert_close(pool[3:4].double(), fresh_state, rtol=0, atol=1e-5)
 
@@ -131,8 +131,8 @@ def test_cpu_prefill_kernel_matches_float64_reference() -> None:
     pool = torch.randn(5, 2, 8, 20)
     untouched = pool.clone()
     pool[slots] = inputs64[5].float()
-    out = delta_rule_ops.gated_delta_prefill_(*(t.float() for t in inputs64[:5]), pool, slots, torch.tensor(keep),
-                                   torch.tensor(lens))
+    out = delta_rule_ops.gated_delta_prefill_(*(t.float() for t in inputs64[:5]), pool, slots,
+                                              torch.tensor(keep), torch.tensor(lens))
     for i, (n, kept) in enumerate(zip(lens, keep)):
         start = inputs64[5][i:i + 1] * kept
         ref_out, ref_state = _reference(*(t[i:i + 1, :n] for t in inputs64[:5]), start)

@@ -119,7 +119,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                          f"(got {head_dim}), at most {PREFILL_LANES} query heads per KV head (got {group}) "
                          f"and a contiguous out")
     check_dense(torch.int64, block_tables=block_tables, q_starts=q_starts, q_lens=q_lens, kv_lens=kv_lens)
-    check_dense(torch.float32, {"q": q}, k_cache=k_cache, v_cache=v_cache, out=out)
+    check_dense(torch.float32, {"q": q, "out": out}, k_cache=k_cache, v_cache=v_cache)  # out: contiguous above
     sink_rows = _sinks(sinks)
     failed = native_library().paged_prefill_attention_f32(
         q=q.data_ptr(), q_row_stride=q.stride(0), k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(),
