@@ -256,7 +256,7 @@ def test_packed_matmul_kernel_runs_where_its_tiles_were_measured(monkeypatch, fl
     monkeypatch.setattr(ops, "cpu_flags", lambda: flags)
     ops.packed_matmul_suits_cpu.cache_clear()
     try:
-        layer = to_packed(Linear(48, 128, bias=False))
+        layer = to_packed(random_linear(48, 128, bias=False))
         if layer.packed_block != ops.PACKED_MATMUL_BLOCK:
             pytest.skip(f"oneDNN packs in blocks of {layer.packed_block} rows on this CPU")
         assert (layer.native_weights is not None) == used
