@@ -43,9 +43,10 @@ int main(void) {
         }
     }
     /* Q4_K panel by panel: over two bands of tiles (46 tiles of 48 rows by 512 rows of x: past 4 MB),
-     * then in three chunks of rows (368, 368 and 364 of 1100), the buffers sized for the first */
-    for (int c = 0; c < 2; c++) {
-        const int64_t m = c == 0 ? 512 : 1100, n = c == 0 ? 2200 : 150, k = 256;
+     * then in three chunks of rows (368, 368 and 364 of 1100), then in chunks of 512 and 488 rows
+     * whose band sums differ the other way (43 tiles: two bands at 512 rows, one larger band at 488) */
+    for (int c = 0; c < 3; c++) {
+        const int64_t m = (const int64_t[]){512, 1100, 1000}[c], n = (const int64_t[]){2200, 150, 2048}[c], k = 256;
         uint8_t *w = blocks(n, 144);
         float *x = malloc(sizeof(float) * (size_t)(m * k)), *out = malloc(sizeof(float) * (size_t)(m * n));
         for (int64_t i = 0; i < m * k; i++) x[i] = (float)rand() / RAND_MAX - 0.5f;

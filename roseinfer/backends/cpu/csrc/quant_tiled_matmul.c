@@ -165,7 +165,7 @@ static TiledShape tiled_shape(int64_t m, int64_t n, int64_t k) {
     return s;
 }
 
-/* One chunk of at most CHUNK_ROWS rows of x through the tiles, in buffers sized for it (tiled_shape).
+/* One chunk of at most CHUNK_ROWS rows of x through the tiles, in buffers that fit its tiled_shape.
  * Its loops end at a barrier, so the next chunk may overwrite the buffers. */
 static void tiled_chunk(const float *x, int64_t x_stride, const uint8_t *weight, int64_t type, const float *bias,
                         float *out, int64_t out_stride, int64_t m, int64_t n, int64_t k, float *buffers) {
@@ -232,16 +232,19 @@ static void tiled_chunk(const float *x, int64_t x_stride, const uint8_t *weight,
 
 /* Whether it ran: 0 (nothing written) where the buffers could not be allocated; every thread of the
  * enclosing region sees the same answer. Rows of x in chunks of at most CHUNK_ROWS, as even as whole
- * vectors allow: W is decoded once a chunk. */
+ * vectors allow: W is decoded once a chunk. The buffers fit both chunk sizes: the last chunk's band
+ * of running sums can be the larger (fewer rows, one band where the full chunk took two). */
 int quant_tiled_tasks(const float *x, int64_t x_stride, const uint8_t *weight, int64_t type, const float *bias,
                       float *out, int64_t out_stride, int64_t m, int64_t n, int64_t k) {
     const int64_t chunks = (m + CHUNK_ROWS - 1) / CHUNK_ROWS;
     const int64_t chunk_rows = ((m + chunks - 1) / chunks + VEC_FLOATS - 1) / VEC_FLOATS * VEC_FLOATS;
-    const TiledShape largest = tiled_shape(chunk_rows < m ? chunk_rows : m, n, k);
+    const TiledShape full = tiled_shape(chunk_rows < m ? chunk_rows : m, n, k);
+    const TiledShape last = tiled_shape(m - (m - 1) / chunk_rows * chunk_rows, n, k);
+    const size_t shared_floats = full.shared_floats > last.shared_floats ? full.shared_floats : last.shared_floats;
+    const size_t thread_floats = full.thread_floats > last.thread_floats ? full.thread_floats : last.thread_floats;
     float *buffers = NULL;
 #pragma omp single copyprivate(buffers)
-    buffers = aligned_alloc(64, (largest.shared_floats + (size_t)omp_get_num_threads() * largest.thread_floats) *
-                                    sizeof(float));
+    buffers = aligned_alloc(64, (shared_floats + (size_t)omp_get_num_threads() * thread_floats) * sizeof(float));
     if (buffers == NULL) return 0;
     for (int64_t first = 0; first < m; first += chunk_rows)
         tiled_chunk(x + first * x_stride, x_stride, weight, type, bias, out + first * out_stride, out_stride,
