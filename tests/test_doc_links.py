@@ -2,6 +2,7 @@
 where it names a heading (`#anchor`), a heading that file has, under the anchor GitHub gives it."""
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
@@ -18,15 +19,16 @@ def parse(path: Path) -> list:
     return PARSER.parse(path.read_text())
 
 
-def anchors(path: Path) -> set[str]:
-    return {token.attrs["id"] for token in parse(path) if token.type == "heading_open"}
+@functools.cache
+def anchors(path: Path) -> frozenset[str]:
+    return frozenset(token.attrs["id"] for token in parse(path) if token.type == "heading_open")
 
 
 def local_links(path: Path) -> list[str]:
     """The hrefs of the file's links that stay in the repository (no scheme, no host)."""
     hrefs = [child.attrs["href"] for token in parse(path) if token.type == "inline"
              for child in token.children or [] if child.type == "link_open"]
-    return [href for href in hrefs if not urlsplit(href).scheme and not urlsplit(href).netloc]
+    return [href for href in hrefs if not (parts := urlsplit(href)).scheme and not parts.netloc]
 
 
 def test_the_anchors_are_githubs() -> None:
@@ -41,7 +43,8 @@ def test_the_anchors_are_githubs() -> None:
 def test_every_link_between_the_docs_reaches_its_file_and_heading(doc: Path) -> None:
     broken = []
     for href in local_links(doc):
-        target_path, anchor = urlsplit(href).path, unquote(urlsplit(href).fragment)
+        parts = urlsplit(href)
+        target_path, anchor = parts.path, unquote(parts.fragment)
         target = (doc.parent / target_path).resolve() if target_path else doc
         if not target.exists():
             broken.append(f"{href}: no file {target}")
